@@ -1,0 +1,12 @@
+"""MiniMax H3 node pack for ComfyUI (V3 API).
+
+Only `comfy_entrypoint` is exported: a `NODE_CLASS_MAPPINGS` here would make ComfyUI ignore the V3
+entry point. The import of ComfyUI's API is deferred to the call, so `h3_core` (the CLI, the
+encoder server) and the test-suite never import ComfyUI through this file.
+"""
+
+
+async def comfy_entrypoint():
+    from .nodes import H3Extension
+
+    return H3Extension()

@@ -1,0 +1,212 @@
+"""`python -m h3_core ...`: the headless path without ComfyUI.
+
+    tiny      build the embedded tiny H3 (diffusers root + ComfyUI single files + native partitions)
+    encode    stage 0: prompt + media -> conditioning (.safetensors), locally or via --server
+    generate  stage 1: conditioning -> mp4 (H.264 + AAC, 24 fps, 32 kHz stereo)
+    check     which component/layout a file or folder is, and whether it maps with zero missing/unexpected keys
+    serve     the disaggregated encoder endpoint
+
+Progress goes to stderr; errors exit non-zero with one clear line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _progress(label: str):
+    def report(done: int, total: int) -> None:
+        _log(f"{label}: step {done}/{total}")
+
+    return report
+
+
+def _cmd_tiny(args) -> int:
+    from . import tiny
+
+    start = time.perf_counter()
+    out = tiny.build(args.out, seed=args.seed)
+    _log(f"built the tiny H3 (seed {args.seed}) in {time.perf_counter() - start:.1f} s")
+    print(out)
+    return 0
+
+
+def _build_request(args):
+    from . import media
+    from .request import AudioInput, EncodeRequest, VideoInput
+
+    def video_input(path: str) -> VideoInput:
+        clip = media.read_video(path)
+        return VideoInput(frames=clip.frames, fps=clip.fps, audio=clip.audio, sample_rate=clip.sample_rate)
+
+    def audio_input(path: str) -> AudioInput:
+        waveform, sample_rate = media.read_audio(path)
+        return AudioInput(waveform=waveform, sample_rate=sample_rate)
+
+    return EncodeRequest(
+        prompt=args.prompt,
+        task=args.task,
+        width=args.width,
+        height=args.height,
+        num_frames=args.frames,
+        first_frame=media.read_image(args.first_frame) if args.first_frame else None,
+        last_frame=media.read_image(args.last_frame) if args.last_frame else None,
+        ref_images=[media.read_image(path) for path in args.ref_image],
+        ref_videos=[video_input(path) for path in args.ref_video],
+        ref_audios=[audio_input(path) for path in args.ref_audio],
+    )
+
+
+def _cmd_encode(args) -> int:
+    request = _build_request(args)
+    start = time.perf_counter()
+    if args.server:
+        from .remote.client import EncoderClient
+
+        cond = EncoderClient(args.server).encode(request)
+    else:
+        from .encoder import EncoderStage
+        from .models import ModelSource
+
+        request.validate()  # cheap rules before loading any weights
+        stage = EncoderStage(ModelSource.from_path(args.models, layout=args.layout))
+        cond = stage.encode(request)
+    cond.save(args.out)
+    _log(
+        f"encoded {cond.task} ({cond.width}x{cond.height}, {cond.num_frames} frames, "
+        f"{cond.prompt_embeds.shape[1]} tokens) in {time.perf_counter() - start:.2f} s"
+    )
+    print(args.out)
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from . import media
+    from .contract import H3Conditioning
+    from .diffusion import DiffusionStage
+    from .models import ModelSource
+
+    cond = H3Conditioning.load(args.cond)
+    stage = DiffusionStage(ModelSource.from_path(args.models, layout=args.layout))
+    start = time.perf_counter()
+    latents, decoded = stage.generate(
+        cond,
+        seed=args.seed,
+        steps=args.steps,
+        video_shift=args.video_shift,
+        audio_shift=args.audio_shift,
+        progress=_progress("denoise"),
+    )
+    media.write_mp4(args.out, decoded.video, decoded.audio, fps=decoded.fps, sample_rate=decoded.sample_rate)
+    if args.dump:
+        from safetensors.torch import save_file
+
+        save_file(
+            {
+                "video": decoded.video.contiguous(),
+                "audio": decoded.audio.contiguous(),
+                "latents": latents.video.contiguous(),
+                "audio_latents": latents.audio.contiguous(),
+            },
+            args.dump,
+        )
+    _log(f"generated {cond.num_frames} frames in {time.perf_counter() - start:.2f} s")
+    print(args.out)
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from .weights import check
+
+    report = check(args.path)
+    print(report if isinstance(report, str) else str(report))
+    return 0 if getattr(report, "ok", True) else 1
+
+
+def _cmd_serve(args) -> int:
+    from .remote.server import main as serve_main
+
+    return serve_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m h3_core", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("tiny", help="build the embedded tiny H3 (random weights: outputs are noise)")
+    tiny.add_argument("--out", required=True, help="folder to write")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_tiny)
+
+    def models_args(p):
+        p.add_argument("--models", help="tiny output, diffusers root, native partition or ComfyUI models/ folder")
+        p.add_argument("--layout", choices=("diffusers", "comfyui", "native"), help="inside a tiny output folder")
+
+    encode = sub.add_parser("encode", help="stage 0: prompt + media -> conditioning safetensors")
+    models_args(encode)
+    encode.add_argument("--out", required=True, help="conditioning file to write (.safetensors)")
+    encode.add_argument("--prompt", required=True)
+    encode.add_argument("--task", choices=("t2va", "fl2va", "ref2va"), help="default: inferred from the media")
+    encode.add_argument("--width", type=int, help="px, multiple of 32 (default: H3's canvas rule)")
+    encode.add_argument("--height", type=int, help="px, multiple of 32")
+    encode.add_argument("--frames", type=int, default=124, help="17k+5 frames at 24 fps, 124..345 (default 124)")
+    encode.add_argument("--first-frame", help="image the video starts from (fl2va)")
+    encode.add_argument("--last-frame", help="image the video ends on (fl2va)")
+    encode.add_argument("--ref-image", action="append", default=[], help="reference image (ref2va, <= 9)")
+    encode.add_argument("--ref-video", action="append", default=[], help="reference video, soundtrack kept (<= 3)")
+    encode.add_argument("--ref-audio", action="append", default=[], help="reference audio (<= 3)")
+    encode.add_argument("--server", help="encode on a remote H3 encoder endpoint instead of locally")
+    encode.set_defaults(func=_cmd_encode)
+
+    generate = sub.add_parser("generate", help="stage 1: conditioning -> mp4")
+    models_args(generate)
+    generate.add_argument("--cond", required=True, help="conditioning file from `encode`")
+    generate.add_argument("--out", required=True, help="mp4 to write")
+    generate.add_argument("--seed", type=int, default=0, help="as diffusers' torch.Generator('cpu').manual_seed(S)")
+    generate.add_argument("--steps", type=int, default=50, help="sigma points incl. the final 0 (default 50)")
+    generate.add_argument("--video-shift", type=float, help="flow shift of the video stream (default 12)")
+    generate.add_argument("--audio-shift", type=float, help="flow shift of the audio stream (default 3)")
+    generate.add_argument("--dump", help="also write video/audio/latents tensors to this .safetensors")
+    generate.set_defaults(func=_cmd_generate)
+
+    check = sub.add_parser("check", help="identify a weights file/folder and check its keys (headers only)")
+    check.add_argument("path")
+    check.set_defaults(func=_cmd_check)
+
+    serve = sub.add_parser("serve", help="run the disaggregated encoder endpoint")
+    models_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8190)
+    serve.set_defaults(func=_cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "models", "unset") is None and args.command in ("encode", "generate", "serve"):
+        if not (args.command == "encode" and args.server):
+            print("error: --models is required", file=sys.stderr)
+            return 2
+    # Bitwise reproducibility across processes needs a fixed thread count (DIFFUSERS_NOTES.md).
+    if "H3_THREADS" in os.environ:
+        import torch
+
+        torch.set_num_threads(int(os.environ["H3_THREADS"]))
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, OSError) as error:
+        if os.environ.get("H3_DEBUG"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 1

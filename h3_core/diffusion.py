@@ -1,0 +1,203 @@
+"""Stage 1 of the split: the DiT flow-matching loop and the decode-only VAEs.
+
+STAGE BOUNDARY: input is an `H3Conditioning` (h3_core/contract.py), nothing else from stage 0.
+Built from diffusers' *resolved* workflow for the task (`denoise.*` + `decode.*` leaf blocks,
+shared/h3/STAGE_SPLIT.md), so stage 1 never loads the text encoder, tokenizer or processor and
+never lets an auto block pick a branch from inputs it does not have.
+
+    H3Conditioning --sample()--> AVLatents (video [1,24,T,h,w], audio [2,32,Ta], diffusers layout)
+                   --decode()--> Decoded  (video float32 [F,H,W,3] in 0..1, audio float32 [2,S] @ 32 kHz)
+
+`seed` means exactly what diffusers' monolithic pipeline does with
+`generator=torch.Generator("cpu").manual_seed(seed)`: one request generator drawing condition
+noise, then video noise, then audio noise (all inside stage 1).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import configs, rules
+from .contract import H3Conditioning
+from .models import PARTITION_OF_TASK, ModelSource
+
+ProgressFn = Callable[[int, int], None]  # (steps done, total steps)
+
+
+class Cancelled(RuntimeError):
+    """Raised inside the loop when the caller's cancel flag was set; no partial output is returned."""
+
+
+@dataclass
+class AVLatents:
+    video: torch.Tensor  # [1, 24, latent_t, H/16, W/16], normalised (diffusers' `latents`)
+    audio: torch.Tensor  # [2, 32, audio_t]: stereo as the batch of the mono audio VAE
+    num_frames: int
+
+    def to_comfy_audio(self) -> torch.Tensor:
+        """ComfyUI core's audio latent layout [1, 32, 2, T] (a view change, lossless)."""
+        return self.audio.permute(1, 0, 2)[None].contiguous()
+
+    @staticmethod
+    def audio_from_comfy(audio: torch.Tensor) -> torch.Tensor:
+        return audio[0].permute(1, 0, 2).contiguous()
+
+
+@dataclass
+class Decoded:
+    video: torch.Tensor  # float32 [F, H, W, 3] in 0..1
+    audio: torch.Tensor  # float32 [2, S] at 32 kHz, trimmed to the video's duration
+    sample_rate: int = rules.AUDIO_SAMPLE_RATE
+    fps: int = rules.FPS
+
+
+class _StepReporter:
+    """A forward pre-hook on the DiT: reports progress and honours cancellation at every step.
+
+    diffusers' loop has no callback, but every step is exactly one DiT forward (no CFG), so a hook
+    on the transformer sees each step without changing the loop.
+    """
+
+    def __init__(self, total: int, progress: ProgressFn | None, cancel: threading.Event | None):
+        self.total, self.progress, self.cancel, self.done = total, progress, cancel, 0
+
+    def __call__(self, module, args, kwargs):
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled(f"cancelled after {self.done} of {self.total} steps")
+        if self.progress is not None and self.done == 0:
+            self.progress(0, self.total)
+
+    def after(self, module, args, output):
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+class DiffusionStage:
+    """Holds the DiT partition(s) and the decoders; loads each partition on first use."""
+
+    def __init__(self, source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.source = source
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.pipeline_config = dict(source.pipeline_config)
+        self._transformers: dict[str, torch.nn.Module] = {}
+        self._vae = None
+        self._audio_vae = None
+
+    # --- components ------------------------------------------------------------------------------
+
+    def transformer(self, task: str) -> torch.nn.Module:
+        name = PARTITION_OF_TASK[task]  # FL2VA for t2va/fl2va, Ref2VA for ref2va
+        if name not in self._transformers:
+            self._transformers[name] = self.source.load(name, dtype=self.dtype).to(self.device)
+        return self._transformers[name]
+
+    @property
+    def vae(self):
+        if self._vae is None:
+            self._vae = self.source.load("vae").to(self.device)
+        return self._vae
+
+    @property
+    def audio_vae(self):
+        if self._audio_vae is None:
+            self._audio_vae = self.source.load("audio_vae").to(self.device)
+        return self._audio_vae
+
+    def _pipeline(self, task: str, prefixes: tuple[str, ...], components: dict):
+        from .encoder import _pipeline_for, _workflow_blocks
+
+        return _pipeline_for(_workflow_blocks(task, prefixes), components, self.pipeline_config)
+
+    # --- sampling --------------------------------------------------------------------------------
+
+    def sample(
+        self,
+        cond: H3Conditioning,
+        seed: int,
+        steps: int,
+        *,
+        video_shift: float | None = None,
+        audio_shift: float | None = None,
+        progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> AVLatents:
+        """Run the flow-matching loop. `steps` = number of sigma points (diffusers' num_inference_steps)."""
+        from diffusers import MiniMaxH3Scheduler
+        from diffusers.modular_pipelines.minimax_h3 import (
+            MiniMaxH3AudioReference,
+            MiniMaxH3ImageReference,
+            MiniMaxH3VideoReference,
+        )
+
+        if not isinstance(steps, int) or steps < 2:
+            raise rules.H3InputError(f"steps must be an integer >= 2 (sigma points incl. the final 0), got {steps!r}")
+        cond.validate()
+        transformer = self.transformer(cond.task)
+        cond.check_compatible(text_dim=transformer.config.text_dim, latent_channels=transformer.config.in_channels)
+        components = {
+            "transformer_ref" if cond.task == "ref2va" else "transformer": transformer,
+            "scheduler": MiniMaxH3Scheduler(shift=configs.VIDEO_SHIFT if video_shift is None else float(video_shift)),
+            "audio_scheduler": MiniMaxH3Scheduler(
+                shift=configs.AUDIO_SHIFT if audio_shift is None else float(audio_shift)
+            ),
+        }
+        pipe = self._pipeline(cond.task, ("denoise",), components)
+
+        inputs = {
+            "prompt_embeds": cond.prompt_embeds.to(self.device),  # STAGE_SPLIT.md trap 3: the DiT won't move it
+            "text_token_tags": cond.text_token_tags,
+            "height": cond.height,
+            "width": cond.width,
+            "num_frames": cond.num_frames,
+            "num_inference_steps": steps,
+            "generator": torch.Generator("cpu").manual_seed(int(seed)),
+        }
+        if cond.task in ("fl2va", "ref2va"):
+            inputs["condition_latents"] = list(cond.condition_latents)
+        if cond.task == "fl2va":
+            inputs["keyframe_anchors"] = tuple(cond.keyframe_anchors)
+        if cond.task == "ref2va":
+            inputs["audio_condition_latents"] = list(cond.audio_condition_latents)
+            # Stage 1 reads only each reference's kind and has_audio (STAGE_SPLIT.md, trap 2): media-free stand-ins.
+            stubs = {
+                "image": lambda has_audio: MiniMaxH3ImageReference(image=None),
+                "audio": lambda has_audio: MiniMaxH3AudioReference(audio=None),
+                "video": lambda has_audio: MiniMaxH3VideoReference(
+                    frames=None, audio=torch.empty(0) if has_audio else None
+                ),
+            }
+            inputs["normalized_references"] = [stubs[ref.kind](ref.has_audio) for ref in cond.references]
+
+        reporter = _StepReporter(steps - 1, progress, cancel)
+        handles = [
+            transformer.register_forward_pre_hook(reporter, with_kwargs=True),
+            transformer.register_forward_hook(reporter.after),
+        ]
+        try:
+            state = pipe(**inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return AVLatents(video=state.get("latents"), audio=state.get("audio_latents"), num_frames=cond.num_frames)
+
+    # --- decoding --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, latents: AVLatents, task: str = "t2va") -> Decoded:
+        """Decode video (the VAE's own tiling) and audio; audio trimmed to the video's duration."""
+        pipe = self._pipeline(task, ("decode",), {"vae": self.vae, "audio_vae": self.audio_vae})
+        state = pipe(latents=latents.video.to(self.device), audio_latents=latents.audio.to(self.device), output_type="pt")
+        video = state.get("videos")[0].permute(0, 2, 3, 1).float().cpu().contiguous()  # [F, H, W, 3]
+        audio = state.get("audio")[0].float().cpu()  # [2, S], S = audio_t * 800 (not trimmed by diffusers)
+        samples = round(video.shape[0] / rules.FPS * rules.AUDIO_SAMPLE_RATE)
+        return Decoded(video=video, audio=audio[:, :samples].contiguous())
+
+    def generate(self, cond: H3Conditioning, seed: int, steps: int, **kwargs) -> tuple[AVLatents, Decoded]:
+        latents = self.sample(cond, seed, steps, **kwargs)
+        return latents, self.decode(latents, cond.task)

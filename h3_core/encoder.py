@@ -1,0 +1,292 @@
+"""Stage 0 of the split: the three H3 encoders (Qwen3-VL text encoder, video VAE, audio VAE).
+
+STAGE BOUNDARY: this module ends at `H3Conditioning` (h3_core/contract.py); `diffusion.py` starts
+there. The cut is the one measured in shared/h3/STAGE_SPLIT.md: stage 0 = diffusers' resolved
+`before_encode` + `text_encoder` + `vae_encoder` blocks of the task's workflow.
+
+    request --prepare()--> Prepared --encode_text()----> prompt_embeds, text_token_tags
+                                    --encode_video()---> condition_latents        (video VAE)
+                                    --encode_audio()---> audio_condition_latents  (audio VAE)
+                                    assemble()         -> H3Conditioning
+
+`prepare` runs diffusers' own media-normalisation block (canvas, 17k+5, reference sizing, 24 fps);
+the text step is diffusers' own text-encoder block of the task; the VAE steps call diffusers'
+`encode_vae_condition` (posterior sampled under seed 42 through fp16, as the release does) and the
+audio VAE's posterior mean, split per encoder so each can run (and be loaded) on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+from . import media, rules
+from .contract import H3Conditioning, ReferenceEntry
+from .models import ModelSource
+from .request import EncodeRequest
+
+ENCODER_COMPONENTS = ("text", "video", "audio")
+
+
+class StageError(RuntimeError):
+    """A stage was asked for work its loaded components cannot do."""
+
+
+@dataclass
+class Prepared:
+    """A request after diffusers' media normalisation: everything the three encoders read."""
+
+    task: str
+    prompt: str
+    width: int
+    height: int
+    num_frames: int
+    keyframes: list = field(default_factory=list)  # PIL images on the canvas (fl2va)
+    keyframe_anchors: tuple = ()
+    references: list = field(default_factory=list)  # diffusers Minimax reference dataclasses (ref2va)
+
+    @property
+    def needs_video_vae(self) -> bool:
+        return bool(self.keyframes) or any(ref.kind in ("image", "video") for ref in self.references)
+
+    @property
+    def needs_audio_vae(self) -> bool:
+        return any(ref.has_audio for ref in self.references)
+
+
+def _pipeline_for(blocks: dict, components: dict, pipeline_config: dict):
+    """A diffusers ModularPipeline over `blocks` holding our already-loaded components."""
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
+
+    pipe = SequentialPipelineBlocks.from_blocks_dict(blocks).init_pipeline()
+    if components:
+        pipe.update_components(**components)
+    pipe.register_to_config(**pipeline_config)
+    return pipe
+
+
+def _workflow_blocks(task: str, prefixes: tuple[str, ...]) -> dict:
+    """Leaf blocks of diffusers' *resolved* workflow for `task` (never the auto blocks: STAGE_SPLIT.md trap 1)."""
+    from diffusers.modular_pipelines import MiniMaxH3Blocks
+
+    workflow = MiniMaxH3Blocks().get_workflow(task)
+    return {name: block for name, block in workflow.sub_blocks.items() if name.split(".")[0] in prefixes}
+
+
+def _to_diffusers_references(request: EncodeRequest) -> list:
+    """Our fixed reference order (images, videos, audios) as diffusers' reference dataclasses.
+
+    Audio is resampled to 32 kHz stereo here, with av, so diffusers never needs torchaudio and every
+    entry path resamples identically.
+    """
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
+
+    references = [MiniMaxH3ImageReference(image=Image.fromarray(image)) for image in request.ref_images]
+    for video in request.ref_videos:
+        audio = None
+        if video.audio is not None:
+            audio = torch.from_numpy(media.resample_audio(video.audio, video.sample_rate, rules.AUDIO_SAMPLE_RATE))
+        references.append(
+            MiniMaxH3VideoReference(
+                frames=video.frames,
+                fps=float(video.fps),
+                audio=audio,
+                sample_rate=None if audio is None else rules.AUDIO_SAMPLE_RATE,
+            )
+        )
+    for audio in request.ref_audios:
+        waveform = torch.from_numpy(media.resample_audio(audio.waveform, audio.sample_rate, rules.AUDIO_SAMPLE_RATE))
+        references.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=rules.AUDIO_SAMPLE_RATE))
+    return references
+
+
+def prepare(request: EncodeRequest, pipeline_config: dict) -> Prepared:
+    """Validate the request and normalise its media exactly as diffusers' `before_encode` block does."""
+    task = request.validate()
+    width, height = request.width, request.height
+    if task == "t2va":
+        if width is None:
+            width, height = rules.resolve_canvas(
+                16, 9, pipeline_config["canvas_short_edge"], pipeline_config["canvas_max_pixels"]
+            )
+        return Prepared(task, request.prompt, width, height, request.num_frames)
+
+    inputs: dict = {"height": height, "width": width, "num_frames": request.num_frames}
+    if task == "fl2va":
+        inputs["image"] = None if request.first_frame is None else Image.fromarray(request.first_frame)
+        inputs["last_image"] = None if request.last_frame is None else Image.fromarray(request.last_frame)
+    else:
+        inputs["references"] = _to_diffusers_references(request)
+    pipe = _pipeline_for(_workflow_blocks(task, ("before_encode",)), {}, pipeline_config)
+    try:
+        state = pipe(**inputs)
+    except ValueError as error:  # diffusers' own rule checks: same message, our error type
+        raise rules.H3InputError(str(error)) from None
+    return Prepared(
+        task=task,
+        prompt=request.prompt,
+        width=int(state.get("width")),
+        height=int(state.get("height")),
+        num_frames=int(state.get("num_frames") or request.num_frames),
+        keyframes=list(state.get("keyframes") or []),
+        keyframe_anchors=tuple(state.get("keyframe_anchors") or ()),
+        references=list(state.get("normalized_references") or []),
+    )
+
+
+def references_table(prepared: Prepared) -> tuple[ReferenceEntry, ...]:
+    return tuple(ReferenceEntry(kind=ref.kind, has_audio=bool(ref.has_audio)) for ref in prepared.references)
+
+
+class EncoderStage:
+    """Holds the loaded encoders and turns requests into `H3Conditioning`.
+
+    Built with a subset of `components` ("text", "video", "audio"), it loads only those weights and
+    refuses requests that need a missing one.
+    """
+
+    def __init__(
+        self,
+        source: ModelSource,
+        components: tuple[str, ...] = ENCODER_COMPONENTS,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        unknown = set(components) - set(ENCODER_COMPONENTS)
+        if unknown:
+            raise StageError(f"unknown encoder components {sorted(unknown)}; choose from {ENCODER_COMPONENTS}")
+        self.source = source
+        self.components = tuple(components)
+        self.device = torch.device(device)
+        self.pipeline_config = dict(source.pipeline_config)
+        self.text_encoder = self.tokenizer = self.processor = self.vae = self.audio_vae = None
+        if "text" in components:
+            self.text_encoder = source.load("text_encoder", dtype=dtype).to(self.device)
+            self.tokenizer = source.load_tokenizer()
+            self.processor = source.load_processor()
+        if "video" in components:
+            self.vae = source.load("vae", dtype=torch.float32).to(self.device)
+        if "audio" in components:
+            self.audio_vae = source.load("audio_vae", dtype=torch.float32).to(self.device)
+
+    # --- the three encoders ----------------------------------------------------------------------
+
+    def _require(self, component: str, why: str) -> None:
+        if component not in self.components:
+            raise StageError(f"this encoder stage was built without the {component} encoder, which {why} needs")
+
+    @torch.no_grad()
+    def encode_text(self, prepared: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3-VL presentation -> (prompt_embeds [1, L, D] in the encoder's dtype, tags int64 [L])."""
+        self._require("text", "every request")
+        blocks = _workflow_blocks(prepared.task, ("text_encoder",))
+        pipe = _pipeline_for(
+            blocks,
+            {"text_encoder": self.text_encoder, "tokenizer": self.tokenizer, "processor": self.processor},
+            self.pipeline_config,
+        )
+        state = pipe(
+            prompt=prepared.prompt,
+            keyframes=prepared.keyframes or None,
+            normalized_references=prepared.references or None,
+        )
+        return state.get("prompt_embeds").cpu(), state.get("text_token_tags").cpu()
+
+    @torch.no_grad()
+    def encode_video(self, prepared: Prepared) -> list[torch.Tensor]:
+        """Keyframes / image and video references -> normalised latents [1, 24, T, h, w] each, packed order."""
+        if not prepared.needs_video_vae:
+            return []
+        self._require("video", f"a {prepared.task} request with keyframes or visual references")
+        from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
+
+        pixels = [_pixels(image) for image in prepared.keyframes]
+        for ref in prepared.references:
+            if ref.kind == "image":
+                pixels.append(_pixels(ref.image))
+            elif ref.kind == "video":
+                # Snap *down* to 17k+5 so the VAE encodes without padding (diffusers' reference step).
+                count = rules.snap_frames_down(ref.frames.shape[0])
+                pixels.append(torch.from_numpy(np.ascontiguousarray(ref.frames[:count])).permute(3, 0, 1, 2)[None])
+        pixel_mean, pixel_std, seed = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 42
+        return [
+            encode_vae_condition(self.vae, p.to(self.device), pixel_mean, pixel_std, encode_seed=seed) for p in pixels
+        ]
+
+    @torch.no_grad()
+    def encode_audio(self, prepared: Prepared) -> list[torch.Tensor]:
+        """Soundtracks and standalone audios -> normalised channel-major rows [2*T, 32] each, packed order."""
+        if not prepared.needs_audio_vae:
+            return []
+        self._require("audio", "a request with reference audio or soundtracks")
+        config = self.audio_vae.config
+        mean = torch.tensor(config.latents_mean).view(1, 1, -1)
+        std = torch.tensor(config.latents_std).view(1, 1, -1)
+        rows = []
+        for ref in prepared.references:
+            if not ref.has_audio:
+                continue
+            # Stereo channels are the batch of the mono audio VAE; references use the posterior mean.
+            posterior = self.audio_vae.encode(ref.audio.to(self.device)[:, None], return_dict=False)[0]
+            latents = posterior.mode().float().cpu().transpose(1, 2)
+            rows.append(((latents - mean) / std).reshape(-1, config.latent_channels))
+        return rows
+
+    # --- whole requests --------------------------------------------------------------------------
+
+    def prepare(self, request: EncodeRequest) -> Prepared:
+        return prepare(request, self.pipeline_config)
+
+    def encode(self, request: EncodeRequest, metadata: dict[str, str] | None = None) -> H3Conditioning:
+        prepared = self.prepare(request)
+        # Fail before any heavy work when a needed encoder is missing.
+        self._require("text", "every request")
+        if prepared.needs_video_vae:
+            self._require("video", f"a {prepared.task} request with keyframes or visual references")
+        if prepared.needs_audio_vae:
+            self._require("audio", "a request with reference audio or soundtracks")
+        prompt_embeds, tags = self.encode_text(prepared)
+        return assemble(
+            prepared,
+            prompt_embeds,
+            tags,
+            self.encode_video(prepared),
+            self.encode_audio(prepared),
+            metadata={"model": self.source.fingerprint(), **(metadata or {})},
+        )
+
+
+def _pixels(image) -> torch.Tensor:
+    """A PIL image as the uint8 [1, 3, 1, H, W] tensor diffusers' VAE step builds."""
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1)[None, :, None]
+
+
+def assemble(
+    prepared: Prepared,
+    prompt_embeds: torch.Tensor,
+    text_token_tags: torch.Tensor,
+    condition_latents: list[torch.Tensor],
+    audio_condition_latents: list[torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> H3Conditioning:
+    """Join the three encoders' outputs into the validated contract."""
+    return H3Conditioning(
+        task=prepared.task,
+        height=prepared.height,
+        width=prepared.width,
+        num_frames=prepared.num_frames,
+        prompt_embeds=prompt_embeds,
+        text_token_tags=text_token_tags,
+        condition_latents=tuple(condition_latents),
+        audio_condition_latents=tuple(audio_condition_latents),
+        keyframe_anchors=prepared.keyframe_anchors if prepared.task == "fl2va" else (),
+        references=references_table(prepared) if prepared.task == "ref2va" else (),
+        metadata=dict(metadata or {}),
+    )

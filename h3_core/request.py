@@ -1,0 +1,108 @@
+"""What the encoder stage is asked to encode: decoded media plus the request's numbers.
+
+Every entry point (CLI, ComfyUI nodes, encoder server) builds an `EncodeRequest` from 8-bit RGB
+frames and float waveforms (`h3_core.media` does the decoding and the float->uint8 quantisation),
+so the encoder stage sees the same arrays whichever path the media came in by.
+
+Reference order is fixed, as ComfyUI core and vLLM-Omni present it (SPEC.md §1.4): all images,
+then each video (its soundtrack labelled right before it), then standalone audios. The prompt's
+`<Picture i>` / `<Video k>` / `<Audio j>` tags refer to that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import rules
+
+
+@dataclass
+class VideoInput:
+    """A reference video: uint8 RGB frames [F, H, W, 3] at `fps`, with an optional soundtrack."""
+
+    frames: np.ndarray
+    fps: float
+    audio: np.ndarray | None = None  # float32 [channels, samples]
+    sample_rate: int | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.frames.shape[0] / float(self.fps)
+
+    @property
+    def soundtrack_seconds(self) -> float | None:
+        if self.audio is None:
+            return None
+        return self.audio.shape[-1] / float(self.sample_rate)
+
+
+@dataclass
+class AudioInput:
+    """A standalone reference audio: float32 waveform [channels, samples] at `sample_rate`."""
+
+    waveform: np.ndarray
+    sample_rate: int
+
+    @property
+    def seconds(self) -> float:
+        return self.waveform.shape[-1] / float(self.sample_rate)
+
+
+@dataclass
+class EncodeRequest:
+    prompt: str
+    task: str | None = None  # None: inferred from the media (SPEC.md §3)
+    width: int | None = None  # None: H3's canvas rule picks it (16:9, or the first keyframe's aspect)
+    height: int | None = None
+    num_frames: int = rules.MIN_FRAMES
+    first_frame: np.ndarray | None = None  # uint8 [H, W, 3]
+    last_frame: np.ndarray | None = None
+    ref_images: list[np.ndarray] = field(default_factory=list)
+    ref_videos: list[VideoInput] = field(default_factory=list)
+    ref_audios: list[AudioInput] = field(default_factory=list)
+
+    def summary(self) -> rules.MediaSummary:
+        return rules.MediaSummary(
+            keyframes=int(self.first_frame is not None) + int(self.last_frame is not None),
+            image_refs=len(self.ref_images),
+            video_ref_seconds=tuple(video.seconds for video in self.ref_videos),
+            soundtrack_seconds=tuple(video.soundtrack_seconds for video in self.ref_videos),
+            audio_ref_seconds=tuple(audio.seconds for audio in self.ref_audios),
+        )
+
+    def resolved_task(self) -> str:
+        return self.task or rules.infer_task(self.summary())
+
+    def validate(self) -> str:
+        """Check every rule that needs no model; returns the resolved task."""
+        task = self.resolved_task()
+        rules.check_request(task, self.prompt, self.summary(), self.num_frames)
+        if (self.width is None) != (self.height is None):
+            raise rules.H3InputError("width and height must be given together, or neither")
+        if self.width is not None:
+            rules.check_canvas(self.width, self.height)
+        for label, image in (("first frame", self.first_frame), ("last frame", self.last_frame)):
+            if image is not None:
+                _check_rgb(image, label)
+        for index, image in enumerate(self.ref_images, start=1):
+            _check_rgb(image, f"reference image {index}")
+        for index, video in enumerate(self.ref_videos, start=1):
+            if video.frames.ndim != 4 or video.frames.shape[-1] != 3 or video.frames.dtype != np.uint8:
+                raise rules.H3InputError(
+                    f"reference video {index} must be uint8 RGB frames [F, H, W, 3], "
+                    f"got {video.frames.dtype} {tuple(video.frames.shape)}"
+                )
+            if not video.fps or video.fps <= 0:
+                raise rules.H3InputError(f"reference video {index} needs a positive frame rate, got {video.fps}")
+        return task
+
+
+def _check_rgb(image: np.ndarray, label: str) -> None:
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+        shape = getattr(image, "shape", None)
+        raise rules.H3InputError(f"{label} must be uint8 RGB pixels [H, W, 3], got {getattr(image, 'dtype', type(image))} {shape}")
+    height, width = image.shape[:2]
+    if min(height, width) < 1 or max(width / height, height / width) > rules.MAX_ASPECT:
+        raise rules.H3InputError(f"{label} must have an aspect ratio within 1:4 and 4:1, got {width}x{height}")

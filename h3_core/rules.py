@@ -1,0 +1,222 @@
+"""H3's request rules as pure functions: frame grid, canvas, durations, reference counts.
+
+Every entry point (CLI, ComfyUI nodes, encoder server) validates through these functions before
+any heavy work, so a bad request fails the same way, with the same message, wherever it enters.
+Sources: shared/h3/SPEC.md §3 (vLLM-Omni's serving rules) and diffusers' modular pipeline, which
+wins where the two disagree (the 5 s floor, checked after snapping to 17k+5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+FPS = 24
+FRAMES_PER_CLIP = 17  # the video VAE encodes 17-frame clips ...
+LATENTS_PER_CLIP = 5  # ... into 5 latent frames; frames 17k+5 <-> latents 5k+2
+SPATIAL_RATIO = 16  # video VAE spatial compression
+CANVAS_MULTIPLE = 32  # VAE /16 times the DiT's 2x2 patch
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
+
+AUDIO_SAMPLE_RATE = 32000
+AUDIO_CHANNELS = 2
+AUDIO_LATENTS_PER_SECOND = 40
+
+MIN_DURATION_S, MAX_DURATION_S = 5.0, 15.0  # output, after snapping (diffusers' pipeline)
+MIN_FRAMES = 124  # 17*7+5, the first grid point at or above 5 s (diffusers: 120 before snapping)
+MAX_FRAMES = 345  # 17*20+5, the last grid point within 15 s (362 frames = 15.08 s is refused)
+
+MIN_AUDIO_CLIP_S, MAX_AUDIO_CLIP_S = 2.0, 15.0  # every reference clip (soundtrack or standalone)
+AUDIO_BUDGET_S = 15.0  # per budget: embedded soundtracks and standalone audios are counted separately
+MIN_REFERENCE_VIDEO_S = 2.0
+
+MAX_KEYFRAMES = 2
+MAX_REF_IMAGES, MAX_REF_VIDEOS, MAX_REF_AUDIOS, MAX_REFS = 9, 3, 3, 12
+
+TASKS = ("t2va", "fl2va", "ref2va")
+
+
+class H3InputError(ValueError):
+    """A request breaks one of H3's rules; the message names the rule and the offending value."""
+
+
+# --- frame grid ----------------------------------------------------------------------------------
+
+
+def is_on_frame_grid(num_frames: int) -> bool:
+    return num_frames >= LATENTS_PER_CLIP and num_frames % FRAMES_PER_CLIP == LATENTS_PER_CLIP
+
+
+def snap_frames_up(num_frames: int) -> int:
+    """The next frame count of the form 17k+5 at or above `num_frames`."""
+    if num_frames < 1:
+        raise H3InputError(f"frame count must be positive, got {num_frames}")
+    k = max(0, math.ceil((num_frames - LATENTS_PER_CLIP) / FRAMES_PER_CLIP))
+    return FRAMES_PER_CLIP * k + LATENTS_PER_CLIP
+
+
+def snap_frames_down(num_frames: int) -> int:
+    """The largest frame count of the form 17k+5 not above `num_frames` (at least 5)."""
+    k = max(0, (num_frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP)
+    return FRAMES_PER_CLIP * k + LATENTS_PER_CLIP
+
+
+def video_latent_frames(num_frames: int) -> int:
+    """Latent frames of a 17k+5 clip: 5k+2 (a single image -> 1)."""
+    if num_frames == 1:
+        return 1
+    if not is_on_frame_grid(num_frames):
+        raise H3InputError(f"frame count must be of the form 17k+5 (5, 22, 39, ..., 124, ...), got {num_frames}")
+    return (num_frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP * LATENTS_PER_CLIP + 2
+
+
+def audio_latent_frames(num_frames: int) -> int:
+    """Audio latents covering `num_frames` video frames: round(frames / 24 * 40)."""
+    return int(round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND))
+
+
+def check_output_frames(num_frames: int) -> int:
+    """Validate an output length: on the 17k+5 grid and 5-15 s long. Returns it unchanged."""
+    if not isinstance(num_frames, int) or isinstance(num_frames, bool):
+        raise H3InputError(f"frame count must be an integer, got {num_frames!r}")
+    if not is_on_frame_grid(num_frames):
+        raise H3InputError(
+            f"frame count must be of the form 17k+5 (the video VAE's clip grid), got {num_frames}; "
+            f"nearest valid: {snap_frames_down(num_frames)} or {snap_frames_up(num_frames)}"
+        )
+    if not MIN_FRAMES <= num_frames <= MAX_FRAMES:
+        raise H3InputError(
+            f"H3 generates {MIN_DURATION_S:g}-{MAX_DURATION_S:g} s at {FPS} fps, i.e. {MIN_FRAMES}-{MAX_FRAMES} frames "
+            f"on the 17k+5 grid, got {num_frames} frames ({num_frames / FPS:.2f} s)"
+        )
+    return num_frames
+
+
+# --- canvas --------------------------------------------------------------------------------------
+
+
+def check_canvas(width: int, height: int, multiple: int = CANVAS_MULTIPLE) -> tuple[int, int]:
+    """Validate an output canvas: positive multiples of 32 px with an aspect within 1:4..4:1."""
+    for name, value in (("width", width), ("height", height)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise H3InputError(f"{name} must be a positive integer number of pixels, got {value!r}")
+        if value % multiple:
+            raise H3InputError(
+                f"{name} must be a multiple of {multiple} px (VAE /16 x DiT patch 2), got {value}; "
+                f"nearest valid: {max(multiple, value // multiple * multiple)} or {-(-value // multiple) * multiple}"
+            )
+    ratio = width / height
+    if not MIN_ASPECT <= ratio <= MAX_ASPECT:
+        raise H3InputError(f"canvas aspect ratio must be within 1:4 and 4:1, got {width}x{height} ({ratio:.3g})")
+    return width, height
+
+
+def resolve_canvas(aspect_w: float, aspect_h: float, short_edge: int, max_pixels: int) -> tuple[int, int]:
+    """The (width, height) H3 generates at for an aspect ratio (diffusers' rule: short edge, area cap, /32)."""
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
+
+    try:
+        height, width = resolve_canvas_size(aspect_w, aspect_h, CANVAS_MULTIPLE, short_edge, max_pixels)
+    except ValueError as error:
+        raise H3InputError(str(error)) from None
+    return width, height
+
+
+# --- references ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MediaSummary:
+    """What the rules need to know about a request's media, independent of how it was decoded."""
+
+    keyframes: int = 0
+    image_refs: int = 0
+    video_ref_seconds: tuple[float, ...] = ()  # duration of each reference video
+    soundtrack_seconds: tuple[float | None, ...] = ()  # per reference video: its soundtrack, or None
+    audio_ref_seconds: tuple[float, ...] = ()  # duration of each standalone reference audio
+
+
+def infer_task(summary: MediaSummary) -> str:
+    """The implicit task (SPEC.md §3): video or audio references -> ref2va, images -> fl2va, else t2va."""
+    if summary.video_ref_seconds or summary.audio_ref_seconds or summary.image_refs:
+        return "ref2va"
+    if summary.keyframes:
+        return "fl2va"
+    return "t2va"
+
+
+def check_request(task: str, prompt: str, summary: MediaSummary, num_frames: int) -> None:
+    """Validate a whole request's shape before any media is encoded."""
+    if task not in TASKS:
+        raise H3InputError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise H3InputError("prompt must be a non-empty string")
+    check_output_frames(num_frames)
+    n_videos, n_audios = len(summary.video_ref_seconds), len(summary.audio_ref_seconds)
+    n_refs = summary.image_refs + n_videos + n_audios
+    if task == "t2va" and (summary.keyframes or n_refs):
+        raise H3InputError("t2va takes a prompt only: no keyframes or references (use fl2va or ref2va)")
+    if task == "fl2va":
+        if n_refs:
+            raise H3InputError("fl2va takes first/last keyframes only; references need task ref2va")
+        if not 1 <= summary.keyframes <= MAX_KEYFRAMES:
+            raise H3InputError(f"fl2va needs 1 or 2 keyframes (first and/or last frame), got {summary.keyframes}")
+    if task == "ref2va":
+        if summary.keyframes:
+            raise H3InputError("ref2va takes references, not keyframes; keyframes need task fl2va")
+        check_reference_counts(summary.image_refs, n_videos, n_audios)
+        check_reference_durations(summary, num_frames)
+
+
+def check_reference_counts(images: int, videos: int, audios: int) -> None:
+    if images > MAX_REF_IMAGES:
+        raise H3InputError(f"ref2va accepts at most {MAX_REF_IMAGES} image references, got {images}")
+    if videos > MAX_REF_VIDEOS:
+        raise H3InputError(f"ref2va accepts at most {MAX_REF_VIDEOS} video references, got {videos}")
+    if audios > MAX_REF_AUDIOS:
+        raise H3InputError(f"ref2va accepts at most {MAX_REF_AUDIOS} audio references, got {audios}")
+    if images + videos + audios > MAX_REFS:
+        raise H3InputError(f"ref2va accepts at most {MAX_REFS} references in total, got {images + videos + audios}")
+    if images + videos == 0:
+        raise H3InputError(
+            "ref2va needs at least one image or video reference (an audio reference cannot be the only one)"
+        )
+
+
+def check_reference_durations(summary: MediaSummary, num_frames: int) -> None:
+    """Reference clip lengths (SPEC.md §3): each 2-15 s; embedded and standalone budgets 15 s each.
+
+    Soundtracks and standalone audio are cut to the output duration before encoding (as the
+    reference does), so the budgets are checked on what is actually encoded.
+    """
+    output_s = num_frames / FPS
+    for index, seconds in enumerate(summary.video_ref_seconds, start=1):
+        if not MIN_REFERENCE_VIDEO_S <= seconds <= MAX_AUDIO_CLIP_S:
+            raise H3InputError(
+                f"reference video {index} must be {MIN_REFERENCE_VIDEO_S:g}-{MAX_AUDIO_CLIP_S:g} s long, "
+                f"got {seconds:.2f} s"
+            )
+    embedded = []
+    for index, seconds in enumerate(summary.soundtrack_seconds, start=1):
+        if seconds is None:
+            continue
+        encoded = min(seconds, output_s)
+        if not MIN_AUDIO_CLIP_S <= seconds <= MAX_AUDIO_CLIP_S or encoded < MIN_AUDIO_CLIP_S:
+            raise H3InputError(
+                f"the soundtrack of reference video {index} must be {MIN_AUDIO_CLIP_S:g}-{MAX_AUDIO_CLIP_S:g} s long, "
+                f"got {seconds:.2f} s"
+            )
+        embedded.append(encoded)
+    standalone = []
+    for index, seconds in enumerate(summary.audio_ref_seconds, start=1):
+        if not MIN_AUDIO_CLIP_S <= seconds <= MAX_AUDIO_CLIP_S:
+            raise H3InputError(
+                f"reference audio {index} must be {MIN_AUDIO_CLIP_S:g}-{MAX_AUDIO_CLIP_S:g} s long, got {seconds:.2f} s"
+            )
+        standalone.append(min(seconds, output_s))
+    for label, clips in (("reference video soundtracks", embedded), ("standalone reference audios", standalone)):
+        if sum(clips) > AUDIO_BUDGET_S + 1e-9:
+            raise H3InputError(
+                f"{label} must total at most {AUDIO_BUDGET_S:g} s (a separate budget from the other audio kind), "
+                f"got {sum(clips):.2f} s"
+            )

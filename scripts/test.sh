@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=$("$REPO/scripts/setup_env.sh")
+cd "$REPO"
+# Fixed thread count: bitwise stage-split parity assumes it (DIFFUSERS_NOTES.md).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} H3_THREADS=${H3_THREADS:-2}
+exec "$VENV/bin/python" -m pytest -q "$@"

@@ -1,0 +1,72 @@
+"""The pack's layout promises: h3_core never imports ComfyUI, V3-only entry point, no torch pin."""
+
+import ast
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_h3_core_never_imports_comfyui():
+    comfy_roots = {"comfy", "comfy_api", "comfy_extras", "folder_paths", "nodes", "server", "execution"}
+    offenders = {}
+    for path in sorted((REPO / "h3_core").rglob("*.py")):
+        hits = _imported_modules(path) & comfy_roots
+        if hits:
+            offenders[str(path.relative_to(REPO))] = sorted(hits)
+    assert offenders == {}
+
+
+def test_h3_core_never_unpickles():
+    for path in sorted((REPO / "h3_core").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        assert "pickle" not in _imported_modules(path), path
+        assert "torch.load(" not in text, path
+
+
+def test_root_exports_only_the_v3_entry_point():
+    tree = ast.parse((REPO / "__init__.py").read_text(encoding="utf-8"))
+    top_level = {
+        node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+    assigned = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if hasattr(t, "id")}
+    assert top_level == {"comfy_entrypoint"}
+    assert "NODE_CLASS_MAPPINGS" not in assigned
+
+
+def test_design_card_layout_exists():
+    for name in ("__init__.py", "nodes", "h3_core", "workflows", "tests", "pyproject.toml", "README.md",
+                 "requirements.txt", ".ci/run", ".comfyignore", "LICENSE"):
+        assert (REPO / name).exists(), name
+
+
+def test_pyproject_registry_fields():
+    data = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    project, comfy = data["project"], data["tool"]["comfy"]
+    major, minor, patch = project["version"].split(".")
+    assert all(part.isdigit() for part in (major, minor, patch))
+    assert project["license"] and project["urls"]["Repository"]
+    for key in ("PublisherId", "DisplayName", "Icon", "requires-comfyui"):
+        assert comfy[key], key
+    assert comfy["requires-comfyui"].startswith(">=0.")
+
+
+def test_requirements_never_pin_torch():
+    for name in ("requirements.txt",):
+        lines = [line.split("#")[0].strip() for line in (REPO / name).read_text().splitlines()]
+        packages = {line.split(">")[0].split("=")[0].split("<")[0].strip().lower() for line in lines if line}
+        assert not packages & {"torch", "torchvision", "torchaudio"}
+        assert {"diffusers", "accelerate", "transformers", "safetensors", "av", "numpy"} <= packages
+    data = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    assert not any(dep.lower().startswith("torch") for dep in data["project"]["dependencies"])
