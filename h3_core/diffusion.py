@@ -23,6 +23,7 @@ import torch
 
 from . import configs, rules
 from .contract import H3Conditioning
+from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .models import PARTITION_OF_TASK, ModelSource
 
 ProgressFn = Callable[[int, int], None]  # (steps done, total steps)
@@ -110,9 +111,7 @@ class DiffusionStage:
         return self._audio_vae
 
     def _pipeline(self, task: str, prefixes: tuple[str, ...], components: dict):
-        from .encoder import _pipeline_for, _workflow_blocks
-
-        return _pipeline_for(_workflow_blocks(task, prefixes), components, self.pipeline_config)
+        return pipeline_for(workflow_blocks(task, prefixes), components, self.pipeline_config)
 
     # --- sampling --------------------------------------------------------------------------------
 
@@ -137,7 +136,7 @@ class DiffusionStage:
 
         if not isinstance(steps, int) or steps < 2:
             raise rules.H3InputError(f"steps must be an integer >= 2 (sigma points incl. the final 0), got {steps!r}")
-        cond.validate()
+        # `cond` validated itself on construction / receipt; here only its fit to the loaded DiT is left.
         transformer = self.transformer(cond.task)
         cond.check_compatible(text_dim=transformer.config.text_dim, latent_channels=transformer.config.in_channels)
         components = {
@@ -180,7 +179,7 @@ class DiffusionStage:
             transformer.register_forward_hook(reporter.after),
         ]
         try:
-            state = pipe(**inputs)
+            state = run_blocks(pipe, **inputs)
         finally:
             for handle in handles:
                 handle.remove()

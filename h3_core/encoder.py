@@ -24,8 +24,9 @@ import torch
 from PIL import Image
 
 from . import media, rules
-from .contract import H3Conditioning, ReferenceEntry
+from .contract import H3Conditioning, H3Reference
 from .models import ModelSource
+from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .request import EncodeRequest
 
 ENCODER_COMPONENTS = ("text", "video", "audio")
@@ -55,25 +56,6 @@ class Prepared:
     @property
     def needs_audio_vae(self) -> bool:
         return any(ref.has_audio for ref in self.references)
-
-
-def _pipeline_for(blocks: dict, components: dict, pipeline_config: dict):
-    """A diffusers ModularPipeline over `blocks` holding our already-loaded components."""
-    from diffusers.modular_pipelines import SequentialPipelineBlocks
-
-    pipe = SequentialPipelineBlocks.from_blocks_dict(blocks).init_pipeline()
-    if components:
-        pipe.update_components(**components)
-    pipe.register_to_config(**pipeline_config)
-    return pipe
-
-
-def _workflow_blocks(task: str, prefixes: tuple[str, ...]) -> dict:
-    """Leaf blocks of diffusers' *resolved* workflow for `task` (never the auto blocks: STAGE_SPLIT.md trap 1)."""
-    from diffusers.modular_pipelines import MiniMaxH3Blocks
-
-    workflow = MiniMaxH3Blocks().get_workflow(task)
-    return {name: block for name, block in workflow.sub_blocks.items() if name.split(".")[0] in prefixes}
 
 
 def _to_diffusers_references(request: EncodeRequest) -> list:
@@ -124,9 +106,9 @@ def prepare(request: EncodeRequest, pipeline_config: dict) -> Prepared:
         inputs["last_image"] = None if request.last_frame is None else Image.fromarray(request.last_frame)
     else:
         inputs["references"] = _to_diffusers_references(request)
-    pipe = _pipeline_for(_workflow_blocks(task, ("before_encode",)), {}, pipeline_config)
+    pipe = pipeline_for(workflow_blocks(task, ("before_encode",)), {}, pipeline_config)
     try:
-        state = pipe(**inputs)
+        state = run_blocks(pipe, **inputs)
     except ValueError as error:  # diffusers' own rule checks: same message, our error type
         raise rules.H3InputError(str(error)) from None
     return Prepared(
@@ -141,8 +123,8 @@ def prepare(request: EncodeRequest, pipeline_config: dict) -> Prepared:
     )
 
 
-def references_table(prepared: Prepared) -> tuple[ReferenceEntry, ...]:
-    return tuple(ReferenceEntry(kind=ref.kind, has_audio=bool(ref.has_audio)) for ref in prepared.references)
+def references_table(prepared: Prepared) -> tuple[H3Reference, ...]:
+    return tuple(H3Reference(kind=ref.kind, has_audio=bool(ref.has_audio)) for ref in prepared.references)
 
 
 class EncoderStage:
@@ -186,17 +168,18 @@ class EncoderStage:
     def encode_text(self, prepared: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3-VL presentation -> (prompt_embeds [1, L, D] in the encoder's dtype, tags int64 [L])."""
         self._require("text", "every request")
-        blocks = _workflow_blocks(prepared.task, ("text_encoder",))
-        pipe = _pipeline_for(
+        blocks = workflow_blocks(prepared.task, ("text_encoder",))
+        pipe = pipeline_for(
             blocks,
             {"text_encoder": self.text_encoder, "tokenizer": self.tokenizer, "processor": self.processor},
             self.pipeline_config,
         )
-        state = pipe(
-            prompt=prepared.prompt,
-            keyframes=prepared.keyframes or None,
-            normalized_references=prepared.references or None,
-        )
+        inputs = {"prompt": prepared.prompt}
+        if prepared.task == "fl2va":
+            inputs["keyframes"] = prepared.keyframes
+        elif prepared.task == "ref2va":
+            inputs["normalized_references"] = prepared.references
+        state = run_blocks(pipe, **inputs)
         return state.get("prompt_embeds").cpu(), state.get("text_token_tags").cpu()
 
     @torch.no_grad()

@@ -1,0 +1,23 @@
+"""Shared fixtures: the embedded tiny H3 is built once per test session.
+
+Set H3_TINY_DIR to reuse an existing build while iterating locally (CI always builds fresh).
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Bitwise parity between stages assumes one thread count in every process (DIFFUSERS_NOTES.md).
+torch.set_num_threads(int(os.environ.get("H3_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    reuse = os.environ.get("H3_TINY_DIR")
+    if reuse and (Path(reuse) / "tiny.json").is_file():
+        return Path(reuse)
+    from h3_core import tiny
+
+    return tiny.build(tmp_path_factory.mktemp("tiny"), seed=0)
