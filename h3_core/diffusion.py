@@ -17,21 +17,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from . import configs, rules
 from .contract import H3Conditioning
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .models import PARTITION_OF_TASK, ModelSource
-
-ProgressFn = Callable[[int, int], None]  # (steps done, total steps)
-
-
-class Cancelled(RuntimeError):
-    """Raised inside the loop when the caller's cancel flag was set; no partial output is returned."""
-
+from .progress import Cancelled, ProgressFn, check_cancel
 
 @dataclass
 class AVLatents:
@@ -67,8 +59,7 @@ class _StepReporter:
         self.total, self.progress, self.cancel, self.done = total, progress, cancel, 0
 
     def __call__(self, module, args, kwargs):
-        if self.cancel is not None and self.cancel.is_set():
-            raise Cancelled(f"cancelled after {self.done} of {self.total} steps")
+        check_cancel(self.cancel, f"after {self.done} of {self.total} denoising steps")
         if self.progress is not None and self.done == 0:
             self.progress(0, self.total)
 

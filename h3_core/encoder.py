@@ -17,6 +17,7 @@ audio VAE's posterior mean, split per encoder so each can run (and be loaded) on
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ from PIL import Image
 from . import media, rules
 from .contract import H3Conditioning, H3Reference
 from .models import ModelSource
+from .progress import ProgressFn, check_cancel
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .request import EncodeRequest
 
@@ -148,6 +150,7 @@ class EncoderStage:
         self.components = tuple(components)
         self.device = torch.device(device)
         self.pipeline_config = dict(source.pipeline_config)
+        self.fingerprint = source.fingerprint()  # identity of the weights, for caches and handshakes
         self.text_encoder = self.tokenizer = self.processor = self.vae = self.audio_vae = None
         if "text" in components:
             self.text_encoder = source.load("text_encoder", dtype=dtype).to(self.device)
@@ -227,7 +230,14 @@ class EncoderStage:
     def prepare(self, request: EncodeRequest) -> Prepared:
         return prepare(request, self.pipeline_config)
 
-    def encode(self, request: EncodeRequest, metadata: dict[str, str] | None = None) -> H3Conditioning:
+    def encode(
+        self,
+        request: EncodeRequest,
+        metadata: dict[str, str] | None = None,
+        cancel: threading.Event | None = None,
+        progress: ProgressFn | None = None,
+    ) -> H3Conditioning:
+        """Encode a whole request; `cancel` is checked between encoders, `progress` counts them."""
         prepared = self.prepare(request)
         # Fail before any heavy work when a needed encoder is missing.
         self._require("text", "every request")
@@ -235,14 +245,23 @@ class EncoderStage:
             self._require("video", f"a {prepared.task} request with keyframes or visual references")
         if prepared.needs_audio_vae:
             self._require("audio", "a request with reference audio or soundtracks")
-        prompt_embeds, tags = self.encode_text(prepared)
+        steps = [("text", self.encode_text), ("video", self.encode_video), ("audio", self.encode_audio)]
+        outputs = {}
+        for done, (name, step) in enumerate(steps):
+            check_cancel(cancel, f"before the {name} encoder")
+            if progress is not None:
+                progress(done, len(steps))
+            outputs[name] = step(prepared)
+        if progress is not None:
+            progress(len(steps), len(steps))
+        prompt_embeds, tags = outputs["text"]
         return assemble(
             prepared,
             prompt_embeds,
             tags,
-            self.encode_video(prepared),
-            self.encode_audio(prepared),
-            metadata={"model": self.source.fingerprint(), **(metadata or {})},
+            outputs["video"],
+            outputs["audio"],
+            metadata={"model": self.fingerprint, **(metadata or {})},
         )
 
 

@@ -11,6 +11,7 @@ Per-file layout handling (key conversion, config from shapes) lives in `h3_core.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,17 +182,33 @@ class ModelSource:
         return qwen_assets.build_processor(tiny=self.tiny)
 
     def fingerprint(self) -> str:
-        """Identity of the weights a stage would load: layout + file names, sizes and mtimes."""
-        import hashlib
+        """Identity of the weights this source would load, cheap even for 66 GB files.
 
-        digest = hashlib.sha256()
-        for name in sorted(self.paths):
-            path = self.paths[name]
+        A large file contributes its size and its first and last MiB (for safetensors that covers the
+        header: names, dtypes, shapes, offsets); small files (configs, tokenizer) their whole bytes.
+        Touching or moving the folder does not change it; new weights (or a re-quantisation) do.
+        """
+        digest = hashlib.sha256(self.layout.encode())
+        sources = {**self.paths, "tokenizer": self.tokenizer, "processor": self.processor}
+        for name, path in sorted(sources.items()):
+            if path is None:
+                continue
             files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
             for file in files:
-                stat = file.stat()
-                digest.update(f"{name}:{file.relative_to(self.root)}:{stat.st_size}:{int(stat.st_mtime)}\n".encode())
+                digest.update(f"{name}/{file.name}:".encode())
+                digest.update(_file_identity(file))
         return digest.hexdigest()[:16]
+
+
+def _file_identity(path: Path, window: int = 1 << 20) -> bytes:
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        if size <= 16 * window:
+            return hashlib.sha256(handle.read()).digest()
+        head = handle.read(window)
+        handle.seek(size - window)
+        tail = handle.read(window)
+    return hashlib.sha256(str(size).encode() + head + tail).digest()
 
 
 def _native_index(folder: Path) -> str | None:
