@@ -22,7 +22,7 @@ import torch
 from . import configs, rules
 from .contract import H3Conditioning
 from .blocks import pipeline_for, run_blocks, workflow_blocks
-from .models import PARTITION_OF_TASK, ModelSource
+from .models import PARTITION_OF_TASK, ModelSource, ModelSourceError
 from .progress import Cancelled, ProgressFn, check_cancel
 
 @dataclass
@@ -72,33 +72,51 @@ class _StepReporter:
 class DiffusionStage:
     """Holds the DiT partition(s) and the decoders; loads each partition on first use."""
 
-    def __init__(self, source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        source: ModelSource | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        *,
+        modules: dict | None = None,
+        pipeline_config: dict | None = None,
+    ):
+        """Load components from `source` on first use, or adopt already-loaded `modules` (keys
+        transformer / transformer_ref / vae / audio_vae: the ComfyUI nodes' loaders own the weights)."""
+        if source is None and modules is None:
+            raise ValueError("DiffusionStage needs a model source or loaded modules")
         self.source = source
         self.dtype = dtype
         self.device = torch.device(device)
-        self.pipeline_config = dict(source.pipeline_config)
-        self._transformers: dict[str, torch.nn.Module] = {}
-        self._vae = None
-        self._audio_vae = None
+        self.pipeline_config = dict(pipeline_config if pipeline_config is not None else source.pipeline_config)
+        modules = modules or {}
+        self._transformers = {name: modules[name] for name in ("transformer", "transformer_ref") if modules.get(name) is not None}
+        self._vae = modules.get("vae")
+        self._audio_vae = modules.get("audio_vae")
+
+    def _load(self, name: str, **kwargs) -> torch.nn.Module:
+        if self.source is None:
+            raise ModelSourceError(f"this diffusion stage was given no {name}, which the request needs")
+        return self.source.load(name, **kwargs).to(self.device)
 
     # --- components ------------------------------------------------------------------------------
 
     def transformer(self, task: str) -> torch.nn.Module:
         name = PARTITION_OF_TASK[task]  # FL2VA for t2va/fl2va, Ref2VA for ref2va
         if name not in self._transformers:
-            self._transformers[name] = self.source.load(name, dtype=self.dtype).to(self.device)
+            self._transformers[name] = self._load(name, dtype=self.dtype)
         return self._transformers[name]
 
     @property
     def vae(self):
         if self._vae is None:
-            self._vae = self.source.load("vae").to(self.device)
+            self._vae = self._load("vae")
         return self._vae
 
     @property
     def audio_vae(self):
         if self._audio_vae is None:
-            self._audio_vae = self.source.load("audio_vae").to(self.device)
+            self._audio_vae = self._load("audio_vae")
         return self._audio_vae
 
     def _pipeline(self, task: str, prefixes: tuple[str, ...], components: dict):

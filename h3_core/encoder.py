@@ -138,17 +138,34 @@ class EncoderStage:
 
     def __init__(
         self,
-        source: ModelSource,
+        source: ModelSource | None = None,
         components: tuple[str, ...] = ENCODER_COMPONENTS,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        *,
+        modules: dict | None = None,
+        pipeline_config: dict | None = None,
+        fingerprint: str | None = None,
     ):
+        """Load `components` from `source`, or adopt already-loaded `modules` (the ComfyUI nodes do:
+        their loaders own the weights), keyed text_encoder/tokenizer/processor/vae/audio_vae."""
+        self.device = torch.device(device)
+        if modules is not None:
+            self.text_encoder = modules.get("text_encoder")
+            self.tokenizer, self.processor = modules.get("tokenizer"), modules.get("processor")
+            self.vae, self.audio_vae = modules.get("vae"), modules.get("audio_vae")
+            self.components = tuple(
+                name
+                for name, module in (("text", self.text_encoder), ("video", self.vae), ("audio", self.audio_vae))
+                if module is not None
+            )
+            self.pipeline_config = dict(pipeline_config or {})
+            self.fingerprint = fingerprint or ""
+            return
         unknown = set(components) - set(ENCODER_COMPONENTS)
         if unknown:
             raise StageError(f"unknown encoder components {sorted(unknown)}; choose from {ENCODER_COMPONENTS}")
-        self.source = source
         self.components = tuple(components)
-        self.device = torch.device(device)
         self.pipeline_config = dict(source.pipeline_config)
         self.fingerprint = source.fingerprint()  # identity of the weights, for caches and handshakes
         self.text_encoder = self.tokenizer = self.processor = self.vae = self.audio_vae = None
@@ -261,7 +278,7 @@ class EncoderStage:
             tags,
             outputs["video"],
             outputs["audio"],
-            metadata={"model": self.fingerprint, **(metadata or {})},
+            metadata={"model": self.fingerprint, **(metadata or {})} if self.fingerprint else dict(metadata or {}),
         )
 
 

@@ -19,7 +19,7 @@ def monolithic(diffusers_root, request: EncodeRequest, task: str, seed: int, ste
     )
 
     pipe = ModularPipeline.from_pretrained(str(diffusers_root), workflow=task)
-    pipe.load_components(torch_dtype=torch.float32)
+    pipe.load_components(dtype=torch.float32)
     kwargs = dict(
         prompt=request.prompt,
         num_frames=request.num_frames,
