@@ -21,6 +21,13 @@ import torch
 from . import configs
 
 COMPONENTS = ("transformer", "transformer_ref", "vae", "audio_vae", "text_encoder")
+COMPONENT_NAMES = {
+    "transformer": "FL2VA DiT partition",
+    "transformer_ref": "Ref2VA DiT partition",
+    "vae": "video VAE",
+    "audio_vae": "audio VAE",
+    "text_encoder": "text encoder",
+}
 PARTITION_OF_TASK = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 
 
@@ -70,6 +77,31 @@ class ModelSource:
             f"{root} is not an H3 models folder: expected a diffusers root (modular_model_index.json), a native "
             "partition (FL2VA/ or Ref2VA/), a ComfyUI models/ folder (diffusion_models/, text_encoders/, vae/), "
             "or the output of `python -m h3_core tiny`"
+        )
+
+    @classmethod
+    def for_file(cls, component: str, path: str | Path) -> "ModelSource":
+        """A source holding one single-file component (what a ComfyUI loader node picks).
+
+        The file's own header decides what it is; a DiT file named for the other partition is
+        refused (one whose name carries no fl2va/ref2va token is taken as the requested one).
+        """
+        from .weights import detect
+
+        path = Path(path)
+        found = detect(path)
+        kind = {"video_vae": "vae"}.get(found.component, found.component)
+        if kind == "transformer":
+            kind = {"ref2va": "transformer_ref", "fl2va": "transformer"}.get(found.partition, component)
+        if kind != component:
+            raise ModelSourceError(f"{path.name} holds the H3 {COMPONENT_NAMES[kind]}, not the {COMPONENT_NAMES[component]}")
+        tiny = any((parent / "tiny.json").is_file() for parent in list(path.parents)[:4])
+        return cls(
+            root=path.parent,
+            layout=found.layout,
+            paths={component: path},
+            pipeline_config=configs.get("pipeline", tiny=tiny),
+            tiny=tiny,
         )
 
     @classmethod

@@ -1,10 +1,30 @@
-"""Thin ComfyUI V3 adapters over h3_core: ComfyUI types in, h3_core calls, ComfyUI types out."""
+"""Thin ComfyUI V3 adapters over h3_core: ComfyUI types in, h3_core calls, ComfyUI types out.
+
+    loaders.py          H3 Text Encoder / Video VAE / Audio VAE / DiT Loader
+    media.py            H3 Keyframes, H3 References (the order the prompt's tags use)
+    encode.py           H3 Text Encode -> H3 Video VAE Encode -> H3 Audio VAE Encode
+    remote.py           H3 Remote Encode (the same conditioning from an encoder endpoint)
+    sample.py           H3 Sampler
+    decode.py           H3 Decode
+    conditioning_io.py  H3 Save / Load Conditioning
+    comfy_bridge.py     the one module touching ComfyUI internals (model management, progress, types)
+
+Node ids start with `H3Split` and never change; new widgets are appended, never inserted.
+"""
 
 from comfy_api.latest import ComfyExtension, io
+
+from . import conditioning_io, decode, encode, loaders, media, sample
+
+NODE_MODULES = [loaders, media, encode, sample, decode, conditioning_io]
+try:  # the remote node needs only h3_core.remote; keep the pack usable if it fails to import
+    from . import remote
+
+    NODE_MODULES.append(remote)
+except ImportError as error:  # pragma: no cover - reported in the ComfyUI log
+    print(f"[MiniMax H3 split] remote encode node unavailable: {error}")
 
 
 class H3Extension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        # The node modules register here as they land (loaders, encode, remote, sample, decode,
-        # conditioning_io); see the nodes issue.
-        return []
+        return [node for module in NODE_MODULES for node in module.NODES]

@@ -1,0 +1,179 @@
+"""The only place that touches ComfyUI internals: model management, progress, interrupts, types.
+
+Everything else in `nodes/` converts ComfyUI values to h3_core calls through these helpers.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.utils
+import folder_paths
+
+from ..h3_core import media, rules
+from ..h3_core.progress import Cancelled
+
+PACK_FOLDER = "minimax_h3"  # models/minimax_h3/: diffusers roots, native partitions, the embedded tiny H3
+TINY_CHOICE = "[embedded] tiny H3 (random weights, outputs are noise)"
+
+
+def register_model_folder() -> None:
+    """models/minimax_h3/ for whole-model folders; single files stay in core's standard folders."""
+    if PACK_FOLDER not in folder_paths.folder_names_and_paths:
+        path = Path(folder_paths.models_dir) / PACK_FOLDER
+        folder_paths.add_model_folder_path(PACK_FOLDER, str(path), is_default=True)
+
+
+def tiny_dir() -> Path:
+    """The embedded tiny H3, built on first use into models/minimax_h3/tiny (deterministic, offline)."""
+    register_model_folder()
+    target = Path(folder_paths.get_folder_paths(PACK_FOLDER)[0]) / "tiny"
+    if not (target / "tiny.json").is_file():
+        from ..h3_core import tiny
+
+        tiny.build(target, seed=0)
+    return target
+
+
+def model_choices(folder: str) -> list[str]:
+    """Files in one of core's model folders, plus whole-model folders and the embedded tiny H3."""
+    register_model_folder()
+    choices = [TINY_CHOICE]
+    roots = []
+    for base in folder_paths.get_folder_paths(PACK_FOLDER):
+        base_path = Path(base)
+        if base_path.is_dir():
+            roots += sorted(f"{PACK_FOLDER}/{p.name}" for p in base_path.iterdir() if p.is_dir() and p.name != "tiny")
+    files = [name for name in folder_paths.get_filename_list(folder) if name.endswith(".safetensors")]
+    return choices + roots + files
+
+
+def resolve_model_path(folder: str, choice: str) -> tuple[Path, bool]:
+    """(path, is_whole_model_folder) for a loader's combo value."""
+    if choice == TINY_CHOICE:
+        return tiny_dir(), True
+    if choice.startswith(PACK_FOLDER + "/"):
+        name = choice.split("/", 1)[1]
+        for base in folder_paths.get_folder_paths(PACK_FOLDER):
+            if (Path(base) / name).is_dir():
+                return Path(base) / name, True
+        raise ValueError(f"model folder {choice!r} not found under models/{PACK_FOLDER}/")
+    return Path(folder_paths.get_full_path_or_raise(folder, choice)), False
+
+
+# --- model management -----------------------------------------------------------------------------
+
+
+class _Holder(torch.nn.Module):
+    """Gives ComfyUI's ModelPatcher a plain module to manage (diffusers models have a read-only
+    `.device`, which the patcher sets); moving the holder moves the model inside it."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+
+def managed(model: torch.nn.Module, load_device: torch.device, offload_device: torch.device):
+    """Wrap a loaded module so ComfyUI decides where it lives (GPU while used, offloaded after)."""
+    return comfy.model_patcher.ModelPatcher(_Holder(model), load_device=load_device, offload_device=offload_device)
+
+
+def use(*patchers) -> torch.device:
+    """Bring models onto their compute device for the node that is running; returns that device."""
+    active = [patcher for patcher in patchers if patcher is not None]
+    mm.load_models_gpu(active)
+    return active[0].load_device if active else mm.get_torch_device()
+
+
+def unwrap(patcher) -> torch.nn.Module:
+    return patcher.model.model
+
+
+# --- progress and interruption --------------------------------------------------------------------
+
+
+class InterruptFlag:
+    """ComfyUI's interrupt flag seen as the `threading.Event` h3_core's loops check."""
+
+    def is_set(self) -> bool:
+        return mm.processing_interrupted()
+
+
+def progress_callback(node_id: str | None):
+    bar = {}
+
+    def report(done: int, total: int) -> None:
+        if "bar" not in bar:
+            bar["bar"] = comfy.utils.ProgressBar(total, node_id=node_id)
+        bar["bar"].update_absolute(done, total)
+
+    return report
+
+
+def run_interruptible(fn, *args, **kwargs):
+    """Run h3_core work; a cancel seen inside becomes ComfyUI's own interrupt (not a node error)."""
+    try:
+        return fn(*args, **kwargs)
+    except Cancelled:
+        mm.throw_exception_if_processing_interrupted()
+        raise
+
+
+# --- ComfyUI values <-> h3_core arrays ------------------------------------------------------------
+
+
+def image_to_uint8(image: torch.Tensor, label: str) -> np.ndarray:
+    """One IMAGE ([1,H,W,C] float 0..1) as uint8 RGB, quantised like the reference pipeline."""
+    if image.ndim != 4 or image.shape[0] != 1:
+        raise rules.H3InputError(f"{label} must be a single image (batch of 1), got a batch of {image.shape[0]}")
+    return media.image_to_uint8(image[0, ..., :3])
+
+
+def audio_to_numpy(audio: dict, label: str) -> tuple[np.ndarray, int]:
+    """AUDIO {"waveform": [B,C,T], "sample_rate"} -> (float32 [C,T], rate)."""
+    waveform = audio["waveform"]
+    if waveform.ndim != 3 or waveform.shape[0] != 1:
+        raise rules.H3InputError(f"{label} must be one clip (batch of 1), got waveform {tuple(waveform.shape)}")
+    return waveform[0].float().cpu().numpy(), int(audio["sample_rate"])
+
+
+def video_components(video) -> tuple[np.ndarray, float, np.ndarray | None, int | None]:
+    """VIDEO -> (uint8 frames [F,H,W,3], fps, soundtrack float32 [C,T] or None, rate or None)."""
+    components = video.get_components()
+    frames = media.frames_to_uint8(components.images[..., :3])
+    audio, rate = (None, None)
+    if components.audio is not None:
+        audio, rate = audio_to_numpy(components.audio, "reference video soundtrack")
+    return frames, float(components.frame_rate), audio, rate
+
+
+def to_video(frames: torch.Tensor, audio: torch.Tensor, sample_rate: int, fps: int):
+    """Decoded H3 output as core VIDEO / IMAGE / AUDIO values."""
+    from comfy_api.latest import InputImpl, Types
+
+    audio_value = {"waveform": audio[None].contiguous(), "sample_rate": sample_rate}
+    video = InputImpl.VideoFromComponents(
+        Types.VideoComponents(images=frames, audio=audio_value, frame_rate=Fraction(fps))
+    )
+    return video, frames, audio_value
+
+
+def av_latent(video: torch.Tensor, audio_comfy: torch.Tensor) -> dict:
+    """Core's H3 AV LATENT: NestedTensor(video [1,24,T,H/16,W/16], audio [1,32,2,Ta])."""
+    from comfy.nested_tensor import NestedTensor
+
+    return {"samples": NestedTensor((video, audio_comfy))}
+
+
+def split_av_latent(latent: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    tensors = getattr(samples, "tensors", None)
+    if not tensors or len(tensors) != 2:
+        raise ValueError("expected an H3 AV latent (NestedTensor of video and audio), e.g. from H3 Sampler")
+    return tensors[0], tensors[1]

@@ -1,0 +1,41 @@
+"""H3 Decode: AV latent -> core VIDEO (with audio), IMAGE frames and AUDIO."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..h3_core import rules
+from ..h3_core.diffusion import AVLatents, DiffusionStage
+from . import comfy_bridge as bridge
+from .types import CATEGORY, AudioVAE, VideoVAE
+
+
+class Decode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SplitDecode",
+            display_name="H3 Decode",
+            category=f"{CATEGORY}/sampling",
+            description="Decodes the AV latent: video with the video VAE's tiled ViT decoder (24 fps), audio with the "
+            "BigVGAN decoder (32 kHz stereo, trimmed to the video's duration). Feeds core SaveVideo, PreviewAudio, "
+            "GetVideoComponents.",
+            inputs=[io.Latent.Input("latent"), VideoVAE.Input("vae"), AudioVAE.Input("audio_vae")],
+            outputs=[
+                io.Video.Output(display_name="video"),
+                io.Image.Output(display_name="frames"),
+                io.Audio.Output(display_name="audio"),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, latent, vae, audio_vae) -> io.NodeOutput:
+        video, audio = bridge.split_av_latent(latent)
+        device = bridge.use(vae.patcher, audio_vae.patcher)
+        stage = DiffusionStage(modules={"vae": vae.module, "audio_vae": audio_vae.module},
+                               pipeline_config=vae.pipeline_config, device=device)
+        decoded = stage.decode(AVLatents(video=video, audio=AVLatents.audio_from_comfy(audio), num_frames=0))
+        return io.NodeOutput(*bridge.to_video(decoded.video, decoded.audio, decoded.sample_rate, rules.FPS))
+
+
+NODES = [Decode]

@@ -1,0 +1,159 @@
+"""The three encoder nodes: Text Encode starts a conditioning, the VAE encoders add their parts.
+
+    media --> H3 Text Encode --> H3 Video VAE Encode --> H3 Audio VAE Encode --> CONDITIONING
+                 (Qwen3-VL)         (keyframes, refs)       (soundtracks, audio)
+
+Each node calls the same h3_core functions the encoder stage runs (`h3_core.assembly`), so the
+graph's conditioning is bit-identical to `python -m h3_core encode` on the same inputs. A VAE node
+whose part the request does not need passes the conditioning through untouched.
+"""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..h3_core import assembly, rules
+from ..h3_core.encoder import EncoderStage
+from . import comfy_bridge as bridge
+from .media import MediaBundle
+from .types import CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
+
+TASKS = ["auto", "t2va", "fl2va", "ref2va"]
+
+
+def check_numbers(width: int, height: int, length: int) -> bool | str:
+    """Cheap static checks shared by Text Encode and Remote Encode (validate_inputs)."""
+    try:
+        rules.check_output_frames(length)
+        if (width == 0) != (height == 0):
+            raise rules.H3InputError("width and height must both be 0 (auto) or both be set")
+        if width:
+            rules.check_canvas(width, height)
+    except rules.H3InputError as error:
+        return str(error)
+    return True
+
+
+def numbers_inputs() -> list:
+    return [
+        io.Int.Input(
+            "width", default=0, min=0, max=8192, step=32,
+            tooltip="Output width in px, a multiple of 32 (VAE /16 x patch 2). 0 = H3's canvas rule: 16:9, or the "
+            "first keyframe's aspect, at a 768 px short edge (64 px for the tiny model).",
+        ),
+        io.Int.Input("height", default=0, min=0, max=8192, step=32, tooltip="Output height in px, a multiple of 32; 0 = auto."),
+        io.Int.Input(
+            # min 5 + step 17 keeps the widget on the 17k+5 grid; validate_inputs holds the 124..345 range.
+            "length", default=rules.MIN_FRAMES, min=rules.LATENTS_PER_CLIP, max=3600, step=rules.FRAMES_PER_CLIP,
+            tooltip="Frames at 24 fps on the video VAE's 17k+5 grid; H3 generates 124 (5.2 s) to 345 (14.4 s).",
+        ),
+    ]
+
+
+def request_from(media, prompt, task, width, height, length):
+    bundle = media if media is not None else MediaBundle()
+    return bundle.to_request(
+        prompt=prompt,
+        task=None if task == "auto" else task,
+        width=width or None,
+        height=height or None,
+        num_frames=length,
+    )
+
+
+def parts_of(conditioning, node: str) -> assembly.EncodingParts:
+    parts = assembly.from_core(conditioning)
+    if parts is None:
+        raise ValueError(f"{node} adds to a conditioning started by H3 Text Encode; connect that node's output here")
+    return parts
+
+
+class TextEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SplitTextEncode",
+            display_name="H3 Text Encode",
+            category=f"{CATEGORY}/encode",
+            description="Qwen3-VL encodes H3's presentation of the request: the prompt plus a labelled vision block "
+            "per keyframe/reference image and per 2 fps pair of reference-video frames. Starts the conditioning "
+            "the VAE encode nodes add to.",
+            inputs=[
+                TextEncoder.Input("text_encoder"),
+                io.String.Input("prompt", multiline=True, tooltip="Passed verbatim (no chat template). Refer to "
+                                "references as <Picture i>, <Video k>, <Audio j>."),
+                *numbers_inputs(),
+                Media.Input("media", optional=True, tooltip="Keyframes (fl2va) or references (ref2va)."),
+                io.Combo.Input("task", options=TASKS, default="auto", optional=True,
+                               tooltip="auto: references -> ref2va, keyframes -> fl2va, nothing -> t2va."),
+            ],
+            outputs=[io.Conditioning.Output()],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def validate_inputs(cls, width, height, length, **kwargs):
+        return check_numbers(width, height, length)
+
+    @classmethod
+    def execute(cls, text_encoder, prompt, width, height, length, media=None, task="auto") -> io.NodeOutput:
+        request = request_from(media, prompt, task, width, height, length)
+        parts = assembly.start(request, text_encoder.pipeline_config)  # all rules checked before the model moves
+        device = bridge.use(text_encoder.patcher)
+        stage = EncoderStage(
+            modules={"text_encoder": text_encoder.module, **text_encoder.extra},
+            pipeline_config=text_encoder.pipeline_config,
+            fingerprint=text_encoder.fingerprint,
+            device=device,
+        )
+        return io.NodeOutput(assembly.to_core(assembly.add_text(parts, stage)))
+
+
+class VideoVAEEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SplitVideoVAEEncode",
+            display_name="H3 Video VAE Encode",
+            category=f"{CATEGORY}/encode",
+            description="Encodes the request's keyframes and reference images/videos with the video VAE (posterior "
+            "sampled under seed 42 through fp16, as the release does) and adds them to the conditioning. A t2va "
+            "conditioning passes through.",
+            inputs=[io.Conditioning.Input("conditioning"), VideoVAE.Input("vae")],
+            outputs=[io.Conditioning.Output()],
+        )
+
+    @classmethod
+    def execute(cls, conditioning, vae) -> io.NodeOutput:
+        parts = parts_of(conditioning, "H3 Video VAE Encode")
+        if not parts.prepared.needs_video_vae:
+            return io.NodeOutput(conditioning)
+        device = bridge.use(vae.patcher)
+        stage = EncoderStage(modules={"vae": vae.module}, pipeline_config=parts.pipeline_config, device=device)
+        return io.NodeOutput(assembly.to_core(assembly.add_video(parts, stage)))
+
+
+class AudioVAEEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SplitAudioVAEEncode",
+            display_name="H3 Audio VAE Encode",
+            category=f"{CATEGORY}/encode",
+            description="Encodes reference-video soundtracks and reference audios (32 kHz stereo, 40 latents/s, "
+            "posterior mean) and adds them to the conditioning. A request without audio passes through.",
+            inputs=[io.Conditioning.Input("conditioning"), AudioVAE.Input("audio_vae")],
+            outputs=[io.Conditioning.Output()],
+        )
+
+    @classmethod
+    def execute(cls, conditioning, audio_vae) -> io.NodeOutput:
+        parts = parts_of(conditioning, "H3 Audio VAE Encode")
+        if not parts.prepared.needs_audio_vae:
+            return io.NodeOutput(conditioning)
+        device = bridge.use(audio_vae.patcher)
+        stage = EncoderStage(modules={"audio_vae": audio_vae.module}, pipeline_config=parts.pipeline_config, device=device)
+        return io.NodeOutput(assembly.to_core(assembly.add_audio(parts, stage)))
+
+
+NODES = [TextEncode, VideoVAEEncode, AudioVAEEncode]

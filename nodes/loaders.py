@@ -1,0 +1,205 @@
+"""Loaders: one node per H3 component, reading ComfyUI's standard model folders.
+
+Each accepts every layout h3_core loads: a Comfy-Org single file (diffusion_models/,
+text_encoders/, vae/), a whole-model folder under models/minimax_h3/ (an official diffusers root or
+a native partition), or the embedded tiny H3. The weights live under ComfyUI's model management.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import comfy.model_management as mm
+import torch
+from comfy_api.latest import io
+
+from ..h3_core.models import ModelSource
+from . import comfy_bridge as bridge
+from .types import CATEGORY, AudioVAE, DiT, TextEncoder, VideoVAE
+
+
+@dataclass
+class LoadedModel:
+    """What a loader hands downstream: the managed module(s) plus where they came from."""
+
+    patcher: object  # ComfyUI ModelPatcher around the module
+    source: ModelSource
+    fingerprint: str
+    extra: dict  # tokenizer/processor (text encoder), partition name (DiT)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return bridge.unwrap(self.patcher)
+
+    @property
+    def pipeline_config(self) -> dict:
+        return self.source.pipeline_config
+
+
+def _source(folder: str, choice: str, component: str) -> ModelSource:
+    path, whole_folder = bridge.resolve_model_path(folder, choice)
+    if whole_folder:
+        return ModelSource.from_path(path)
+    return ModelSource.for_file(component, path)
+
+
+def _load(folder: str, choice: str, component: str, load_device, offload_device, dtype=torch.float32):
+    source = _source(folder, choice, component)
+    module = source.load(component, dtype=dtype)
+    patcher = bridge.managed(module, load_device, offload_device)
+    return source, patcher
+
+
+def _fingerprint_file(folder: str, choice: str) -> str:
+    path, _ = bridge.resolve_model_path(folder, choice)
+    stat = path.stat()
+    return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+class TextEncoderLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SplitTextEncoderLoader",
+            display_name="H3 Text Encoder Loader",
+            category=f"{CATEGORY}/loaders",
+            description="Loads the Qwen3-VL text encoder H3 conditions on (layer-50 states), with its tokenizer "
+            "and processor. ~51 GB in bf16 at full size: the piece a remote encoder endpoint can take off this machine.",
+            inputs=[
+                io.Combo.Input(
+                    "text_encoder",
+                    options=bridge.model_choices("text_encoders"),
+                    tooltip="A file in models/text_encoders (Comfy-Org qwen3vl_32b_minimax_h3_*.safetensors), a model "
+                    "folder in models/minimax_h3, or the embedded tiny H3.",
+                ),
+            ],
+            outputs=[TextEncoder.Output()],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, text_encoder):
+        return _fingerprint_file("text_encoders", text_encoder)
+
+    @classmethod
+    def execute(cls, text_encoder) -> io.NodeOutput:
+        source, patcher = _load(
+            "text_encoders", text_encoder, "text_encoder", mm.text_encoder_device(), mm.text_encoder_offload_device()
+        )
+        extra = {"tokenizer": source.load_tokenizer(), "processor": source.load_processor()}
+        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), extra))
+
+
+class VideoVAELoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SplitVideoVAELoader",
+            display_name="H3 Video VAE Loader",
+            category=f"{CATEGORY}/loaders",
+            description="Loads H3's video VAE (24 latent channels, /16 space, 17k+5 frames <-> 5k+2 latents): "
+            "its encoder for keyframes and visual references, its decoder for the output.",
+            inputs=[
+                io.Combo.Input(
+                    "vae",
+                    options=bridge.model_choices("vae"),
+                    tooltip="A file in models/vae (Comfy-Org minimax_h3_video_vae_fp16.safetensors), a model folder in "
+                    "models/minimax_h3, or the embedded tiny H3.",
+                ),
+            ],
+            outputs=[VideoVAE.Output()],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, vae):
+        return _fingerprint_file("vae", vae)
+
+    @classmethod
+    def execute(cls, vae) -> io.NodeOutput:
+        source, patcher = _load("vae", vae, "vae", mm.vae_device(), mm.vae_offload_device())
+        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {}))
+
+
+class AudioVAELoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SplitAudioVAELoader",
+            display_name="H3 Audio VAE Loader",
+            category=f"{CATEGORY}/loaders",
+            description="Loads H3's audio VAE (32 kHz stereo, 40 latents/s, 32 channels): its encoder for "
+            "reference audio and soundtracks, its decoder for the output.",
+            inputs=[
+                io.Combo.Input(
+                    "audio_vae",
+                    options=bridge.model_choices("vae"),
+                    tooltip="A file in models/vae (Comfy-Org minimax_h3_audio_vae_fp32.safetensors), a model folder in "
+                    "models/minimax_h3, or the embedded tiny H3.",
+                ),
+            ],
+            outputs=[AudioVAE.Output()],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, audio_vae):
+        return _fingerprint_file("vae", audio_vae)
+
+    @classmethod
+    def execute(cls, audio_vae) -> io.NodeOutput:
+        source, patcher = _load("vae", audio_vae, "audio_vae", mm.vae_device(), mm.vae_offload_device())
+        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {}))
+
+
+PARTITIONS = {"fl2va (t2va, first/last frame)": "transformer", "ref2va (references)": "transformer_ref"}
+
+
+class DiTLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SplitDiTLoader",
+            display_name="H3 DiT Loader",
+            category=f"{CATEGORY}/loaders",
+            description="Loads one H3 DiT partition (33B at full size): FL2VA serves t2va and first/last-frame "
+            "requests, Ref2VA serves reference requests.",
+            inputs=[
+                io.Combo.Input(
+                    "dit",
+                    options=bridge.model_choices("diffusion_models"),
+                    tooltip="A file in models/diffusion_models (Comfy-Org minimax_h3_{fl2va,ref2va}_bf16.safetensors), a "
+                    "model folder in models/minimax_h3, or the embedded tiny H3.",
+                ),
+                io.Combo.Input(
+                    "partition",
+                    options=list(PARTITIONS),
+                    tooltip="Which partition to take from a model folder. For a single file, its name (fl2va/ref2va) "
+                    "decides and this must agree.",
+                ),
+                io.Combo.Input("weight_dtype", options=["default", "bf16", "fp32"], optional=True,
+                               tooltip="Compute dtype of the DiT; default keeps fp32 on CPU and bf16 on GPU."),
+            ],
+            outputs=[DiT.Output()],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, dit, partition, weight_dtype="default"):
+        return f"{_fingerprint_file('diffusion_models', dit)}|{partition}|{weight_dtype}"
+
+    @classmethod
+    def execute(cls, dit, partition, weight_dtype="default") -> io.NodeOutput:
+        component = PARTITIONS[partition]
+        load_device, offload_device = mm.get_torch_device(), mm.unet_offload_device()
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(weight_dtype)
+        if dtype is None:
+            dtype = torch.float32 if load_device.type == "cpu" else torch.bfloat16
+        source = _source("diffusion_models", dit, component)
+        if component not in source.paths:
+            other = "transformer_ref" if component == "transformer" else "transformer"
+            found = "Ref2VA" if other == "transformer_ref" else "FL2VA"
+            if other in source.paths:
+                raise ValueError(f"{dit} is the {found} partition, but partition {partition!r} was selected")
+        module = source.load(component, dtype=dtype)
+        patcher = bridge.managed(module, load_device, offload_device)
+        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {"partition": component}))
+
+
+NODES = [TextEncoderLoader, VideoVAELoader, AudioVAELoader, DiTLoader]

@@ -1,0 +1,65 @@
+"""H3 Sampler: conditioning + seed + steps -> the AV latent (core's NestedTensor pair)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..h3_core import assembly, configs
+from ..h3_core.diffusion import DiffusionStage
+from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
+from . import comfy_bridge as bridge
+from .types import CATEGORY, DiT
+
+
+class Sampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3SplitSampler",
+            display_name="H3 Sampler",
+            category=f"{CATEGORY}/sampling",
+            description="Flow-matching loop of the H3 DiT over one packed text + condition + audio + video sequence: "
+            "video shift 12, audio shift 3, one forward per step (guidance-distilled: no CFG, no negative prompt). "
+            "The seed means what diffusers' torch.Generator('cpu').manual_seed(seed) means.",
+            inputs=[
+                DiT.Input("dit"),
+                io.Conditioning.Input("conditioning", tooltip="From the H3 encode nodes, Remote Encode or Load Conditioning."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+                io.Int.Input("steps", default=50, min=2, max=200,
+                             tooltip="Sigma points including the final 0 (diffusers' num_inference_steps): "
+                             "steps - 1 DiT forwards. Turbo LoRAs use 5 or 9."),
+                io.Float.Input("video_shift", default=configs.VIDEO_SHIFT, min=0.1, max=100.0, step=0.1,
+                               tooltip="Flow shift of the video stream (12 released; 6 for some Turbo LoRAs)."),
+                io.Float.Input("audio_shift", default=configs.AUDIO_SHIFT, min=0.1, max=100.0, step=0.1,
+                               tooltip="Flow shift of the audio stream (3 released)."),
+            ],
+            outputs=[io.Latent.Output(tooltip="AV latent: video [1,24,T,H/16,W/16] + audio [1,32,2,Ta].")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, dit, conditioning, seed, steps, video_shift, audio_shift) -> io.NodeOutput:
+        cond = assembly.conditioning_from_core(conditioning)  # complete + valid, before any heavy work
+        needed = PARTITION_OF_TASK[cond.task]
+        if dit.extra["partition"] != needed:
+            raise ValueError(
+                f"this {cond.task} conditioning needs the {COMPONENT_NAMES[needed]}; the loaded DiT is the "
+                f"{COMPONENT_NAMES[dit.extra['partition']]} (set H3 DiT Loader's partition)"
+            )
+        device = bridge.use(dit.patcher)
+        stage = DiffusionStage(modules={needed: dit.module}, pipeline_config=dit.pipeline_config, device=device,
+                               dtype=next(dit.module.parameters()).dtype)
+        latents = bridge.run_interruptible(
+            stage.sample,
+            cond,
+            seed=seed,
+            steps=steps,
+            video_shift=video_shift,
+            audio_shift=audio_shift,
+            progress=bridge.progress_callback(cls.hidden.unique_id),
+            cancel=bridge.InterruptFlag(),
+        )
+        return io.NodeOutput(bridge.av_latent(latents.video, latents.to_comfy_audio()))
+
+
+NODES = [Sampler]
