@@ -582,6 +582,7 @@ def write_mp4(
     os.close(handle)
     try:
         _encode_mp4(partial, frames, audio, fps, sample_rate, crf, audio_bitrate)
+        os.chmod(partial, 0o644)  # mkstemp made it 0600; an output file is meant to be shared
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):

@@ -59,7 +59,8 @@ class ModelSource:
                 raise ModelSourceError(f"layout must be diffusers, comfyui or native, got {choice!r}")
             source = cls.from_path(root / sub)
             source.tiny = True
-            source.pipeline_config = source.pipeline_config or configs.get("pipeline", tiny=True)
+            if choice != "diffusers":  # the diffusers root records its own; single files carry none
+                source.pipeline_config = configs.get("pipeline", tiny=True)
             if source.tokenizer is None and (root / "diffusers" / "tokenizer").is_dir():
                 # The ComfyUI text-encoder file carries no tokenizer; the tiny build's is the real one.
                 source.tokenizer = root / "diffusers" / "tokenizer"

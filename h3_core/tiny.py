@@ -188,12 +188,29 @@ def write_comfy_models(models: dict[str, torch.nn.Module], models_dir: Path) -> 
     save_comfy_audio_vae(models["audio_vae"], paths["audio_vae"])
 
 
-def write_native_partitions(models: dict[str, torch.nn.Module], native_dir: Path) -> None:
-    """Write the native MiniMaxAI partition folders (FL2VA/, Ref2VA/) for the DiT."""
-    from .weights import save_native_transformer
+def write_native_partitions(models: dict[str, torch.nn.Module], native_dir: Path, diffusers_root: Path) -> None:
+    """Write the native MiniMaxAI partitions FL2VA/ and Ref2VA/.
+
+    Each holds its DiT in the native layout (per-head interleaved QKV, `transformer/`) and the
+    `_minimax_h3` model index; the VAEs as native component folders (Comfy-Org key names +
+    config.json); the text encoder, tokenizer and processor, identical to the diffusers root's, as
+    relative links to it (the release ships them twice; the tiny model need not).
+    """
+    from .weights import save_comfy_audio_vae, save_comfy_video_vae, save_native_transformer
 
     for partition, name in (("FL2VA", "transformer"), ("Ref2VA", "transformer_ref")):
-        save_native_transformer(models[name], native_dir / partition)
+        root = native_dir / partition
+        save_native_transformer(models[name], root)
+        for folder, model, writer in (
+            ("video_vae", models["vae"], save_comfy_video_vae),
+            ("audio_vae", models["audio_vae"], save_comfy_audio_vae),
+        ):
+            (root / folder).mkdir(parents=True, exist_ok=True)
+            writer(model, root / folder / "model.safetensors")
+            _write_json(root / folder / "config.json", dict(model.config))
+        for shared in ("text_encoder", "tokenizer", "processor"):
+            link = root / shared
+            link.symlink_to(os.path.relpath(diffusers_root / shared, root), target_is_directory=True)
 
 
 def _manifest(out: Path, seed: int) -> dict:
@@ -212,6 +229,6 @@ def build(out: str | os.PathLike, seed: int = 0) -> Path:
     models = build_models(seed)
     write_diffusers_root(models, out / "diffusers")
     write_comfy_models(models, out / "comfyui")
-    write_native_partitions(models, out / "native")
+    write_native_partitions(models, out / "native", out / "diffusers")
     _write_json(out / "tiny.json", _manifest(out, seed))
     return out

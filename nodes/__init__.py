@@ -25,6 +25,28 @@ except ImportError as error:  # pragma: no cover - reported in the ComfyUI log
     print(f"[MiniMax H3 split] remote encode node unavailable: {error}")
 
 
+def install_example_inputs() -> None:
+    """Copy the shipped workflows' example media into ComfyUI's input/ (never overwriting), so the
+    workflows in workflows/ run as soon as they are dropped onto the canvas."""
+    import shutil
+    from pathlib import Path
+
+    import folder_paths
+
+    source = Path(__file__).resolve().parent.parent / "workflows" / "inputs"
+    target = Path(folder_paths.get_input_directory())
+    if not source.is_dir():
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    for item in sorted(source.glob("h3_example_*")):
+        if not (target / item.name).exists():
+            shutil.copyfile(item, target / item.name)
+
+
 class H3Extension(ComfyExtension):
+    async def on_load(self) -> None:
+        install_example_inputs()
+
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        install_example_inputs()  # cores that predate on_load (e.g. 0.3.75) only call this
         return [node for module in NODE_MODULES for node in module.NODES]

@@ -3,6 +3,8 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=$("$REPO/scripts/setup_env.sh")
+# ComfyUI 0.3.75 + chromium + playwright-core for the in-ComfyUI tests (fast when already set up).
+H3_VENV="$VENV" bash "$REPO/scripts/setup_comfyui.sh"
 cd "$REPO"
 # Fixed thread count: bitwise stage-split parity assumes it (DIFFUSERS_NOTES.md).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} H3_THREADS=${H3_THREADS:-2}

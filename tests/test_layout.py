@@ -70,3 +70,13 @@ def test_requirements_never_pin_torch():
         assert {"diffusers", "accelerate", "transformers", "safetensors", "av", "numpy"} <= packages
     data = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     assert not any(dep.lower().startswith("torch") for dep in data["project"]["dependencies"])
+
+
+def test_h3_core_imports_itself_relatively():
+    # Inside ComfyUI the pack is imported as `<folder>.h3_core`: an absolute `h3_core` import would fail there.
+    offenders = [
+        str(path.relative_to(REPO))
+        for path in sorted((REPO / "h3_core").rglob("*.py"))
+        if "h3_core" in _imported_modules(path)
+    ]
+    assert offenders == []

@@ -85,3 +85,54 @@ def test_split_matches_monolithic(case, stages, tiny_dir):
     assert torch.equal(latents.video, ref["latents"]) and torch.equal(latents.audio, ref["audio_latents"])
     # Audio is trimmed to the video's duration (diffusers returns audio_t * 800 samples).
     assert samples == round(request.num_frames / 24 * 32000)
+
+
+@pytest.mark.parametrize("layout", ["comfyui", "native"])
+def test_every_layout_generates_the_same(layout, stages, tiny_dir):
+    """The ComfyUI single files (50-layer text encoder, folded audio VAE, stacked QKV) and the native
+    partitions (interleaved QKV) give the diffusers root's result exactly."""
+    request, _, seed = CASES["ref2va-image-video-audio-seed2"]
+    encoder, diffusion = stages
+    _, expected = diffusion.generate(encoder.encode(request), seed=seed, steps=STEPS)
+    source = ModelSource.from_path(tiny_dir, layout=layout)
+    cond = EncoderStage(source).encode(request)
+    _, decoded = DiffusionStage(source).generate(cond, seed=seed, steps=STEPS)
+    assert torch.equal(decoded.video, expected.video) and torch.equal(decoded.audio, expected.audio)
+
+
+def test_cli_encode_generate_dump(tiny_dir, tmp_path):
+    """The headless path end to end: files in, mp4 + tensors out, equal to the in-process split."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from h3_core import media
+
+    repo = Path(__file__).resolve().parents[1]
+    first = tmp_path / "first.png"
+    first.write_bytes(media.encode_png_bytes(CASES["fl2va-first-last-seed1"][0].first_frame))
+    cond_path, out, dump = tmp_path / "c.safetensors", tmp_path / "o.mp4", tmp_path / "d.safetensors"
+    env = {"H3_THREADS": "2"}
+    import os
+
+    env = {**os.environ, **env}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "h3_core", *args], cwd=repo, env=env,
+                                       capture_output=True, text=True, timeout=600)
+    enc = run("encode", "--models", str(tiny_dir), "--prompt", "The door opens.", "--first-frame", str(first),
+              "--out", str(cond_path))
+    assert enc.returncode == 0, enc.stderr
+    gen = run("generate", "--models", str(tiny_dir), "--cond", str(cond_path), "--out", str(out), "--seed", "4",
+              "--steps", str(STEPS), "--dump", str(dump))
+    assert gen.returncode == 0, gen.stderr
+    assert "denoise: step 3/3" in gen.stderr
+    info = media.probe(out)
+    assert info["frames"] == 124 and info["fps"] == 24.0 and info["sample_rate"] == 32000 and info["channels"] == 2
+    tensors = load_file(str(dump))
+    request = EncodeRequest(prompt="The door opens.", first_frame=media.read_image(first))
+    ref = monolithic(tiny_dir / "diffusers", request, "fl2va", 4, STEPS)
+    assert torch.equal(tensors["video"], ref["video"])
+    assert torch.equal(tensors["audio"], ref["audio"][:, : tensors["audio"].shape[1]])
+    bad = run("encode", "--models", str(tiny_dir), "--prompt", "x", "--frames", "23", "--out", str(cond_path))
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error: frame count must be of the form 17k+5")

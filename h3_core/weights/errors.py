@@ -19,6 +19,10 @@ class UnsupportedCheckpointError(H3WeightsError):
     """A recognised MiniMax-H3 variant this package deliberately refuses (pruned, quantised)."""
 
 
+class IncompleteFileError(H3WeightsError):
+    """A safetensors file shorter than its own header says (an interrupted download)."""
+
+
 class KeyMismatchError(H3WeightsError):
     """After key conversion the tensors do not map one-to-one (or not shape-for-shape) onto the model."""
 

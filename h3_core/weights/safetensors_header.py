@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import H3WeightsError
+from .errors import H3WeightsError, IncompleteFileError
 
 # safetensors dtype tags -> torch dtypes. Tags missing here (exotic fp4 packings...) are kept as
 # strings in TensorInfo and refused later by name, never silently reinterpreted.
@@ -97,11 +97,19 @@ def read_file_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise H3WeightsError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     tensors = {}
+    data_end = 0
     for name, entry in header.items():
         try:
             tensors[name] = TensorInfo(dtype=str(entry["dtype"]), shape=tuple(int(s) for s in entry["shape"]), file=path)
-        except (KeyError, TypeError, ValueError) as exc:
+            data_end = max(data_end, int(entry["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise H3WeightsError(f"{path}: malformed header entry for tensor {name!r}") from exc
+    # An interrupted download keeps a valid header but loses data; say so before anyone loads it.
+    if file_size < 8 + header_len + data_end:
+        raise IncompleteFileError(
+            f"{path}: incomplete file - the header describes {8 + header_len + data_end} bytes, the file has "
+            f"{file_size} (interrupted download?)"
+        )
     return tensors, {str(k): str(v) for k, v in metadata.items()}
 
 

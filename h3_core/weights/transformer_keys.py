@@ -1,0 +1,215 @@
+"""DiT keys: diffusers `MiniMaxH3Transformer3DModel` <-> Comfy-Org single file / native partition.
+
+Comfy-Org and native files use the reference names (SPEC.md §5.1: `video_patch_proj`,
+`blocks.N.attn.qkv_proj`, `mlp.fc1`, `final_layer.*`, `rope.inv_freq`...) and differ only in the
+fused QKV row order: Comfy files are stacked `[q; k; v]`, native shards interleave per head
+(diffusers' single-file converter documents both). `fc1` is `[gate; value]` in both, diffusers'
+SwiGLU wants `[value; gate]`. `rope.inv_freq` is not a diffusers weight: the model recomputes it
+from `rope_theta`, so it is dropped on the way in (the loader checks it matches) and recomputed
+with diffusers' own module on the way out.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .. import configs
+
+from . import config_merge
+from .errors import H3WeightsError
+from .fused import fuse_qkv, split_qkv, swap_halves
+
+QKV_LAYOUT_BY_NAMING = {"comfy": "stacked", "native": "interleaved"}
+
+# Reference name -> diffusers name, for everything outside the repeated blocks.
+_TOP_LEVEL = {
+    "video_patch_proj.weight": "proj_in.weight",
+    "video_patch_proj.bias": "proj_in.bias",
+    "audio_patch_proj.weight": "audio_proj_in.weight",
+    "audio_patch_proj.bias": "audio_proj_in.bias",
+    "condition_proj.weight": "context_embedder.weight",
+    "condition_proj.bias": "context_embedder.bias",
+    "time_embedder.proj_in.weight": "time_embedder.linear_1.weight",
+    "time_embedder.proj_in.bias": "time_embedder.linear_1.bias",
+    "time_embedder.proj_out.weight": "time_embedder.linear_2.weight",
+    "time_embedder.proj_out.bias": "time_embedder.linear_2.bias",
+    "token_refiner.final_norm.weight": "token_refiner.final_norm.weight",
+    "final_layer.norm.weight": "norm_out.norm.weight",
+    "final_layer.adaln_proj.linear.weight": "norm_out.linear.weight",
+    "final_layer.adaln_proj.linear.bias": "norm_out.linear.bias",
+    "final_layer.video_out.weight": "proj_out.weight",
+    "final_layer.video_out.bias": "proj_out.bias",
+    "final_layer.audio_out.weight": "audio_proj_out.weight",
+    "final_layer.audio_out.bias": "audio_proj_out.bias",
+}
+_TOP_LEVEL_INV = {v: k for k, v in _TOP_LEVEL.items()}
+
+# Inside one block: reference suffix -> diffusers suffix (qkv and fc1 need tensor work too).
+_BLOCK = {
+    "norm1.weight": "norm1.weight",
+    "norm2.weight": "norm2.weight",
+    "attn.q_norm.weight": "attn.norm_q.weight",
+    "attn.k_norm.weight": "attn.norm_k.weight",
+    "attn.out_proj.weight": "attn.to_out.0.weight",
+    "mlp.fc1.weight": "ff.net.0.proj.weight",
+    "mlp.fc2.weight": "ff.net.2.weight",
+    "adaln_proj.linear.weight": "adaln_proj.linear.weight",
+    "adaln_proj.linear.bias": "adaln_proj.linear.bias",
+}
+_BLOCK_INV = {v: k for k, v in _BLOCK.items()}
+_QKV = "attn.qkv_proj.weight"
+_SPLIT = ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight")
+
+_REF_BLOCK = re.compile(r"(blocks|token_refiner\.blocks)\.(\d+)\.(.+)")
+_DIFF_BLOCK = re.compile(r"(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.+)")
+_PREFIX_TO_DIFFUSERS = {"blocks": "transformer_blocks", "token_refiner.blocks": "token_refiner.refiner_blocks"}
+_PREFIX_TO_REFERENCE = {v: k for k, v in _PREFIX_TO_DIFFUSERS.items()}
+
+ROPE_KEY = "rope.inv_freq"
+
+
+def to_diffusers(state: dict, config: dict, naming: str) -> tuple[dict, list[str]]:
+    """Reference-named DiT state dict -> diffusers names. Returns (converted, unexpected keys)."""
+    layout = QKV_LAYOUT_BY_NAMING[naming]
+    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+    out, unexpected = {}, []
+    for key, tensor in state.items():
+        if key == ROPE_KEY:
+            continue
+        if key in _TOP_LEVEL:
+            out[_TOP_LEVEL[key]] = tensor
+            continue
+        match = _REF_BLOCK.fullmatch(key)
+        if not match:
+            unexpected.append(key)
+            continue
+        prefix, index, suffix = match.groups()
+        target = f"{_PREFIX_TO_DIFFUSERS[prefix]}.{index}."
+        if suffix == _QKV:
+            for name, part in zip(_SPLIT, split_qkv(tensor, heads, head_dim, layout, key)):
+                out[target + name] = part
+        elif suffix == "mlp.fc1.weight":
+            out[target + _BLOCK[suffix]] = swap_halves(tensor, key)
+        elif suffix in _BLOCK and (prefix == "blocks" or not suffix.startswith("adaln_proj")):
+            out[target + _BLOCK[suffix]] = tensor
+        else:
+            unexpected.append(key)
+    return out, unexpected
+
+
+def rope_inv_freq(config: dict) -> torch.Tensor:
+    """The `rope.inv_freq` diffusers computes, taken from diffusers' own module (bit-identical)."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
+
+    return MiniMaxH3RotaryPosEmbed(config["rope_freq_dim"], config["rope_theta"]).inv_freq
+
+
+def from_diffusers(state: dict, config: dict, naming: str, inv_freq: torch.Tensor | None = None) -> dict:
+    """Diffusers DiT state dict -> reference names in `naming` ('comfy' stacked or 'native' interleaved)."""
+    layout = QKV_LAYOUT_BY_NAMING[naming]
+    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+    out, pending_qkv, unexpected = {}, {}, []
+    for key, tensor in state.items():
+        if key in _TOP_LEVEL_INV:
+            out[_TOP_LEVEL_INV[key]] = tensor
+            continue
+        match = _DIFF_BLOCK.fullmatch(key)
+        if not match:
+            unexpected.append(key)
+            continue
+        prefix, index, suffix = match.groups()
+        target = f"{_PREFIX_TO_REFERENCE[prefix]}.{index}."
+        if suffix in _SPLIT:
+            pending_qkv.setdefault(target, {})[suffix] = tensor
+        elif suffix == "ff.net.0.proj.weight":
+            out[target + _BLOCK_INV[suffix]] = swap_halves(tensor, key)
+        elif suffix in _BLOCK_INV:
+            out[target + _BLOCK_INV[suffix]] = tensor
+        else:
+            unexpected.append(key)
+    for target, parts in pending_qkv.items():
+        if set(parts) != set(_SPLIT):
+            raise H3WeightsError(f"{target}attn: to_q/to_k/to_v incomplete ({sorted(parts)}), cannot fuse qkv_proj")
+        out[target + _QKV] = fuse_qkv(*(parts[name] for name in _SPLIT), heads, head_dim, layout)
+    if unexpected:
+        raise H3WeightsError(f"not MiniMaxH3Transformer3DModel weights: {sorted(unexpected)[:5]}")
+    out[ROPE_KEY] = rope_inv_freq(config) if inv_freq is None else inv_freq
+    return out
+
+
+# Native partitions' config.json uses the reference (sglang) argument names for some fields.
+_NATIVE_CONFIG_NAMES = {
+    "token_refiner_num_layers": "num_refiner_layers",
+    "ffn_hidden_size": "ffn_dim",
+    "latents_dim": "in_channels",
+    "audio_latents_dim": "audio_in_channels",
+    "timestep_input_dim": "freq_dim",
+    "time_embed_hidden_size": "time_embed_hidden_dim",
+    "rope_inv_freq_len": "rope_freq_dim",
+}
+
+
+def stated_config(raw: dict) -> dict:
+    """A checkpoint's own config in diffusers argument names (native names translated)."""
+    return {_NATIVE_CONFIG_NAMES.get(key, key): value for key, value in raw.items()}
+
+
+def _count(shapes: dict, pattern: str) -> int:
+    regex = re.compile(pattern)
+    return len({m.group(1) for key in shapes if (m := regex.match(key))})
+
+
+def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -> dict:
+    """Config from tensor shapes (+ what the checkpoint states for the rest), diffusers names."""
+    ref = naming != "diffusers"
+    n = {  # the few names derivation reads, in either naming
+        "video_in": "video_patch_proj.weight" if ref else "proj_in.weight",
+        "audio_in": "audio_patch_proj.weight" if ref else "audio_proj_in.weight",
+        "text_in": "condition_proj.weight" if ref else "context_embedder.weight",
+        "t_in": "time_embedder.proj_in.weight" if ref else "time_embedder.linear_1.weight",
+        "t_out": "time_embedder.proj_out.weight" if ref else "time_embedder.linear_2.weight",
+        "q_norm": "blocks.0.attn.q_norm.weight" if ref else "transformer_blocks.0.attn.norm_q.weight",
+        "fc1": "blocks.0.mlp.fc1.weight" if ref else "transformer_blocks.0.ff.net.0.proj.weight",
+        "blocks": r"blocks\.(\d+)\." if ref else r"transformer_blocks\.(\d+)\.",
+        "refiner": r"token_refiner\.blocks\.(\d+)\." if ref else r"token_refiner\.refiner_blocks\.(\d+)\.",
+    }
+    missing = [n[k] for k in ("video_in", "audio_in", "text_in", "t_in", "t_out", "q_norm", "fc1") if n[k] not in shapes]
+    if missing:
+        raise H3WeightsError(f"{source}: not a complete MiniMax-H3 DiT, missing {missing}")
+    stated = stated or {}
+    patch = stated.get("patch_size", configs.RELEASE_TRANSFORMER["patch_size"])
+    patch_volume = patch[0] * patch[1] * patch[2]
+    hidden, video_dim = shapes[n["video_in"]]
+    if video_dim % patch_volume:
+        raise H3WeightsError(f"{source}: video patch width {video_dim} is not channels x patch {patch}")
+    head_dim = shapes[n["q_norm"]][0]
+    if ref:
+        qkv_rows = shapes["blocks.0.attn.qkv_proj.weight"][0]
+    else:
+        qkv_rows = 3 * shapes["transformer_blocks.0.attn.to_q.weight"][0]
+    if qkv_rows % (3 * head_dim):
+        raise H3WeightsError(f"{source}: qkv rows {qkv_rows} are not 3 x heads x head_dim {head_dim}")
+    derived = {
+        "hidden_size": hidden,
+        "in_channels": video_dim // patch_volume,
+        "audio_in_channels": shapes[n["audio_in"]][1],
+        "text_dim": shapes[n["text_in"]][1],
+        "freq_dim": shapes[n["t_in"]][1],
+        "time_embed_hidden_dim": shapes[n["t_in"]][0],
+        "time_embed_dim": shapes[n["t_out"]][0],
+        "attention_head_dim": head_dim,
+        "num_attention_heads": qkv_rows // (3 * head_dim),
+        "num_layers": _count(shapes, n["blocks"]),
+        "num_refiner_layers": _count(shapes, n["refiner"]),
+        "ffn_dim": shapes[n["fc1"]][0] // 2,
+    }
+    if ROPE_KEY in shapes:
+        derived["rope_freq_dim"] = shapes[ROPE_KEY][0]
+    return config_merge.merge(configs.get("transformer", tiny=False), stated, derived, source)
+
+
+# Detection markers (SPEC.md §5.1 and diffusers' single-file detector key).
+REFERENCE_MARKERS = ("token_refiner.blocks.0.attn.qkv_proj.weight", "video_patch_proj.weight")
+DIFFUSERS_MARKERS = ("token_refiner.refiner_blocks.0.attn.to_q.weight", "proj_in.weight", "audio_proj_in.weight")

@@ -1,0 +1,93 @@
+"""The embedded tiny H3: deterministic, loadable by diffusers itself, same weights in every layout."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3_core import configs, tiny
+from h3_core.models import ModelSource
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tiny_dir, tmp_path):
+    again = tiny.build(tmp_path / "again", seed=0)
+    first = json.loads((tiny_dir / "tiny.json").read_text())
+    second = json.loads((again / "tiny.json").read_text())
+    assert first["files"] == second["files"]  # sha256 of every file, byte for byte
+    assert len(first["files"]) >= 25
+    other = tiny.build_models(seed=1)["transformer"].state_dict()
+    base = tiny.build_models(seed=0)["transformer"].state_dict()
+    assert any(not torch.equal(other[key], base[key]) for key in base)
+
+
+def test_layout_on_disk(tiny_dir):
+    root = tiny_dir / "diffusers"
+    for sub in ("transformer", "transformer_ref", "vae", "audio_vae", "text_encoder", "tokenizer", "processor",
+                "scheduler", "audio_scheduler"):
+        assert (root / sub).is_dir(), sub
+    index = json.loads((root / "modular_model_index.json").read_text())
+    assert index["_class_name"] == "MiniMaxH3ModularPipeline" and index["_blocks_class_name"] == "MiniMaxH3Blocks"
+    assert "/" not in index["transformer"][2]["pretrained_model_name_or_path"]  # relocatable: no absolute path
+    for rel in tiny.COMFY_FILES.values():
+        assert (tiny_dir / "comfyui" / rel).is_file(), rel
+    for partition in ("FL2VA", "Ref2VA"):
+        assert (tiny_dir / "native" / partition / "model_index.json").is_file()
+
+
+def test_faithful_shapes(tiny_dir):
+    te_config = json.loads((tiny_dir / "diffusers" / "text_encoder" / "config.json").read_text())
+    assert te_config["text_config"]["num_hidden_layers"] > configs.TEXT_ENCODER_LAYER  # diffusers taps layer 50
+    dit = json.loads((tiny_dir / "diffusers" / "transformer" / "config.json").read_text())
+    assert dit["text_dim"] == te_config["text_config"]["hidden_size"]
+    assert dit["in_channels"] == 24 and dit["audio_in_channels"] == 32 and dit["patch_size"] == [1, 2, 2]
+
+
+def test_diffusers_monolithic_pipeline_loads_and_runs_t2va(tiny_dir):
+    from diffusers import ModularPipeline
+
+    pipe = ModularPipeline.from_pretrained(str(tiny_dir / "diffusers"), workflow="t2va")
+    pipe.load_components(dtype=torch.float32)
+    assert type(pipe).__name__ == "MiniMaxH3ModularPipeline"
+    state = pipe(prompt="a fox", height=64, width=64, num_frames=124, num_inference_steps=2,
+                 generator=torch.Generator("cpu").manual_seed(0), output_type="pt")
+    assert tuple(state.get("videos").shape) == (1, 124, 3, 64, 64)
+    assert tuple(state.get("audio").shape) == (1, 2, 207 * 800)
+
+
+@pytest.mark.parametrize("component", ["transformer", "transformer_ref", "vae", "audio_vae", "text_encoder"])
+@pytest.mark.parametrize("layout", ["comfyui", "native"])
+def test_single_files_hold_the_same_weights(tiny_dir, component, layout):
+    reference = ModelSource.from_path(tiny_dir, layout="diffusers").load(component)
+    source = ModelSource.from_path(tiny_dir, layout=layout)
+    if component not in source.paths:
+        pytest.skip(f"the {layout} layout has no {component} file")
+    loaded = source.load(component)
+    expected = reference.state_dict()
+    got = loaded.state_dict()
+    if component == "text_encoder":  # the Comfy file keeps layers 0..49 only, no final norm, no lm_head
+        expected = {k: v for k, v in expected.items() if k in got}
+    if component == "audio_vae":  # weight norm is folded in the Comfy-named files
+        return _same_audio_decode(reference, loaded)
+    assert set(got) >= set(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+
+
+def _same_audio_decode(reference, loaded):
+    latents = torch.randn(2, 32, 12, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reference.decode(latents).sample, loaded.decode(latents).sample)
+
+
+def test_cli_builds(tmp_path):
+    out = tmp_path / "cli-tiny"
+    result = subprocess.run([sys.executable, "-m", "h3_core", "tiny", "--out", str(out), "--seed", "3"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(out)
+    assert json.loads((out / "tiny.json").read_text())["seed"] == 3

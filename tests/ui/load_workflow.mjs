@@ -1,0 +1,178 @@
+// Load a UI-format workflow into the real ComfyUI frontend in headless Debian chromium and report.
+//
+//   COMFY_URL=http://127.0.0.1:PORT CHROMIUM_PATH=/usr/bin/chromium \
+//     node tests/ui/load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]...
+//
+// Prints one JSON line on stdout:
+//   { ok, node_count, expected_node_count, missing_types: [type], missing_nodes: [{id, type}],
+//     dangling_links: [{id, why}], error_nodes: [{id, type}], prompt: <graphToPrompt().output>,
+//     prompt_node_count, run: null | {prompt_id, status_str, completed, outputs, messages, error},
+//     console_errors: [..], timings: {...} }
+// Exit status: 0 ok; 1 missing node types or dangling links; 2 the run failed (--run);
+// 3 anything else went wrong (the report then has `error`).
+// Every request that is not for COMFY_URL is aborted (the page stays on loopback).
+import { readFileSync } from "node:fs";
+import { randomUUID } from "node:crypto";
+import { chromium } from "playwright-core";
+
+const args = process.argv.slice(2);
+const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null };
+for (let i = 0; i < args.length; i++) {
+  const a = args[i];
+  if (a === "--run") opt.run = true;
+  else if (a === "--timeout") opt.timeout = Number(args[++i]);
+  else if (a === "--screenshot") opt.screenshot = args[++i];
+  else if (a === "--wait-type") opt.waitTypes.push(args[++i]);
+  else if (!opt.workflow) opt.workflow = a;
+  else throw new Error(`unexpected argument ${a}`);
+}
+const BASE = (process.env.COMFY_URL || "").replace(/\/$/, "");
+if (!BASE || !opt.workflow) {
+  console.error("usage: COMFY_URL=... CHROMIUM_PATH=... node load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]");
+  process.exit(3);
+}
+let workflow = null;
+const t0 = Date.now();
+const since = () => (Date.now() - t0) / 1000;
+const report = { ok: false, workflow: opt.workflow, timings: {}, console_errors: [], run: null };
+
+// Links in the file itself: [id, origin, oslot, target, tslot, type] (v0.4) or objects (v1).
+function fileLinkProblems(wf) {
+  const problems = [];
+  const nodes = new Map((wf.nodes || []).map((n) => [String(n.id), n]));
+  for (const l of wf.links || []) {
+    const [id, o, os, t, ts] = Array.isArray(l) ? l : [l.id, l.origin_id, l.origin_slot, l.target_id, l.target_slot];
+    const on = nodes.get(String(o)), tn = nodes.get(String(t));
+    if (!on) problems.push({ id, why: `file: origin node ${o} does not exist` });
+    else if (on.outputs && !on.outputs[os]) problems.push({ id, why: `file: node ${o} has no output slot ${os}` });
+    if (!tn) problems.push({ id, why: `file: target node ${t} does not exist` });
+    else if (tn.inputs && !tn.inputs[ts]) problems.push({ id, why: `file: node ${t} has no input slot ${ts}` });
+  }
+  return problems;
+}
+
+async function main() {
+  workflow = JSON.parse(readFileSync(opt.workflow, "utf8"));
+  const browser = await chromium.launch({
+    executablePath: process.env.CHROMIUM_PATH || "chromium",
+    headless: true,
+    args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+      "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"],
+  });
+  try {
+    const page = await browser.newPage({ viewport: { width: 1400, height: 900 } });
+    await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());
+    page.on("console", (m) => { if (m.type() === "error") report.console_errors.push(m.text().slice(0, 300)); });
+    page.on("pageerror", (e) => report.console_errors.push(`pageerror: ${String(e.message).slice(0, 300)}`));
+    page.setDefaultTimeout(opt.timeout * 1000);
+
+    await page.goto(BASE + "/", { waitUntil: "domcontentloaded" });
+    await page.waitForFunction(
+      (types) => {
+        const reg = window.LiteGraph?.registered_node_types;
+        return window.app?.graph && reg && Object.keys(reg).length > 0 && types.every((t) => reg[t]);
+      },
+      opt.waitTypes,
+      { polling: 100 },
+    );
+    report.timings.frontend_ready_s = since();
+
+    const loaded = await page.evaluate(async (wf) => {
+      const app = window.app, LG = window.LiteGraph;
+      await app.loadGraphData(wf);
+      const graph = app.graph;
+      const nodes = graph.nodes || graph._nodes || [];
+      const reg = LG.registered_node_types;
+      const missing = nodes.filter((n) => !reg[n.type]).map((n) => ({ id: n.id, type: n.type }));
+      const links = graph.links instanceof Map ? [...graph.links.values()] : Object.values(graph.links || {});
+      const dangling = [];
+      const linkIds = new Set();
+      for (const l of links) {
+        if (!l) continue;
+        linkIds.add(l.id);
+        const o = graph.getNodeById(l.origin_id), t = graph.getNodeById(l.target_id);
+        if (!o) dangling.push({ id: l.id, why: `origin node ${l.origin_id} does not exist` });
+        else if (!o.outputs?.[l.origin_slot]) dangling.push({ id: l.id, why: `node ${l.origin_id} has no output slot ${l.origin_slot}` });
+        if (!t) dangling.push({ id: l.id, why: `target node ${l.target_id} does not exist` });
+        else if (!t.inputs?.[l.target_slot]) dangling.push({ id: l.id, why: `node ${l.target_id} has no input slot ${l.target_slot}` });
+        else if (t.inputs[l.target_slot].link !== l.id) dangling.push({ id: l.id, why: `input ${l.target_id}.${l.target_slot} does not point back at it` });
+      }
+      for (const n of nodes) {
+        for (const [slot, inp] of (n.inputs || []).entries()) {
+          if (inp.link != null && !linkIds.has(inp.link)) dangling.push({ id: inp.link, why: `input ${n.id}.${slot} (${inp.name}) refers to a missing link` });
+        }
+      }
+      const errors = nodes.filter((n) => n.has_errors).map((n) => ({ id: n.id, type: n.type }));
+      let prompt = null, promptError = null;
+      try {
+        prompt = (await app.graphToPrompt()).output;
+      } catch (e) {
+        promptError = String(e?.stack || e);
+      }
+      return { node_count: nodes.length, missing, dangling, errors, prompt, promptError };
+    }, workflow);
+    report.timings.loaded_s = since();
+
+    report.node_count = loaded.node_count;
+    report.expected_node_count = (workflow.nodes || []).length;
+    report.missing_nodes = loaded.missing;
+    report.missing_types = [...new Set(loaded.missing.map((n) => n.type))];
+    report.dangling_links = [...fileLinkProblems(workflow), ...loaded.dangling];
+    report.error_nodes = loaded.errors;
+    report.prompt = loaded.prompt;
+    report.prompt_node_count = loaded.prompt ? Object.keys(loaded.prompt).length : 0;
+    if (loaded.promptError) report.prompt_error = loaded.promptError;
+
+    if (opt.screenshot) await page.screenshot({ path: opt.screenshot });
+
+    const structural = report.missing_types.length || report.dangling_links.length;
+    if (opt.run && !structural && loaded.prompt) report.run = await runPrompt(loaded.prompt);
+    report.timings.total_s = since();
+    if (structural) return 1;
+    if (loaded.promptError) { report.error = "graphToPrompt failed"; return 3; }
+    if (opt.run && report.run?.status_str !== "success") return 2;
+    report.ok = true;
+    return 0;
+  } finally {
+    await browser.close();
+  }
+}
+
+// Queue graphToPrompt()'s output from node (not the page) and poll /history until it is done.
+async function runPrompt(prompt) {
+  const clientId = randomUUID();
+  const r = await fetch(`${BASE}/prompt`, {
+    method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ prompt, client_id: clientId }),
+  });
+  const body = await r.json();
+  if (r.status !== 200) return { status_str: "rejected", http_status: r.status, error: body };
+  const id = body.prompt_id;
+  const deadline = Date.now() + opt.timeout * 1000;
+  while (Date.now() < deadline) {
+    const h = await (await fetch(`${BASE}/history/${id}`)).json();
+    const entry = h[id];
+    if (entry?.status?.completed || entry?.status?.status_str === "error") {
+      const messages = entry.status.messages || [];
+      const err = messages.find((m) => m[0] === "execution_error");
+      return {
+        prompt_id: id, status_str: entry.status.status_str, completed: entry.status.completed,
+        outputs: entry.outputs, messages: messages.map((m) => m[0]), error: err ? err[1] : null,
+      };
+    }
+    await new Promise((res) => setTimeout(res, 200));
+  }
+  await fetch(`${BASE}/interrupt`, { method: "POST", body: JSON.stringify({ prompt_id: id }) });
+  return { prompt_id: id, status_str: "timeout" };
+}
+
+let code = 3;
+try {
+  code = await main();
+} catch (e) {
+  report.error = String(e?.stack || e).slice(0, 4000);
+  code = 3;
+}
+report.exit_code = code;
+process.stdout.write(JSON.stringify(report) + "\n");
+process.exit(code);
