@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--ref-image", action="append", default=[], help="reference image (ref2va, <= 9)")
     encode.add_argument("--ref-video", action="append", default=[], help="reference video, soundtrack kept (<= 3)")
     encode.add_argument("--ref-audio", action="append", default=[], help="reference audio (<= 3)")
-    encode.add_argument("--server", help="encode on a remote H3 encoder endpoint instead of locally")
+    encode.add_argument("--server", help="encode on a remote H3 encoder endpoint instead of locally "
+                        "(comma-separated URLs fail over; token from H3_ENCODER_TOKEN)")
     encode.set_defaults(func=_cmd_encode)
 
     generate = sub.add_parser("generate", help="stage 1: conditioning -> mp4")
@@ -183,8 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the disaggregated encoder endpoint")
     models_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8190)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; any other needs a token)")
+    serve.add_argument("--port", type=int, default=8190, help="TCP port (0: any free port, printed on stdout)")
+    serve.add_argument("--token-env", default="H3_ENCODER_TOKEN", help="environment variable holding the bearer token")
+    serve.add_argument("--components", type=lambda v: tuple(x for x in v.split(",") if x), default=None,
+                       help="encoders to load, comma-separated subset of text,video,audio (default all)")
+    serve.add_argument("--device", default="cpu", help="torch device for the encoders, e.g. cuda or cuda:1 (default cpu)")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                       help="text encoder dtype (VAEs stay float32); match the local path for bit-identical results")
+    serve.add_argument("--queue-size", type=int, help="requests waiting for or in the model (default 32)")
+    serve.add_argument("--deadline", type=float, help="default per-request deadline in seconds (default 300)")
+    serve.add_argument("--max-body-mb", type=float, help="largest request body in MiB (default 512)")
+    serve.add_argument("--cache-mb", type=float, help="conditioning cache size in MiB (default 512; 0 disables)")
     serve.set_defaults(func=_cmd_serve)
     return parser
 

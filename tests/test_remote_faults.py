@@ -1,0 +1,205 @@
+"""The encoder server as a real process (`python -m h3_core serve`) on loopback: kill, restart, drain, bind rules.
+
+* Server killed (SIGKILL) mid-request: the client whose request was running reports a clear error within its
+  timeout; a client with retries rides out a restart on the same port and gets the right answer.
+* SIGTERM drains: every accepted request is answered, then the process exits 0.
+* A non-loopback bind without a token is refused at start, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from h3_core.encoder import EncoderStage
+from h3_core.models import ModelSource
+from h3_core.remote import protocol
+from h3_core.remote.client import EncoderClient, RemoteUnavailableError
+from h3_core.request import EncodeRequest, VideoInput
+
+REPO = Path(__file__).resolve().parents[1]
+THREADS = 1  # the server processes run with H3_THREADS=1; the local reference too (bitwise parity)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+def _env(**extra):
+    env = {key: value for key, value in os.environ.items() if key != protocol.DEFAULT_TOKEN_ENV}
+    env.update(H3_THREADS=str(THREADS), PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), **extra)
+    return env
+
+
+class ServerProcess:
+    def __init__(self, tiny_dir, port=0, args=(), env=None):
+        self.log = tempfile.NamedTemporaryFile(prefix="h3-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--port", str(port), *args],
+            cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=self.log,
+        )
+        self.url = None
+
+    def wait_listening(self, timeout=120.0) -> str:
+        deadline = time.monotonic() + timeout
+        line = b""
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}: {self.stderr()[-2000:]}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            if ready:
+                line = self.proc.stdout.readline()
+                if b"listening on " in line:
+                    self.url = line.decode().strip().rsplit(" ", 1)[1]
+                    return self.url
+        raise AssertionError(f"server did not start within {timeout} s: {self.stderr()[-2000:]}")
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def stderr(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        self.proc.stdout.close()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def _wait_for(predicate, timeout=30.0, step=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return False
+
+
+def _load(client) -> dict:
+    try:
+        return client.health()["load"]
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def _heavy(tag: str) -> EncodeRequest:
+    """A ref2va request with a reference video: ~1-3 s in the tiny model, long enough to be caught mid-flight."""
+    rng = np.random.default_rng(len(tag))
+    frames = rng.integers(0, 256, (72, 96, 96, 3), dtype=np.uint8)
+    return EncodeRequest(prompt=f"<Video 1> {tag}", ref_videos=[VideoInput(frames=frames, fps=24.0)],
+                         ref_images=[rng.integers(0, 256, (96, 128, 3), dtype=np.uint8)], num_frames=124)
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_dir):
+    return EncoderStage(ModelSource.from_path(tiny_dir))
+
+
+def test_non_loopback_bind_without_token_is_refused_at_start(tiny_dir):
+    env = _env()
+    env.pop("H3_THREADS")  # nothing to compute: refused before torch is even imported
+    cases = (("0.0.0.0", env, ()), ("::", env, ()), ("0.0.0.0", dict(env, H3_ENCODER_TOKEN="short"), ()),
+             ("0.0.0.0", dict(env, H3_ENCODER_TOKEN="t" * 32), ("--token-env", "MY_H3_TOKEN")))
+    for host, case_env, extra in cases:
+        t0 = time.perf_counter()
+        result = subprocess.run([sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--host", host,
+                                 "--port", "0", *extra], cwd=REPO, env=case_env, capture_output=True, timeout=120)
+        message = result.stderr.decode()
+        assert result.returncode == 2, message[-2000:]
+        assert "refusing to bind" in message or "at least 16" in message, message
+        assert not extra or "MY_H3_TOKEN" in message  # --token-env names the variable that was read
+        assert "listening" not in result.stdout.decode()
+        assert time.perf_counter() - t0 < 30  # refused before loading any weights
+
+
+def _light(tag: str) -> EncodeRequest:
+    return EncodeRequest(prompt=f"A quick one: {tag}.", width=64, height=64)
+
+
+def test_kill_mid_request_then_restart_and_drain(tiny_dir, request):
+    first = ServerProcess(tiny_dir)  # starts loading while this process loads its own reference stage
+    second = None
+    try:
+        stage = request.getfixturevalue("stage")
+        url = first.wait_listening()
+        probe = EncoderClient(url, retries=0, connect_timeout=2)
+        assert probe.capabilities()["model"]["fingerprint"] == stage.fingerprint
+
+        doomed = EncoderClient(url, retries=0, read_timeout=60)
+        patient = EncoderClient(url, retries=40, backoff_s=0.25, backoff_max_s=1.0, read_timeout=60,
+                                total_timeout=150)
+        survivor_request = _light("survives a restart")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            doomed_future = pool.submit(doomed.encode, _heavy("dies with the server"))
+            assert _wait_for(lambda: _load(probe).get("running") == 1, timeout=30)
+            patient_future = pool.submit(patient.encode, survivor_request)
+            assert _wait_for(lambda: _load(probe).get("queued") == 1, timeout=30)
+
+            first.proc.send_signal(signal.SIGKILL)  # both requests are in flight: one running, one queued
+            killed_at = time.perf_counter()
+            with pytest.raises(RemoteUnavailableError) as info:
+                doomed_future.result(timeout=60)
+            reported_after = time.perf_counter() - killed_at
+            assert reported_after < 5.0, reported_after  # well within its 60 s read timeout: no hang
+            message = str(info.value)
+            assert "connection lost mid-request" in message or "connection refused" in message, message
+            print(f"\n[kill] client error {reported_after * 1000:.0f} ms after SIGKILL: {message[:160]}")
+
+            first.proc.wait(30)
+            second = ServerProcess(tiny_dir, port=first.port)  # restart on the same port
+            assert second.wait_listening() == url
+            t0 = time.perf_counter()
+            survived = patient_future.result(timeout=180)
+            print(f"[restart] the retrying client was answered {time.perf_counter() - t0:.1f} s after the new "
+                  "server was listening")
+        assert survived.to_bytes() == stage.encode(survivor_request).to_bytes()  # another process, same bytes
+
+        # The CLI's `encode --server` goes through the same client: same bytes as a local encode.
+        with tempfile.TemporaryDirectory() as folder:
+            out = Path(folder) / "cond.safetensors"
+            result = subprocess.run([sys.executable, "-m", "h3_core", "encode", "--server", url, "--prompt",
+                                     "From the command line.", "--width", "64", "--height", "64", "--out", str(out)],
+                                    cwd=REPO, env=_env(), capture_output=True, timeout=120)
+            assert result.returncode == 0, result.stderr.decode()[-2000:]
+            local = stage.encode(EncodeRequest(prompt="From the command line.", width=64, height=64))
+            assert out.read_bytes() == local.to_bytes()
+
+        # SIGTERM drains: the accepted requests are all answered, then the process exits 0.
+        requests = [_heavy("drain"), _light("drain 1"), _light("drain 2")]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(EncoderClient(url, retries=0, read_timeout=60).encode, requests[0])]
+            assert _wait_for(lambda: _load(probe).get("running") == 1, timeout=30)
+            futures += [pool.submit(EncoderClient(url, retries=0, read_timeout=60).encode, r) for r in requests[1:]]
+            assert _wait_for(lambda: _load(probe).get("active_requests") == 3, timeout=30)
+            second.proc.send_signal(signal.SIGTERM)
+            assert _wait_for(lambda: _load(probe) == {}, timeout=10)  # the listener closes at once
+            with pytest.raises(RemoteUnavailableError):  # so new work is refused while draining
+                EncoderClient(url, retries=0, connect_timeout=2).encode(_light("too late"))
+            results = [future.result(timeout=120) for future in futures]
+        assert second.proc.wait(60) == 0
+        assert "all accepted requests answered" in second.stderr()
+        for sent, result in zip(requests, results):
+            assert result.to_bytes() == stage.encode(sent).to_bytes()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()

@@ -1,0 +1,228 @@
+"""The encoder protocol without a server: JSON validation, part checks, lossless wire round trip, cache keys."""
+
+import json
+
+import numpy as np
+import pytest
+
+from h3_core import media, rules
+from h3_core.remote import protocol
+from h3_core.remote.protocol import Limits, Part, ProtocolError
+from h3_core.remote.server import ServerConfigError, check_bind, is_loopback
+from h3_core.request import AudioInput, EncodeRequest, VideoInput
+
+
+def _image(seed, height, width):
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def _tone(seconds, rate=32000, freq=440.0, channels=2):
+    t = np.arange(int(seconds * rate)) / rate
+    return np.stack([0.3 * np.sin(2 * np.pi * freq * (1 + c / 2) * t) for c in range(channels)]).astype(np.float32)
+
+
+def _parse(**fields):
+    body = {"protocol": 1, "prompt": "a fox", **fields}
+    return protocol.parse_request(body, Limits(), max_deadline_s=600)
+
+
+def _error(**fields) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        _parse(**fields)
+    return info.value
+
+
+def test_minimal_request_defaults():
+    spec = _parse()
+    assert spec.resolved_task == "t2va" and spec.num_frames == rules.MIN_FRAMES and spec.media() == []
+
+
+@pytest.mark.parametrize(
+    "fields, status, code, field",
+    [
+        ({"num_frames": 125}, 422, "invalid_request", "num_frames"),
+        ({"num_frames": 362}, 422, "invalid_request", "num_frames"),
+        ({"num_frames": 124.0}, 400, "bad_request", "num_frames"),
+        ({"num_frames": True}, 400, "bad_request", "num_frames"),
+        ({"width": 64}, 422, "invalid_request", "height"),
+        ({"width": 65, "height": 64}, 422, "invalid_request", "width"),
+        ({"width": 64 * 5, "height": 64}, 422, "invalid_request", "width"),
+        ({"width": 8192, "height": 4096}, 413, "too_large", "width"),
+        ({"task": "i2v"}, 422, "invalid_request", "task"),
+        ({"task": "fl2va"}, 422, "invalid_request", "task"),
+        ({"protocol": 2}, 400, "protocol_mismatch", "protocol"),
+        ({"protocol": "1"}, 400, "bad_request", "protocol"),
+        ({"prompt": "   "}, 422, "invalid_request", "prompt"),
+        ({"prompt": 5}, 400, "bad_request", "prompt"),
+        ({"prompt": "x" * 20000}, 413, "too_large", "prompt"),
+        ({"prompt": "a\ud800b"}, 400, "bad_request", "prompt"),
+        ({"num_frame": 124}, 400, "bad_request", "the request"),
+        ({"deadline_s": 0}, 422, "invalid_request", "deadline_s"),
+        ({"deadline_s": 10_000}, 422, "invalid_request", "deadline_s"),
+        ({"model": "not hex!"}, 400, "bad_request", "model"),
+        ({"ref_images": [{"part": f"i{i}"} for i in range(10)]}, 422, "invalid_request", None),
+        ({"ref_images": [{"part": "../etc/passwd"}]}, 400, "bad_request", "ref_images[0].part"),
+        ({"ref_images": [{"part": "a"}, {"part": "a"}]}, 400, "bad_request", "ref_images[1].part"),
+        ({"ref_images": [{"part": "request"}]}, 400, "bad_request", "ref_images[0].part"),
+        ({"ref_images": [{"part": "a", "path": "/x"}]}, 400, "bad_request", "ref_images[0]"),
+        ({"ref_images": "a.png"}, 400, "bad_request", "ref_images"),
+        ({"ref_videos": [{"part": "v", "fps": -1}]}, 422, "invalid_request", "ref_videos[0].fps"),
+        ({"ref_videos": [{"part": "v", "soundtrack": True}]}, 400, "bad_request", "ref_videos[0].soundtrack"),
+        ({"ref_audios": [{"part": "a"}]}, 422, "invalid_request", None),  # audio cannot be the only reference
+        ({"first_frame": {"part": "k"}, "ref_images": [{"part": "i"}]}, 422, "invalid_request", None),
+    ],
+)
+def test_request_errors_name_the_constraint(fields, status, code, field):
+    error = _error(**fields)
+    assert (error.status, error.code, error.field) == (status, code, field), error.message
+    assert error.message and len(error.message) < 600
+    body = error.body("rid")
+    assert set(body["error"]) == {"code", "message", "field", "request_id"}
+
+
+def test_strict_json():
+    for raw in (b'{"protocol": 1, "prompt": NaN}', b'{"a": 1, "a": 2}', b"[" * 5000, b"\xff\xfe", b'{"x": 1e999}'):
+        with pytest.raises(ProtocolError) as info:
+            protocol.parse_request_json(raw)
+        assert info.value.status == 400
+    with pytest.raises(ProtocolError) as info:
+        protocol.parse_request_json(b" " * (Limits().max_json_bytes + 1))
+    assert info.value.status == 413
+
+
+def test_part_checks_and_sniffing():
+    png = media.encode_png_bytes(_image(0, 8, 8))
+    wav = media.encode_wav_bytes(_tone(0.1), 32000)
+    assert protocol.sniff(png) == "png" and protocol.sniff(wav) == "wav"
+    protocol.check_part(Part("a", "image/png", png, ""), "image", "first_frame")
+    for content_type, data, status in (
+        ("image/jpeg", png, 415),  # declared type disagrees with the bytes
+        ("text/plain", png, 415),
+        ("image/png", b"GIF89a....", 415),
+        ("image/png", b"", 422),
+        ("audio/wav", png, 415),
+    ):
+        with pytest.raises(ProtocolError) as info:
+            protocol.check_part(Part("a", content_type, data, ""), "audio" if "audio" in content_type else "image",
+                                "x")
+        assert info.value.status == status
+    with pytest.raises(ProtocolError) as info:
+        protocol.check_part(Part("a", "image/png", png, ""), "image", "x", Limits(max_image_bytes=10))
+    assert info.value.status == 413
+    for name in ("../x.png", "a/b.png", "a\\b", "x\x00.png", "..", ".hidden", "a" * 300):
+        with pytest.raises(ProtocolError):
+            protocol.check_filename(name, "x")
+    protocol.check_filename("image0.png", "x")
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid PNG header declaring width x height grey pixels, followed by a few rows of data: tiny on the wire,
+    gigabytes once decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    rows = zlib.compress(b"\x00" * (width + 1) * 4)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("size", [(20000, 20000), (60000, 60000), (5000, 4000)])
+def test_decompression_bomb_refused_before_decoding(size):
+    spec = _parse(first_frame={"part": "k"})
+    data = png_bomb(*size)
+    assert len(data) < 100_000
+    with pytest.raises(ProtocolError) as info:
+        protocol.build_request(spec, {"k": Part("k", "image/png", data, "")}, Limits(max_image_pixels=4096 * 4096))
+    assert info.value.status == 413 and info.value.code == "too_many_pixels"
+
+
+def test_audio_over_the_cap_refused():
+    spec = _parse(ref_images=[{"part": "i"}], ref_audios=[{"part": "a"}])
+    parts = {
+        "i": Part("i", "image/png", media.encode_png_bytes(_image(0, 8, 8)), ""),
+        "a": Part("a", "audio/wav", media.encode_wav_bytes(_tone(40.0, 8000), 8000), ""),
+    }
+    with pytest.raises(ProtocolError) as info:
+        protocol.build_request(spec, parts)
+    assert info.value.status == 413 and info.value.code == "too_long"
+
+
+def _wire_round_trip(request: EncodeRequest) -> EncodeRequest:
+    body, raw_parts = protocol.request_to_wire(request)
+    content_type, payload = protocol.encode_multipart(body, raw_parts)
+    assert content_type.startswith("multipart/form-data; boundary=") and payload.startswith(b"--")
+    body = protocol.parse_request_json(json.dumps(body).encode())
+    spec = protocol.parse_request(body)
+    parts = {name: Part(name, ct, data, "") for name, ct, _, data in raw_parts}
+    for name, (kind, where) in spec.part_kinds().items():
+        protocol.check_part(parts[name], kind, where)
+    return protocol.build_request(spec, parts)
+
+
+def test_wire_round_trip_is_lossless():
+    frames = np.stack([np.roll(_image(7, 30, 46), 2 * i, axis=1) for i in range(50)])  # odd-free but not /16
+    request = EncodeRequest(
+        prompt="<Picture 1> <Video 1> <Video 2> <Audio 3>",
+        ref_images=[_image(3, 37, 53)],
+        ref_videos=[
+            VideoInput(frames=frames, fps=30000 / 1001, audio=_tone(2.1, 44100, channels=1), sample_rate=44100),
+            VideoInput(frames=frames[:48], fps=23.5),
+        ],
+        ref_audios=[AudioInput(_tone(2.5, 22050), 22050)],
+        num_frames=141,
+    )
+    back = _wire_round_trip(request)
+    assert back.prompt == request.prompt and back.num_frames == 141 and back.task is None
+    assert np.array_equal(back.ref_images[0], request.ref_images[0])
+    for got, sent in zip(back.ref_videos, request.ref_videos):
+        assert np.array_equal(got.frames, sent.frames) and got.fps == sent.fps
+        assert got.sample_rate == sent.sample_rate
+        assert (got.audio is None) == (sent.audio is None)
+        if sent.audio is not None:
+            assert got.audio.dtype == np.float32 and np.array_equal(got.audio, sent.audio)
+    assert np.array_equal(back.ref_audios[0].waveform, request.ref_audios[0].waveform)
+    assert back.ref_audios[0].sample_rate == 22050
+
+    keyframes = EncodeRequest(prompt="door", first_frame=_image(1, 64, 96), last_frame=_image(2, 80, 96),
+                              width=96, height=64)
+    back = _wire_round_trip(keyframes)
+    assert np.array_equal(back.first_frame, keyframes.first_frame)
+    assert np.array_equal(back.last_frame, keyframes.last_frame) and (back.width, back.height) == (96, 64)
+
+
+def test_cache_key_covers_what_changes_the_output():
+    digests = {"k": "a" * 64}
+    base = _parse(first_frame={"part": "k"})
+    key = protocol.cache_key(base, digests, "m1")
+    assert key == protocol.cache_key(_parse(first_frame={"part": "k"}, deadline_s=5), digests, "m1")
+    assert key == protocol.cache_key(_parse(first_frame={"part": "k"}, task="fl2va"), digests, "m1")
+    assert key != protocol.cache_key(base, digests, "m2")
+    assert key != protocol.cache_key(base, {"k": "b" * 64}, "m1")
+    assert key != protocol.cache_key(_parse(first_frame={"part": "k"}, num_frames=141), digests, "m1")
+    assert key != protocol.cache_key(_parse(first_frame={"part": "k"}, prompt="a fox."), digests, "m1")
+    assert key != protocol.cache_key(_parse(last_frame={"part": "k"}), digests, "m1")
+
+
+def test_bind_rules():
+    for host in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost"):
+        assert is_loopback(host)
+        check_bind(host, None)
+    for host in ("0.0.0.0", "::", "192.168.1.20", "10.0.0.1", "example.com", "localhost.example.com"):
+        assert not is_loopback(host)
+        with pytest.raises(ServerConfigError, match="H3_ENCODER_TOKEN"):
+            check_bind(host, None)
+        check_bind(host, "t" * 32)
+    with pytest.raises(ServerConfigError, match="at least 16"):
+        check_bind("0.0.0.0", "short")
+
+
+def test_error_mapping():
+    from h3_core.contract import ContractError
+
+    assert protocol.error_from_exception(rules.H3InputError("x")).status == 422
+    assert protocol.error_from_exception(media.MediaError("x")).code == "invalid_media"
+    assert protocol.error_from_exception(ContractError("x", field="f")).field == "f"
+    assert protocol.error_from_exception(RuntimeError("boom")) is None
