@@ -31,7 +31,13 @@ def register_model_folder() -> None:
 
 
 def tiny_dir() -> Path:
-    """The embedded tiny H3, built on first use into models/minimax_h3/tiny (deterministic, offline)."""
+    """The embedded tiny H3: $H3_TINY_DIR if it holds one, else built on first use into
+    models/minimax_h3/tiny (deterministic, offline, ~15 s)."""
+    import os
+
+    preset = os.environ.get("H3_TINY_DIR")
+    if preset and (Path(preset) / "tiny.json").is_file():
+        return Path(preset)
     register_model_folder()
     target = Path(folder_paths.get_folder_paths(PACK_FOLDER)[0]) / "tiny"
     if not (target / "tiny.json").is_file():

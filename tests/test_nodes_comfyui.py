@@ -1,0 +1,304 @@
+"""The pack's nodes and shipped workflows inside a real ComfyUI (CPU, loopback) and its real frontend.
+
+One ComfyUI server and one H3 encoder server for the module; every graph runs the embedded tiny H3.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from comfy_harness import comfy, free_port  # noqa: F401  (session fixture)
+
+from h3_core import media
+from h3_core.contract import H3Conditioning
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOWS = REPO / "workflows"
+sys.path.insert(0, str(WORKFLOWS))
+import build_workflows  # noqa: E402
+
+NAMES = ["t2va", "fl2va", "ref2va", "ref2va_remote"]
+EXPECTED_CANVAS = {"t2va": (128, 64), "fl2va": (96, 64), "ref2va": (128, 64), "ref2va_remote": (128, 64)}
+PACK_NODES = {
+    "H3SplitTextEncoderLoader": (["text_encoder"], ["MINIMAX_H3_TEXT_ENCODER"], "loaders"),
+    "H3SplitVideoVAELoader": (["vae"], ["MINIMAX_H3_VIDEO_VAE"], "loaders"),
+    "H3SplitAudioVAELoader": (["audio_vae"], ["MINIMAX_H3_AUDIO_VAE"], "loaders"),
+    "H3SplitDiTLoader": (["dit", "partition"], ["MINIMAX_H3_DIT"], "loaders"),
+    "H3SplitKeyframes": ([], ["MINIMAX_H3_MEDIA"], "media"),
+    "H3SplitReferences": ([], ["MINIMAX_H3_MEDIA"], "media"),
+    "H3SplitTextEncode": (["text_encoder", "prompt", "width", "height", "length"], ["CONDITIONING"], "encode"),
+    "H3SplitVideoVAEEncode": (["conditioning", "vae"], ["CONDITIONING"], "encode"),
+    "H3SplitAudioVAEEncode": (["conditioning", "audio_vae"], ["CONDITIONING"], "encode"),
+    "H3SplitRemoteEncode": (["prompt", "width", "height", "length", "endpoint"], ["CONDITIONING"], "encode"),
+    "H3SplitSampler": (["dit", "conditioning", "seed", "steps", "video_shift", "audio_shift"], ["LATENT"], "sampling"),
+    "H3SplitDecode": (["latent", "vae", "audio_vae"], ["VIDEO", "IMAGE", "AUDIO"], "sampling"),
+    "H3SplitSaveConditioning": (["conditioning", "filename_prefix"], [], "io"),
+    "H3SplitLoadConditioning": (["conditioning_file"], ["CONDITIONING"], "io"),
+}
+
+
+@pytest.fixture(scope="module")
+def server(comfy, tiny_dir):
+    comfy.add_model("minimax_h3", tiny_dir, "tiny")  # the loaders' embedded-tiny choice, prebuilt
+    return comfy
+
+
+@pytest.fixture(scope="module")
+def encoder_url(tiny_dir, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("encoder") / "server.log", "w")
+    env = {**os.environ, "H3_THREADS": os.environ.get("H3_THREADS", "2")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--port", str(port)],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"{url}/v1/health", timeout=2).read()
+            break
+        except OSError:
+            assert proc.poll() is None, "encoder server died"
+            time.sleep(0.5)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    log.close()
+
+
+def api(name: str, endpoint: str | None = None) -> dict:
+    graph = json.loads((WORKFLOWS / "api" / f"{name}.json").read_text())
+    for node in graph.values():
+        if node["class_type"] == "H3SplitRemoteEncode" and endpoint:
+            node["inputs"]["endpoint"] = endpoint
+    return graph
+
+
+def node_of(graph: dict, class_type: str) -> dict:
+    return next(node for node in graph.values() if node["class_type"] == class_type)
+
+
+def id_of(graph: dict, class_type: str) -> str:
+    return next(key for key, node in graph.items() if node["class_type"] == class_type)
+
+
+# --- registration --------------------------------------------------------------------------------
+
+
+def test_object_info_declares_every_node(server):
+    info = server.object_info()
+    for node_id, (inputs, outputs, category) in PACK_NODES.items():
+        assert node_id in info, f"{node_id} missing from /object_info"
+        entry = info[node_id]
+        declared = {**entry["input"].get("required", {}), **entry["input"].get("optional", {})}
+        assert set(inputs) <= set(declared), (node_id, sorted(declared))
+        assert entry["output"] == outputs, node_id
+        assert entry["category"] == f"MiniMax H3 (split)/{category}", node_id
+    refs = info["H3SplitReferences"]["input"]["optional"]
+    assert [k for k in refs if k.startswith("ref_image_")] == [f"ref_image_{i}" for i in range(1, 10)]
+    assert refs["ref_video_1"][0] == "VIDEO" and refs["ref_audio_3"][0] == "AUDIO"
+    assert "tooltip" in info["H3SplitTextEncode"]["input"]["required"]["length"][1]
+
+
+def test_workflows_are_generated_from_one_source(server):
+    rendered = build_workflows.render_all(server.object_info())
+    for name, text in rendered.items():
+        assert (WORKFLOWS / name).read_text() == text, f"workflows/{name} drifted: rerun workflows/build_workflows.py"
+    assert sorted(rendered) == sorted([f"{n}.json" for n in NAMES] + [f"api/{n}.json" for n in NAMES])
+
+
+def test_shipped_workflows_hold_no_secrets(server):
+    # Secrets come from the environment: no node has a widget for one, and no workflow carries one.
+    for node_id, entry in server.pack_nodes().items():
+        names = {**entry["input"].get("required", {}), **entry["input"].get("optional", {})}
+        assert not any(word in name.lower() for name in names for word in ("token", "secret", "password", "key")), node_id
+    for path in (WORKFLOWS / "api").glob("*.json"):
+        for node in json.loads(path.read_text()).values():
+            for value in node["inputs"].values():
+                assert not (isinstance(value, str) and "bearer " in value.lower()), path
+
+
+# --- running the shipped workflows ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_api_workflow_runs_to_an_mp4(server, encoder_url, name):
+    result = server.run_prompt(api(name, encoder_url), timeout=600)
+    assert result.status == "success" and "execution_success" in result.types()
+    progress = [m for m in result.of_type("progress") if m.get("max") == build_workflows.STEPS - 1]
+    assert progress and progress[-1]["value"] == build_workflows.STEPS - 1  # the sampler's steps, live on the ws
+    mp4 = next(path for path in result.files if path.suffix == ".mp4")
+    info = media.probe(mp4)
+    width, height = EXPECTED_CANVAS[name]
+    assert (info["frames"] - 5) % 17 == 0 and info["frames"] == 124
+    assert info["fps"] == 24.0 and (info["width"], info["height"]) == (width, height)
+    assert info["sample_rate"] == 32000 and info["channels"] == 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_workflow_loads_in_the_real_frontend(server, encoder_url, name):
+    workflow = json.loads((WORKFLOWS / f"{name}.json").read_text())
+    report = server.load_workflow_ui(workflow, run=False)
+    assert report["missing_types"] == [] and report["dangling_links"] == [], report
+    assert report["node_count"] == len(workflow["nodes"])
+    prompt = report["prompt"]
+    assert {node["class_type"] for node in prompt.values()} == {node["type"] for node in workflow["nodes"]}
+    if name == "ref2va_remote":
+        node_of(prompt, "H3SplitRemoteEncode")["inputs"]["endpoint"] = encoder_url
+    # graphToPrompt's graph runs (with a fresh seed so nothing is served from cache)
+    node_of(prompt, "H3SplitSampler")["inputs"]["seed"] = 11
+    assert server.run_prompt(prompt, timeout=600).status == "success"
+
+
+def test_interrupt_stops_the_sampler_within_one_step(server):
+    graph = api("t2va")
+    node_of(graph, "H3SplitSampler")["inputs"].update(steps=200, seed=5)
+    sampler = id_of(graph, "H3SplitSampler")
+    seen = {}
+
+    def on_message(message):
+        data = message.get("data", {})
+        if message.get("type") == "progress" and data.get("node") == sampler and data.get("max") == 199:
+            seen.setdefault("at", data["value"])
+            if data["value"] >= 2 and "sent" not in seen:
+                seen["sent"] = data["value"]
+                server.interrupt()
+
+    result = server.run_prompt(graph, timeout=600, check=False, on_message=on_message)
+    assert result.status == "interrupted", result.error
+    steps = [m["value"] for m in result.of_type("progress") if m.get("node") == sampler and m.get("max") == 199]
+    assert max(steps) <= seen["sent"] + 1  # stopped at the next step boundary
+    assert server.run_prompt(api("t2va"), timeout=600).status == "success"  # and the server keeps serving
+
+
+# --- the nodes compute exactly what h3_core computes ---------------------------------------------
+
+
+def test_local_nodes_equal_the_cli(server, tiny_dir, tmp_path):
+    graph = api("fl2va")
+    sampler = node_of(graph, "H3SplitSampler")
+    sampler["inputs"].update(seed=21, steps=4)
+    video_encode = id_of(graph, "H3SplitVideoVAEEncode")
+    decode = id_of(graph, "H3SplitDecode")
+    graph["90"] = {"class_type": "H3SplitSaveConditioning",
+                   "inputs": {"conditioning": [video_encode, 0], "filename_prefix": "h3test/fl2va_cond"}}
+    graph["91"] = {"class_type": "SaveImage", "inputs": {"images": [decode, 1], "filename_prefix": "h3test/frame"}}
+    result = server.run_prompt(graph, timeout=600)
+    saved_cond = sorted((server.output_dir / "h3test").glob("fl2va_cond*.safetensors"))[-1]
+    frames = sorted(p for p in result.files if p.suffix == ".png")
+
+    inputs = WORKFLOWS / "inputs"
+    cond_path, dump = tmp_path / "cond.safetensors", tmp_path / "dump.safetensors"
+    run = lambda *args: subprocess.run([sys.executable, "-m", "h3_core", *args], cwd=REPO, capture_output=True,
+                                       text=True, timeout=600, env={**os.environ, "H3_THREADS": "2"})
+    prompt = node_of(graph, "H3SplitTextEncode")["inputs"]["prompt"]
+    enc = run("encode", "--models", str(tiny_dir), "--prompt", prompt, "--task", "fl2va",
+              "--first-frame", str(inputs / build_workflows.EXAMPLE_MEDIA["first"]),
+              "--last-frame", str(inputs / build_workflows.EXAMPLE_MEDIA["last"]), "--out", str(cond_path))
+    assert enc.returncode == 0, enc.stderr
+    gen = run("generate", "--models", str(tiny_dir), "--cond", str(cond_path), "--out", str(tmp_path / "o.mp4"),
+              "--seed", "21", "--steps", "4", "--dump", str(dump))
+    assert gen.returncode == 0, gen.stderr
+
+    node_cond, cli_cond = H3Conditioning.load(saved_cond), H3Conditioning.load(cond_path)
+    assert torch.equal(node_cond.prompt_embeds, cli_cond.prompt_embeds)
+    assert all(torch.equal(a, b) for a, b in zip(node_cond.condition_latents, cli_cond.condition_latents))
+    assert (node_cond.task, node_cond.width, node_cond.height, node_cond.keyframe_anchors) == (
+        cli_cond.task, cli_cond.width, cli_cond.height, cli_cond.keyframe_anchors)
+
+    from safetensors.torch import load_file
+
+    video = load_file(str(dump))["video"]  # float32 [F, H, W, 3]
+    assert len(frames) == video.shape[0] == 124
+    expected = np.clip(255.0 * video.numpy(), 0, 255).astype(np.uint8)  # SaveImage's quantisation
+    got = np.stack([media.read_image(path) for path in frames])
+    assert np.array_equal(got, expected)
+
+
+def test_conditioning_file_round_trip_through_nodes(server, tmp_path):
+    graph = api("t2va")
+    text = id_of(graph, "H3SplitTextEncode")
+    graph["90"] = {"class_type": "H3SplitSaveConditioning",
+                   "inputs": {"conditioning": [text, 0], "filename_prefix": "h3test/t2va_cond"}}
+    server.run_prompt({k: v for k, v in graph.items() if v["class_type"] in (
+        "H3SplitTextEncoderLoader", "H3SplitTextEncode", "H3SplitSaveConditioning")}, timeout=600)
+    saved = sorted((server.output_dir / "h3test").glob("t2va_cond*.safetensors"))[-1]
+    target = server.input_dir / "h3test_cond.safetensors"
+    target.write_bytes(saved.read_bytes())
+    loaded = copy.deepcopy(graph)
+    for key in [k for k, v in loaded.items() if v["class_type"] in ("H3SplitTextEncoderLoader", "H3SplitTextEncode", "H3SplitSaveConditioning")]:
+        del loaded[key]
+    loaded["80"] = {"class_type": "H3SplitLoadConditioning", "inputs": {"conditioning_file": target.name}}
+    node_of(loaded, "H3SplitSampler")["inputs"]["conditioning"] = ["80", 0]
+    result = server.run_prompt(loaded, timeout=600)
+    assert result.status == "success" and any(p.suffix == ".mp4" for p in result.files)
+
+
+# --- bad input fails early, names the constraint, and the server keeps serving -------------------
+
+
+def _error_text(result) -> str:
+    return json.dumps(result.error or {})
+
+
+def test_bad_inputs_fail_before_heavy_work(server, tmp_path):
+    graph = api("t2va")
+    text = node_of(graph, "H3SplitTextEncode")
+
+    bad = copy.deepcopy(graph)
+    node_of(bad, "H3SplitTextEncode")["inputs"]["length"] = 23
+    status, body = server.post_prompt_expect_error(bad)
+    assert status == 400 and "17k+5" in json.dumps(body)
+
+    bad = copy.deepcopy(graph)
+    node_of(bad, "H3SplitTextEncode")["inputs"].update(width=100, height=64)
+    status, body = server.post_prompt_expect_error(bad)
+    assert status == 400 and "multiple of 32" in json.dumps(body)
+
+    bad = copy.deepcopy(graph)
+    del node_of(bad, "H3SplitTextEncode")["inputs"]["text_encoder"]  # a text-only graph with no text encoder
+    status, body = server.post_prompt_expect_error(bad)
+    assert status == 400 and "text_encoder" in json.dumps(body)
+
+    # an 18 s reference audio: refused by the rules before any encoder runs
+    long_audio = server.input_dir / "h3test_18s.wav"
+    tone = np.stack([np.sin(np.arange(18 * 32000) / 32000 * 2 * np.pi * 220)] * 2).astype(np.float32) * 0.2
+    long_audio.write_bytes(media.encode_wav_bytes(tone, 32000, sample_format="s16"))
+    bad = api("ref2va")
+    node_of(bad, "LoadAudio")["inputs"]["audio"] = long_audio.name
+    result = server.run_prompt(bad, timeout=600, check=False)
+    assert result.status == "error" and "reference audio 1 must be 2-15 s long, got 18.00 s" in _error_text(result)
+    assert id_of(bad, "H3SplitSampler") not in result.executed_nodes()
+
+    # ten reference images (two chained References nodes)
+    bad = api("ref2va")
+    refs = id_of(bad, "H3SplitReferences")
+    image = id_of(bad, "LoadImage")
+    bad["95"] = {"class_type": "H3SplitReferences", "inputs": {"media": [refs, 0], **{
+        f"ref_image_{i}": [image, 0] for i in range(1, 10)}}}
+    node_of(bad, "H3SplitTextEncode")["inputs"]["media"] = ["95", 0]
+    result = server.run_prompt(bad, timeout=600, check=False)
+    assert result.status == "error" and "at most 9 image references, got 10" in _error_text(result)
+
+    # a ref2va graph without its video VAE encoder: the sampler names the missing node
+    bad = api("ref2va")
+    node_of(bad, "H3SplitAudioVAEEncode")["inputs"]["conditioning"] = [id_of(bad, "H3SplitTextEncode"), 0]
+    del bad[id_of(bad, "H3SplitVideoVAEEncode")]
+    result = server.run_prompt(bad, timeout=600, check=False)
+    assert result.status == "error" and "H3 Video VAE Encode" in _error_text(result)
+
+    assert text  # the good graph still runs on the same server
+    good = api("t2va")
+    node_of(good, "H3SplitSampler")["inputs"]["seed"] = 99
+    assert server.run_prompt(good, timeout=600).status == "success"
