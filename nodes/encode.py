@@ -109,51 +109,56 @@ class TextEncode(io.ComfyNode):
         return io.NodeOutput(assembly.to_core(assembly.add_text(parts, stage)))
 
 
-class VideoVAEEncode(io.ComfyNode):
+class _VAEEncode(io.ComfyNode):
+    """Adds one VAE encoder's part to a conditioning started by H3 Text Encode."""
+
+    NODE_ID = DISPLAY_NAME = DESCRIPTION = MODEL_INPUT = ""
+    MODEL_TYPE = None
+    NEEDED = ""  # the Prepared property saying whether the request needs this encoder
+    ADD = None  # the h3_core.assembly function adding the part
+    STAGE_KEY = ""  # the module's key in EncoderStage(modules=...)
+
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3SplitVideoVAEEncode",
-            display_name="H3 Video VAE Encode",
+            node_id=cls.NODE_ID,
+            display_name=cls.DISPLAY_NAME,
             category=f"{CATEGORY}/encode",
-            description="Encodes the request's keyframes and reference images/videos with the video VAE (posterior "
-            "sampled under seed 42 through fp16, as the release does) and adds them to the conditioning. A t2va "
-            "conditioning passes through.",
-            inputs=[io.Conditioning.Input("conditioning"), VideoVAE.Input("vae")],
+            description=cls.DESCRIPTION,
+            inputs=[io.Conditioning.Input("conditioning"), cls.MODEL_TYPE.Input(cls.MODEL_INPUT)],
             outputs=[io.Conditioning.Output()],
         )
 
     @classmethod
-    def execute(cls, conditioning, vae) -> io.NodeOutput:
-        parts = parts_of(conditioning, "H3 Video VAE Encode")
-        if not parts.prepared.needs_video_vae:
+    def execute(cls, conditioning, **models) -> io.NodeOutput:
+        parts = parts_of(conditioning, cls.DISPLAY_NAME)
+        if not getattr(parts.prepared, cls.NEEDED):
             return io.NodeOutput(conditioning)
-        device = bridge.use(vae.patcher)
-        stage = EncoderStage(modules={"vae": vae.module}, pipeline_config=parts.pipeline_config, device=device)
-        return io.NodeOutput(assembly.to_core(assembly.add_video(parts, stage)))
+        model = models[cls.MODEL_INPUT]
+        device = bridge.use(model.patcher)
+        stage = EncoderStage(modules={cls.STAGE_KEY: model.module}, pipeline_config=parts.pipeline_config, device=device)
+        return io.NodeOutput(assembly.to_core(cls.ADD(parts, stage)))
 
 
-class AudioVAEEncode(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(
-            node_id="H3SplitAudioVAEEncode",
-            display_name="H3 Audio VAE Encode",
-            category=f"{CATEGORY}/encode",
-            description="Encodes reference-video soundtracks and reference audios (32 kHz stereo, 40 latents/s, "
-            "posterior mean) and adds them to the conditioning. A request without audio passes through.",
-            inputs=[io.Conditioning.Input("conditioning"), AudioVAE.Input("audio_vae")],
-            outputs=[io.Conditioning.Output()],
-        )
+class VideoVAEEncode(_VAEEncode):
+    NODE_ID, DISPLAY_NAME = "H3SplitVideoVAEEncode", "H3 Video VAE Encode"
+    DESCRIPTION = (
+        "Encodes the request's keyframes and reference images/videos with the video VAE (posterior sampled under "
+        "seed 42 through fp16, as the release does) and adds them to the conditioning. A t2va conditioning passes "
+        "through."
+    )
+    MODEL_INPUT, MODEL_TYPE, STAGE_KEY = "vae", VideoVAE, "vae"
+    NEEDED, ADD = "needs_video_vae", staticmethod(assembly.add_video)
 
-    @classmethod
-    def execute(cls, conditioning, audio_vae) -> io.NodeOutput:
-        parts = parts_of(conditioning, "H3 Audio VAE Encode")
-        if not parts.prepared.needs_audio_vae:
-            return io.NodeOutput(conditioning)
-        device = bridge.use(audio_vae.patcher)
-        stage = EncoderStage(modules={"audio_vae": audio_vae.module}, pipeline_config=parts.pipeline_config, device=device)
-        return io.NodeOutput(assembly.to_core(assembly.add_audio(parts, stage)))
+
+class AudioVAEEncode(_VAEEncode):
+    NODE_ID, DISPLAY_NAME = "H3SplitAudioVAEEncode", "H3 Audio VAE Encode"
+    DESCRIPTION = (
+        "Encodes reference-video soundtracks and reference audios (32 kHz stereo, 40 latents/s, posterior mean) and "
+        "adds them to the conditioning. A request without audio passes through."
+    )
+    MODEL_INPUT, MODEL_TYPE, STAGE_KEY = "audio_vae", AudioVAE, "audio_vae"
+    NEEDED, ADD = "needs_audio_vae", staticmethod(assembly.add_audio)
 
 
 NODES = [TextEncode, VideoVAEEncode, AudioVAEEncode]

@@ -56,97 +56,84 @@ def _fingerprint_file(folder: str, choice: str) -> str:
     return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
-class TextEncoderLoader(io.ComfyNode):
+class _ComponentLoader(io.ComfyNode):
+    """One loader per H3 component; subclasses only say which, and from which folder."""
+
+    NODE_ID = DISPLAY_NAME = DESCRIPTION = INPUT_ID = FOLDER = COMPONENT = FILE_HINT = ""
+    OUTPUT = None
+
+    @staticmethod
+    def devices():
+        return mm.vae_device(), mm.vae_offload_device()
+
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="H3SplitTextEncoderLoader",
-            display_name="H3 Text Encoder Loader",
+            node_id=cls.NODE_ID,
+            display_name=cls.DISPLAY_NAME,
             category=f"{CATEGORY}/loaders",
-            description="Loads the Qwen3-VL text encoder H3 conditions on (layer-50 states), with its tokenizer "
-            "and processor. ~51 GB in bf16 at full size: the piece a remote encoder endpoint can take off this machine.",
+            description=cls.DESCRIPTION,
             inputs=[
                 io.Combo.Input(
-                    "text_encoder",
-                    options=bridge.model_choices("text_encoders"),
-                    tooltip="A file in models/text_encoders (Comfy-Org qwen3vl_32b_minimax_h3_*.safetensors), a model "
-                    "folder in models/minimax_h3, or the embedded tiny H3.",
-                ),
-            ],
-            outputs=[TextEncoder.Output()],
-        )
-
-    @classmethod
-    def fingerprint_inputs(cls, text_encoder):
-        return _fingerprint_file("text_encoders", text_encoder)
-
-    @classmethod
-    def execute(cls, text_encoder) -> io.NodeOutput:
-        source, patcher = _load(
-            "text_encoders", text_encoder, "text_encoder", mm.text_encoder_device(), mm.text_encoder_offload_device()
-        )
-        extra = {"tokenizer": source.load_tokenizer(), "processor": source.load_processor()}
-        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), extra))
-
-
-class VideoVAELoader(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(
-            node_id="H3SplitVideoVAELoader",
-            display_name="H3 Video VAE Loader",
-            category=f"{CATEGORY}/loaders",
-            description="Loads H3's video VAE (24 latent channels, /16 space, 17k+5 frames <-> 5k+2 latents): "
-            "its encoder for keyframes and visual references, its decoder for the output.",
-            inputs=[
-                io.Combo.Input(
-                    "vae",
-                    options=bridge.model_choices("vae"),
-                    tooltip="A file in models/vae (Comfy-Org minimax_h3_video_vae_fp16.safetensors), a model folder in "
+                    cls.INPUT_ID,
+                    options=bridge.model_choices(cls.FOLDER),
+                    tooltip=f"A file in models/{cls.FOLDER} (Comfy-Org {cls.FILE_HINT}), a model folder in "
                     "models/minimax_h3, or the embedded tiny H3.",
                 ),
             ],
-            outputs=[VideoVAE.Output()],
+            outputs=[cls.OUTPUT.Output()],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, vae):
-        return _fingerprint_file("vae", vae)
+    def fingerprint_inputs(cls, **inputs):
+        return _fingerprint_file(cls.FOLDER, inputs[cls.INPUT_ID])
 
     @classmethod
-    def execute(cls, vae) -> io.NodeOutput:
-        source, patcher = _load("vae", vae, "vae", mm.vae_device(), mm.vae_offload_device())
-        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {}))
-
-
-class AudioVAELoader(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(
-            node_id="H3SplitAudioVAELoader",
-            display_name="H3 Audio VAE Loader",
-            category=f"{CATEGORY}/loaders",
-            description="Loads H3's audio VAE (32 kHz stereo, 40 latents/s, 32 channels): its encoder for "
-            "reference audio and soundtracks, its decoder for the output.",
-            inputs=[
-                io.Combo.Input(
-                    "audio_vae",
-                    options=bridge.model_choices("vae"),
-                    tooltip="A file in models/vae (Comfy-Org minimax_h3_audio_vae_fp32.safetensors), a model folder in "
-                    "models/minimax_h3, or the embedded tiny H3.",
-                ),
-            ],
-            outputs=[AudioVAE.Output()],
-        )
+    def execute(cls, **inputs) -> io.NodeOutput:
+        source, patcher = _load(cls.FOLDER, inputs[cls.INPUT_ID], cls.COMPONENT, *cls.devices())
+        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), cls.extra(source)))
 
     @classmethod
-    def fingerprint_inputs(cls, audio_vae):
-        return _fingerprint_file("vae", audio_vae)
+    def extra(cls, source: ModelSource) -> dict:
+        return {}
+
+
+class TextEncoderLoader(_ComponentLoader):
+    NODE_ID, DISPLAY_NAME = "H3SplitTextEncoderLoader", "H3 Text Encoder Loader"
+    DESCRIPTION = (
+        "Loads the Qwen3-VL text encoder H3 conditions on (layer-50 states), with its tokenizer and processor. "
+        "~51 GB in bf16 at full size: the piece a remote encoder endpoint can take off this machine."
+    )
+    INPUT_ID, FOLDER, COMPONENT = "text_encoder", "text_encoders", "text_encoder"
+    FILE_HINT, OUTPUT = "qwen3vl_32b_minimax_h3_*.safetensors", TextEncoder
+
+    @staticmethod
+    def devices():
+        return mm.text_encoder_device(), mm.text_encoder_offload_device()
 
     @classmethod
-    def execute(cls, audio_vae) -> io.NodeOutput:
-        source, patcher = _load("vae", audio_vae, "audio_vae", mm.vae_device(), mm.vae_offload_device())
-        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {}))
+    def extra(cls, source: ModelSource) -> dict:
+        return {"tokenizer": source.load_tokenizer(), "processor": source.load_processor()}
+
+
+class VideoVAELoader(_ComponentLoader):
+    NODE_ID, DISPLAY_NAME = "H3SplitVideoVAELoader", "H3 Video VAE Loader"
+    DESCRIPTION = (
+        "Loads H3's video VAE (24 latent channels, /16 space, 17k+5 frames <-> 5k+2 latents): its encoder for "
+        "keyframes and visual references, its decoder for the output."
+    )
+    INPUT_ID, FOLDER, COMPONENT = "vae", "vae", "vae"
+    FILE_HINT, OUTPUT = "minimax_h3_video_vae_fp16.safetensors", VideoVAE
+
+
+class AudioVAELoader(_ComponentLoader):
+    NODE_ID, DISPLAY_NAME = "H3SplitAudioVAELoader", "H3 Audio VAE Loader"
+    DESCRIPTION = (
+        "Loads H3's audio VAE (32 kHz stereo, 40 latents/s, 32 channels): its encoder for reference audio and "
+        "soundtracks, its decoder for the output."
+    )
+    INPUT_ID, FOLDER, COMPONENT = "audio_vae", "vae", "audio_vae"
+    FILE_HINT, OUTPUT = "minimax_h3_audio_vae_fp32.safetensors", AudioVAE
 
 
 PARTITIONS = {"fl2va (t2va, first/last frame)": "transformer", "ref2va (references)": "transformer_ref"}
