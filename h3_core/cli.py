@@ -92,6 +92,7 @@ def _cmd_generate(args) -> int:
     from . import media
     from .contract import H3Conditioning
     from .diffusion import DiffusionStage
+    from .lora import LoRA
     from .models import ModelSource
 
     cond = H3Conditioning.load(args.cond)
@@ -104,6 +105,8 @@ def _cmd_generate(args) -> int:
         video_shift=args.video_shift,
         audio_shift=args.audio_shift,
         progress=_progress("denoise"),
+        lora=LoRA.load(args.lora) if args.lora else None,
+        lora_strength=args.lora_strength,
     )
     media.write_mp4(args.out, decoded.video, decoded.audio, fps=decoded.fps, sample_rate=decoded.sample_rate)
     if args.dump:
@@ -175,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--steps", type=int, default=50, help="sigma points incl. the final 0 (default 50)")
     generate.add_argument("--video-shift", type=float, help="flow shift of the video stream (default 12)")
     generate.add_argument("--audio-shift", type=float, help="flow shift of the audio stream (default 3)")
+    generate.add_argument("--lora", help="DiT LoRA (.safetensors), e.g. a Turbo LoRA with its own --steps/--video-shift")
+    generate.add_argument("--lora-strength", type=float, default=1.0, help="multiplier on the LoRA (default 1)")
     generate.add_argument("--dump", help="also write video/audio/latents tensors to this .safetensors")
     generate.set_defaults(func=_cmd_generate)
 

@@ -15,6 +15,7 @@ noise, then video noise, then audio noise (all inside stage 1).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 import torch
@@ -22,6 +23,7 @@ import torch
 from . import configs, rules
 from .contract import H3Conditioning
 from .blocks import pipeline_for, run_blocks, workflow_blocks
+from .lora import LoRA
 from .models import PARTITION_OF_TASK, ModelSource, ModelSourceError
 from .progress import Cancelled, ProgressFn, check_cancel
 
@@ -134,8 +136,11 @@ class DiffusionStage:
         audio_shift: float | None = None,
         progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
+        lora: LoRA | None = None,
+        lora_strength: float = 1.0,
     ) -> AVLatents:
-        """Run the flow-matching loop. `steps` = number of sigma points (diffusers' num_inference_steps)."""
+        """Run the flow-matching loop. `steps` = number of sigma points (diffusers' num_inference_steps);
+        `lora` (e.g. a Turbo distillation, with its own steps/shift) runs beside the DiT for this call only."""
         from diffusers import MiniMaxH3Scheduler
         from diffusers.modular_pipelines.minimax_h3 import (
             MiniMaxH3AudioReference,
@@ -187,8 +192,10 @@ class DiffusionStage:
             transformer.register_forward_pre_hook(reporter, with_kwargs=True),
             transformer.register_forward_hook(reporter.after),
         ]
+        lora_context = lora.applied(transformer, lora_strength) if lora is not None else contextlib.nullcontext()
         try:
-            state = run_blocks(pipe, **inputs)
+            with lora_context:
+                state = run_blocks(pipe, **inputs)
         finally:
             for handle in handles:
                 handle.remove()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import folder_paths
 from comfy_api.latest import io
 
 from ..h3_core import assembly, configs
 from ..h3_core.diffusion import DiffusionStage
+from ..h3_core.lora import LoRA
 from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
 from . import comfy_bridge as bridge
 from .types import CATEGORY, DiT
+
+
+NO_LORA = "none"
 
 
 class Sampler(io.ComfyNode):
@@ -32,13 +37,19 @@ class Sampler(io.ComfyNode):
                                tooltip="Flow shift of the video stream (12 released; 6 for some Turbo LoRAs)."),
                 io.Float.Input("audio_shift", default=configs.AUDIO_SHIFT, min=0.1, max=100.0, step=0.1,
                                tooltip="Flow shift of the audio stream (3 released)."),
+                io.Combo.Input("lora", options=[NO_LORA] + folder_paths.get_filename_list("loras"), default=NO_LORA,
+                               optional=True, tooltip="A DiT LoRA from models/loras (e.g. a Turbo LoRA: 5 or 9 steps, "
+                               "video shift 6 or 12 per its card), applied beside the weights for this run only."),
+                io.Float.Input("lora_strength", default=1.0, min=-4.0, max=4.0, step=0.05, optional=True,
+                               tooltip="Multiplier on the LoRA's update."),
             ],
             outputs=[io.Latent.Output(tooltip="AV latent: video [1,24,T,H/16,W/16] + audio [1,32,2,Ta].")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, dit, conditioning, seed, steps, video_shift, audio_shift) -> io.NodeOutput:
+    def execute(cls, dit, conditioning, seed, steps, video_shift, audio_shift, lora=NO_LORA,
+                lora_strength=1.0) -> io.NodeOutput:
         cond = assembly.conditioning_from_core(conditioning)  # complete + valid, before any heavy work
         needed = PARTITION_OF_TASK[cond.task]
         if dit.extra["partition"] != needed:
@@ -46,6 +57,7 @@ class Sampler(io.ComfyNode):
                 f"this {cond.task} conditioning needs the {COMPONENT_NAMES[needed]}; the loaded DiT is the "
                 f"{COMPONENT_NAMES[dit.extra['partition']]} (set H3 DiT Loader's partition)"
             )
+        adapter = None if lora in (None, NO_LORA) else LoRA.load(folder_paths.get_full_path_or_raise("loras", lora))
         device = bridge.use(dit.patcher)
         stage = DiffusionStage(modules={needed: dit.module}, pipeline_config=dit.pipeline_config, device=device,
                                dtype=next(dit.module.parameters()).dtype)
@@ -58,6 +70,8 @@ class Sampler(io.ComfyNode):
             audio_shift=audio_shift,
             progress=bridge.progress_callback(cls.hidden.unique_id),
             cancel=bridge.InterruptFlag(),
+            lora=adapter,
+            lora_strength=lora_strength,
         )
         return io.NodeOutput(bridge.av_latent(latents.video, latents.to_comfy_audio()))
 

@@ -1,0 +1,88 @@
+"""DiT LoRAs (Turbo distillations): every published naming, applied beside the weights, removed exactly."""
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from h3_core.diffusion import DiffusionStage
+from h3_core.encoder import EncoderStage
+from h3_core.lora import LoRA, LoraError
+from h3_core.models import ModelSource
+from test_stage_split import CASES, STEPS
+
+RANK = 4
+
+
+def _comfy_lora(path, transformer, alpha=8.0, seed=0):
+    """A Comfy/native-named LoRA (fused qkv_proj, mlp.fc1 [gate; value], `.alpha`), as Turbo exports ship."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = transformer.config.hidden_size
+    inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    tensors = {}
+    for block in range(transformer.config.num_layers):
+        base = f"diffusion_model.blocks.{block}"
+        tensors[f"{base}.attn.qkv_proj.lora_A.weight"] = torch.randn(RANK, hidden, generator=g) * 0.1
+        tensors[f"{base}.attn.qkv_proj.lora_B.weight"] = torch.randn(3 * inner, RANK, generator=g) * 0.1
+        tensors[f"{base}.attn.qkv_proj.alpha"] = torch.tensor(alpha)
+        tensors[f"{base}.mlp.fc1.lora_A.weight"] = torch.randn(RANK, hidden, generator=g) * 0.1
+        tensors[f"{base}.mlp.fc1.lora_B.weight"] = torch.randn(2 * transformer.config.ffn_dim, RANK, generator=g) * 0.1
+        tensors[f"{base}.mlp.fc1.alpha"] = torch.tensor(alpha)
+    save_file(tensors, str(path))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir):
+    source = ModelSource.from_path(tiny_dir)
+    request = CASES["t2va-64x64-seed0"][0]
+    return source, EncoderStage(source, ("text",)).encode(request), DiffusionStage(source)
+
+
+def test_lora_changes_the_result_and_leaves_the_dit_untouched(setup, tmp_path):
+    source, cond, stage = setup
+    transformer = stage.transformer("t2va")
+    _comfy_lora(tmp_path / "turbo.safetensors", transformer)
+    lora = LoRA.load(tmp_path / "turbo.safetensors")
+    assert len(lora.factors) == 4 * transformer.config.num_layers  # q, k, v split out of qkv_proj; ff.net.0.proj
+
+    before = stage.sample(cond, seed=1, steps=STEPS)
+    with_lora = stage.sample(cond, seed=1, steps=STEPS, lora=lora)
+    after = stage.sample(cond, seed=1, steps=STEPS)
+    assert not torch.equal(with_lora.video, before.video)
+    assert torch.equal(after.video, before.video) and torch.equal(after.audio, before.audio)  # removed exactly
+    half = stage.sample(cond, seed=1, steps=STEPS, lora=lora, lora_strength=0.0)
+    assert torch.equal(half.video, before.video)
+
+
+def test_lora_equals_merged_weights(setup, tmp_path):
+    """y = W x + s B A x is the merged model W + s B A (alpha / rank = 8 / 4 folded by diffusers' converter)."""
+    source, cond, stage = setup
+    transformer = stage.transformer("t2va")
+    _comfy_lora(tmp_path / "turbo.safetensors", transformer, seed=3)
+    lora = LoRA.load(tmp_path / "turbo.safetensors")
+    merged = copy.deepcopy(transformer)
+    modules = dict(merged.named_modules())
+    with torch.no_grad():
+        for name, (down, up, scale) in lora.factors.items():
+            modules[name].weight += 0.7 * scale * (up @ down)
+    reference = DiffusionStage(modules={"transformer": merged}, pipeline_config=source.pipeline_config)
+    expected = reference.sample(cond, seed=2, steps=STEPS)
+    got = stage.sample(cond, seed=2, steps=STEPS, lora=lora, lora_strength=0.7)
+    assert (got.video - expected.video).abs().max() < 1e-4
+    assert (got.audio - expected.audio).abs().max() < 1e-4
+
+
+def test_bad_loras_are_refused(setup, tmp_path):
+    _, _, stage = setup
+    transformer = stage.transformer("t2va")
+    wrong = tmp_path / "wrong.safetensors"
+    save_file({"diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight": torch.zeros(RANK, 5),
+               "diffusion_model.blocks.0.attn.qkv_proj.lora_B.weight": torch.zeros(3 * 64, RANK)}, str(wrong))
+    with pytest.raises(LoraError, match="expects a LoRA of 64 -> 64"):
+        LoRA.load(wrong).check(transformer)
+    pickled = tmp_path / "turbo.pt"
+    pickled.write_bytes(b"not read")
+    with pytest.raises(LoraError, match="safetensors only"):
+        LoRA.load(pickled)
