@@ -302,3 +302,17 @@ def test_bad_inputs_fail_before_heavy_work(server, tmp_path):
     good = api("t2va")
     node_of(good, "H3SplitSampler")["inputs"]["seed"] = 99
     assert server.run_prompt(good, timeout=600).status == "success"
+
+
+def test_remote_graph_gives_the_local_graphs_video(server, encoder_url):
+    """Remote Encode -> Sampler -> Decode makes the same mp4 content as the local encode chain."""
+    decoded = {}
+    for name in ("ref2va", "ref2va_remote"):
+        graph = api(name, encoder_url)
+        node_of(graph, "H3SplitSampler")["inputs"].update(seed=31)
+        node_of(graph, "SaveVideo")["inputs"]["filename_prefix"] = f"h3test/same_{name}"
+        mp4 = next(p for p in server.run_prompt(graph, timeout=600).files if p.suffix == ".mp4")
+        decoded[name] = media.read_video(mp4)
+    local, remote = decoded["ref2va"], decoded["ref2va_remote"]
+    assert local.frames.shape == remote.frames.shape and np.array_equal(local.frames, remote.frames)
+    assert np.array_equal(local.audio, remote.audio)
