@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 
 def _log(message: str) -> None:

@@ -18,14 +18,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+
 import torch
 
 from . import configs, rules
-from .contract import H3Conditioning
 from .blocks import pipeline_for, run_blocks, workflow_blocks
+from .contract import H3Conditioning
 from .lora import LoRA
 from .models import PARTITION_OF_TASK, ModelSource, ModelSourceError
-from .progress import Cancelled, ProgressFn, check_cancel
+from .progress import ProgressFn, check_cancel
+
 
 @dataclass
 class AVLatents:

@@ -25,10 +25,10 @@ import torch
 from PIL import Image
 
 from . import media, rules
+from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning, H3Reference
 from .models import ModelSource
 from .progress import ProgressFn, check_cancel
-from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .request import EncodeRequest
 
 ENCODER_COMPONENTS = ("text", "video", "audio")
