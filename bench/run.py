@@ -1,0 +1,165 @@
+"""Disaggregated H3, measured side by side: `python bench/run.py [--quick] [--models DIR]`.
+
+Runs five sections on CPU with the embedded tiny H3 (built into a temporary folder unless --models is given):
+  1. stage-split overhead vs diffusers' monolithic pipeline, and load times per side
+  2. wire efficiency of the conditioning contract over the real server vs a raw loopback socket
+  3. remote vs local encode on loopback (text-only, with references)
+  4. the encoder server under 1 / 4 / 16 concurrent clients, and cache hits
+  5. VAE peak memory and time vs canvas, frames and audio duration
+writes results.md, results.json and PNG plots (bench/results/, or bench/results/quick/ for --quick), and ends with
+one line per target (its measured ratio) and `targets met: N/M`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+SECTIONS = ("split", "wire", "remote", "vae")
+
+FULL = {
+    "split": dict(pairs=20, steps=50, width=64, height=64, frames=124, load_rounds=3),
+    "wire": dict(reps={"0.2MB": 30, "10MB": 20, "70MB": 12}),
+    "remote": dict(reps={"text": 30, "refs": 10}, plan={1: 50, 4: 12, 16: 4}, passes=4,
+                   hits={"sequential": 400, "concurrent": 20, "under_load": 100, "busy_per_client": 15}),
+    "vae": dict(canvas=[256, 384, 512, 768, 1024], canvas_frames=22, frames=[22, 56, 124, 209], frames_canvas=384,
+                encode_canvas=[256, 384, 512, 768, 1024], encode_frames=[22, 39, 56, 73], encode_frames_canvas=128,
+                audio_seconds=[2.5, 5.0, 10.0, 15.0], reps=2, per_process=True),
+}
+QUICK = {
+    "split": dict(pairs=10, steps=50, width=64, height=64, frames=124, load_rounds=1),
+    "wire": dict(reps={"0.2MB": 10, "10MB": 6, "70MB": 4}),
+    "remote": dict(reps={"text": 8, "refs": 3}, plan={1: 16, 4: 4, 16: 2}, passes=2,
+                   hits={"sequential": 150, "concurrent": 5, "under_load": 30, "busy_per_client": 5}),
+    "vae": dict(canvas=[256, 384, 512, 768], canvas_frames=22, frames=[22, 56, 124], frames_canvas=256,
+                encode_canvas=[256, 512], encode_frames=[22, 39], encode_frames_canvas=64,
+                audio_seconds=[2.5, 10.0], reps=1, per_process=False),
+}
+
+NOTES = [
+    "Threads: every process (bench, encoder server, workers) runs torch with the same thread count (`--threads`, "
+    "default 1). On this shared 2-core machine 2 threads made the same job 2.5-17x slower and wildly noisy "
+    "(OpenMP threads spin at barriers while the other workers hold a core), e.g. a 64x64x124 8-step job took "
+    "3.8-27 s with 2 threads and 1.5 s with 1.",
+    "Interleaving: each A/B comparison alternates the arms ABBA after one untimed warm-up round per arm; ratios are "
+    "medians of per-pair ratios with a 95 % bootstrap interval, so drift and other jobs' load hit both arms.",
+    "Model loading is outside every timed region except the load-time table, which runs each arm in a fresh "
+    "process (page cache warm).",
+    "Peak memory on CPU: RSS high-water mark (VmHWM) after resetting it with /proc/self/clear_refs, minus RSS just "
+    "before the op, after trimming the heap (malloc_trim). Full runs use a fresh process per point; --quick runs "
+    "a sweep per process (checked against per-point processes: peaks within ~4 %).",
+    "Wire: the same subprocess serves the real aiohttp app (around a synthetic stage that returns prebuilt "
+    "contracts; cache off, so each request pays to_bytes + the body digest) and a raw blocking TCP server that "
+    "sendall()s the very same bytes; the client side is EncoderClient.encode vs socket.recv_into a fresh buffer. "
+    "Exact bytes per direction come from a counting TCP proxy.",
+    "p99 uses linear interpolation between samples; with n < 100 it is close to the maximum.",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="reduced counts and sizes (a few minutes)")
+    parser.add_argument("--models", help="H3 models folder (default: build the embedded tiny H3 into a temp dir)")
+    parser.add_argument("--out", help="output folder (default bench/results, or bench/results/quick with --quick)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every process (default 1)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default all)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--render", metavar="RESULTS_JSON",
+                        help="measure nothing: re-render results.md and the plots from a results.json")
+    args = parser.parse_args(argv)
+    if args.render:
+        import json
+
+        from bench import report
+
+        results = json.loads(Path(args.render).read_text())
+        results.pop("targets", None)
+        out = Path(args.out) if args.out else Path(args.render).parent
+        report.write(results, out, with_plots=not args.no_plots)
+        for line in report.status_lines(results):
+            print(line)
+        return 0
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
+
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ["H3_THREADS"] = str(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    from bench import common, report
+
+    common.set_threads(args.threads)
+    plan = QUICK if args.quick else FULL
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / ("quick" if args.quick else "")
+    started = time.perf_counter()
+    results: dict = {"meta": {"mode": "quick" if args.quick else "full",
+                              "started": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+                              "threads": args.threads, "sections": sections, "plan": _jsonable(plan),
+                              "environment": common.environment(args.threads), "notes": NOTES}}
+    tmp = Path(tempfile.mkdtemp(prefix="h3-bench-"))
+    try:
+        if args.models:
+            models = Path(args.models)
+        else:
+            from h3_core import tiny
+
+            common.log("building the embedded tiny H3")
+            t0 = time.perf_counter()
+            models = tiny.build(tmp / "tiny", seed=0)
+            results["meta"]["built_tiny"] = True
+            results["meta"]["build_tiny_s"] = time.perf_counter() - t0
+        results["meta"]["models"] = str(models) if args.models else "embedded tiny H3 (built by this run)"
+        for section in sections:
+            t0 = time.perf_counter()
+            common.log(f"=== section {section} ===")
+            if section == "split":
+                from bench import split
+
+                results["split"] = split.run(models, threads=args.threads, tmp=tmp, **plan["split"])
+            elif section == "wire":
+                from bench import wire
+
+                results["wire"] = wire.run(threads=args.threads, **plan["wire"])
+            elif section == "remote":
+                from bench import remote
+
+                results["remote"] = remote.run(models, threads=args.threads, **plan["remote"])
+            elif section == "vae":
+                from bench import vae
+
+                results["vae"] = vae.run(models, threads=args.threads, **plan["vae"])
+            results["meta"].setdefault("section_s", {})[section] = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    results["meta"]["wall_s"] = time.perf_counter() - started
+    results["meta"]["loadavg_end"] = common.loadavg()
+    written = report.write(results, out, with_plots=not args.no_plots)
+    common.log(f"wrote {written['markdown']}, {written['json']}, {len(written['plots'])} plot(s); "
+               f"{results['meta']['wall_s'] / 60:.1f} min")
+    for line in report.status_lines(results):
+        print(line, flush=True)
+    return 0
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Subprocess for section 2: the real encoder server (aiohttp app, h3_core.remote.server) around a synthetic stage
+that answers prebuilt contracts at the real 5120 width, plus a raw TCP server that sends the very same bytes.
+
+    python -m bench.wire_server --worker '{"sizes": {"70MB": 6883, ...}}'
+prints one JSON line {"h3": URL, "raw_port": N, "bytes": {...}} and serves until stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import threading
+
+from bench.synth import synth_conditioning
+
+FINGERPRINT = "5e17be0c000000aa"  # hex, like ModelSource.fingerprint()
+
+
+class SyntheticStage:
+    """Quacks like EncoderStage for the server: the prompt `size:NAME` selects a prebuilt conditioning."""
+
+    components = ("text", "video", "audio")
+    fingerprint = FINGERPRINT
+
+    def __init__(self, conditionings):
+        self.conditionings = conditionings
+
+    def encode(self, request, metadata=None, cancel=None, progress=None):
+        return self.conditionings[request.prompt.split(":", 1)[1]]
+
+
+def raw_server(payloads: dict[str, bytes]) -> int:
+    """Blocking TCP server: read one line naming a payload, sendall() it, close. Returns the port."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    port = listener.getsockname()[1]
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            name = b""
+            while not name.endswith(b"\n"):
+                chunk = conn.recv(64)
+                if not chunk:
+                    return
+                name += chunk
+            conn.sendall(memoryview(payloads[name.strip().decode()]))
+            conn.shutdown(socket.SHUT_WR)
+
+    def accept_loop() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept_loop, daemon=True).start()
+    return port
+
+
+def lean_server(conditionings) -> int:
+    """Prototype of a copy-free, single-checksum wire (what would reach the throughput target), raw TCP.
+
+    Per request: 8-byte little-endian header length, the JSON header (the contract's fields and a safetensors-style
+    tensor table), then each tensor's bytes straight from its storage in 1 MiB pieces with a running CRC32, then the
+    4-byte CRC (0 when the request line says `nocrc`). Nothing is copied in user space; with the CRC every byte is
+    checksummed once on each side.
+    """
+    import zlib
+
+    from bench.synth import lean_header
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    port = listener.getsockname()[1]
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            name = b""
+            while not name.endswith(b"\n"):
+                chunk = conn.recv(64)
+                if not chunk:
+                    return
+                name += chunk
+            key, _, mode = name.strip().decode().partition(" ")
+            checksum = mode != "nocrc"
+            header, views = lean_header(conditionings[key])
+            conn.sendall(len(header).to_bytes(8, "little") + header)
+            crc = 0
+            for view in views:
+                for offset in range(0, view.nbytes, 1 << 20):
+                    piece = view[offset: offset + (1 << 20)]
+                    if checksum:
+                        crc = zlib.crc32(piece, crc)
+                    conn.sendall(piece)
+            conn.sendall(crc.to_bytes(4, "little"))
+            conn.shutdown(socket.SHUT_WR)
+
+    def accept_loop() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept_loop, daemon=True).start()
+    return port
+
+
+def main(args: dict) -> None:
+    from h3_core.remote.server import ServerConfig, create_app, start_site
+
+    conditionings = {name: synth_conditioning(tokens, metadata={"model": FINGERPRINT})
+                     for name, tokens in args["sizes"].items()}
+    payloads = {name: cond.to_bytes() for name, cond in conditionings.items()}
+    port = raw_server(payloads)
+    lean_port = lean_server(conditionings)
+    # Cache off: every request pays the server's serialisation (to_bytes + digest), as a fresh encode would.
+    config = ServerConfig(cache_bytes=0, threads=int(args.get("threads", 1)))
+
+    async def serve():
+        app = create_app(SyntheticStage(conditionings), config, {"synthetic": True})
+        runner, _, bound = await start_site(app, "127.0.0.1", 0)
+        print(json.dumps({"h3": f"http://127.0.0.1:{bound}", "raw_port": port, "lean_port": lean_port,
+                          "bytes": {name: len(data) for name, data in payloads.items()}}), flush=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes our stdin
+        await runner.cleanup()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", required=True)
+    main(json.loads(parser.parse_args().worker))

@@ -1,0 +1,172 @@
+"""A small slice of every benchmark section (bench/), so the benchmark cannot rot. Seconds, not minutes.
+
+The real numbers come from `python bench/run.py` (bench/results/); here only the machinery is exercised: statistics
+and interleaving, the synthetic contracts and the lean wire prototype, one wire round over the real server code,
+the load driver and cache-hit probe against an in-process server, the streamed VAE decode's bit-exactness, one VAE
+memory worker, the stage-1-only folder, and the report (targets, markdown, JSON, plots) from a fabricated result.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import common, remote, report, split, vae, wire
+from bench.synth import lean_header, lean_parse, raw_tensor_bytes, synth_conditioning
+from bench.vae_stream import streaming_decode
+
+
+def test_statistics_and_abba_interleaving():
+    s = common.summary([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s["n"] == 5 and s["median"] == 3.0 and s["min"] == 1.0 and s["max"] == 100.0 and s["p99"] > 90
+    p = common.paired([1.0, 2.0, 4.0], [1.1, 2.2, 4.4])
+    assert abs(p["median_ratio"] - 1.1) < 1e-9 and p["ci95"][0] <= 1.1 <= p["ci95"][1]
+    order = []
+    runs = common.interleaved({"a": lambda i: order.append(("a", i)), "b": lambda i: order.append(("b", i))},
+                              pairs=3, warmup=1)
+    assert order == [("a", -1), ("b", -1), ("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
+    assert len(runs["a"]["wall"]) == 3 and all(t >= 0 for t in runs["b"]["cpu"])
+
+
+def test_synthetic_contract_and_lean_roundtrip():
+    cond = synth_conditioning(20, text_dim=5120)
+    data = cond.to_bytes()
+    assert cond.prompt_embeds.dtype == torch.bfloat16 and raw_tensor_bytes(cond) == 20 * 5120 * 2 + 20 * 8
+    assert len(data) / raw_tensor_bytes(cond) < 1.01
+    header, views = lean_header(cond)
+    buf = bytearray(b"".join(bytes(v) for v in views))
+    back = lean_parse(json.loads(header), buf)
+    assert back == cond
+
+
+def test_wire_slice_over_the_real_server_code():
+    out = wire.run(reps={"0.2MB": 1}, threads=1, sizes={"0.2MB": 20})
+    s = out["sizes"]["0.2MB"]
+    assert s["raw_tensor_bytes"] == 20 * 10_248
+    assert s["contract_bytes"] < s["response_bytes"] < s["wire_bytes"] and s["wire_ratio"] < 1.02
+    assert s["h3_s"]["n"] == s["raw_s"]["n"] == s["lean_s"]["n"] == 1
+    assert set(s["breakdown_s"]) == {"to_bytes", "sha256", "from_bytes", "copy"}
+
+
+class _TinyTextStage:
+    """Answers every request with a small valid t2va conditioning (no model)."""
+
+    components = ("text", "video", "audio")
+    fingerprint = "0123456789abcdef"
+
+    def encode(self, request, metadata=None, cancel=None, progress=None):
+        return synth_conditioning(3, width=request.width or 64, height=request.height or 64, text_dim=8,
+                                  metadata={"model": self.fingerprint})
+
+
+def test_load_driver_and_cache_probe_in_process():
+    from h3_core.remote.server import ServerConfig, ServerThread
+
+    with ServerThread(_TinyTextStage(), ServerConfig(threads=1)) as server:
+        out = remote.load_test(server.url, plan={1: 2, 2: 1}, passes=1,
+                               hits={"sequential": 3, "concurrent": 1, "under_load": 2, "busy_per_client": 1})
+    assert out["levels"]["1"]["requests"] == 2 and out["levels"]["2"]["requests"] == 2
+    assert out["cache_hit_confirmed"] is True
+    assert out["cache_hits"]["sequential"]["latency_s"]["n"] == 3 and out["throughput_ratio"] > 0
+    assert out["levels"]["2"]["server_encode_s"]["n"] == 2 and out["levels"]["2"]["client_mean_spread"] >= 1
+
+
+def test_tile_grid_and_streamed_decode_match_diffusers(tiny_dir):
+    from h3_core.models import ModelSource
+
+    model = ModelSource.from_path(tiny_dir).load("vae")
+    for pixels in (64, 256, 288, 384, 512, 768, 1024):
+        assert vae.tile_grid(pixels) == len(model._split_tiles(pixels, 256, 64)[0])
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for h, w, frames in ((288, 320, 22), (64, 96, 39)):  # 2x2 tiles; two clips with a temporal cross-fade
+            z = torch.randn(1, 24, vae.latent_frames(frames), h // 16, w // 16, generator=generator)
+            expected = model.decode(z).sample
+            assert torch.equal(streaming_decode(model, z), expected)
+            quantised = (expected / 2 + 0.5).clamp(0, 1).mul(255).round().to(torch.uint8)
+            assert torch.equal(streaming_decode(model, z, torch.uint8), quantised)
+
+
+def test_vae_memory_worker_and_stage1_folder(tiny_dir, tmp_path):
+    points = vae.sweep(tiny_dir, 1, [dict(op="video_decode", height=64, width=64, frames=22, reps=1),
+                                     dict(op="audio_encode", seconds=2.0, reps=1)], per_process=False)
+    assert points[0]["output_shape"] == [1, 3, 22, 64, 64] and points[0]["tiles"] == 1
+    assert all(p["peak_bytes"] > 0 and p["time_s"] > 0 for p in points)
+    from h3_core.models import ModelSource
+
+    folder = split.stage1_only_folder(tiny_dir, tmp_path)
+    source = ModelSource.from_path(folder)
+    assert "text_encoder" not in source.paths and {"transformer", "vae", "audio_vae"} <= set(source.paths)
+
+
+def _fake_results() -> dict:
+    def summ(x):
+        return common.summary([x, x * 1.01, x * 0.99])
+
+    canvas = [dict(width=s, height=s, frames=22, tiles=vae.tile_grid(s) ** 2, tile_px=256, tile_overlap_px=64,
+                   time_s=s / 256, peak_bytes=int(s * s * 1000), working_bytes=int(s * s * 800),
+                   output_bytes=int(s * s * 200)) for s in (256, 384, 512, 768)]
+    frames = [dict(c, frames=f) for c, f in zip(canvas[:2], (22, 56))]
+    audio = [dict(seconds=s, time_s=s / 10, peak_bytes=int(s * 1e6), working_bytes=int(s * 1e6), output_bytes=10)
+             for s in (2.5, 10.0)]
+    size = dict(tokens=20, raw_tensor_bytes=204960, contract_bytes=205648, request_bytes=566, response_bytes=206078,
+                wire_bytes=206644, wire_ratio=1.008, handshake_bytes=1917, wire_bytes_per_token=10332.0,
+                h3_s=summ(0.5), raw_s=summ(0.06), lean_s=summ(0.08), lean_nocrc_s=summ(0.065), h3_mb_s=140.0,
+                raw_mb_s=1100.0, lean_mb_s=900.0, lean_nocrc_mb_s=1050.0, throughput_ratio=0.12,
+                throughput_ratio_ci95=[0.1, 0.14], lean_throughput_ratio=0.75, lean_throughput_ratio_ci95=[0.7, 0.8],
+                lean_nocrc_throughput_ratio=0.95, lean_nocrc_throughput_ratio_ci95=[0.9, 1.0],
+                breakdown_s=dict(to_bytes=0.14, sha256=0.05, from_bytes=0.1, copy=0.09))
+    level = lambda c, rps, lat: dict(clients=c, requests=8, errors=[], error_count=0, throughput_rps=rps,
+                                     latency_s=summ(lat), latencies=[lat] * 3, server_encode_s=summ(0.03),
+                                     server_queue_s=summ(lat - 0.03), client_mean_spread=1.05)
+    hit = dict(latency_s=summ(0.004), errors=0, throughput_rps=300.0, busy_misses_done=4)
+    load = dict(levels={"1": level(1, 20.0, 0.05), "16": level(16, 19.5, 0.8)}, throughput_ratio=0.975,
+                fair_share_limit_s=0.96, p99_over_fair_share=1.3, p99_over_service_share=1.4, service_slowdown=1.1,
+                cache_hit_confirmed=True,
+                cache_hits=dict(sequential=hit, concurrent_16=hit, under_load=hit))
+    rvl = dict(local_s=summ(0.04), remote_s=summ(0.05), local_samples=[0.04] * 3, remote_samples=[0.05] * 3,
+               remote_over_local=1.25, remote_over_local_ci95=[1.1, 1.4], added_ms_median=10.0, bit_identical=True,
+               request_media_bytes=0, decoded_media_bytes=0, contract_bytes=5696)
+    load_arm = dict(cold_s=summ(5.0), warm_s=summ(1.0), rss_delta_bytes=400_000_000,
+                    param_bytes={"transformer": 1_000_000}, param_bytes_total=1_000_000,
+                    source_components=["transformer", "vae"])
+    split_part = {k: summ(0.01) for k in ("encode", "to_bytes", "from_bytes", "sample", "decode")}
+    return {
+        "meta": dict(mode="quick", started="2026-01-01 00:00", wall_s=60.0, threads=1, notes=["a note"],
+                     loadavg_end=[1.0, 1.0, 1.0],
+                     environment=dict(cpu="test cpu", usable_cores=2, loadavg_start=[1.0, 1.0, 1.0],
+                                      versions=dict(torch="x", diffusers="y"))),
+        "split": dict(job=dict(task="t2va", width=64, height=64, num_frames=124, steps=50, seed=0, pairs=3,
+                               order="ABBA"),
+                      mono_wall_s=summ(1.5), split_wall_s=summ(1.49), mono_cpu_s=summ(1.5), split_cpu_s=summ(1.49),
+                      mono_wall_samples=[1.5, 1.51, 1.49], split_wall_samples=[1.49, 1.5, 1.48],
+                      wall=dict(ratios=[0.99, 0.993, 0.995], ratio_of_medians=0.993), overhead=-0.007,
+                      overhead_ci95=[-0.01, 0.0], overhead_cpu=-0.006, split_parts_s=split_part, contract_bytes=5696,
+                      bit_exact_video=True, load={"monolithic": load_arm, "diffusion_stage1_only": load_arm}),
+        "wire": dict(sizes={"0.2MB": size, "70MB": size}),
+        "remote": dict(server_start_s=9.0, remote_vs_local={"text": rvl}, load=load),
+        "vae": dict(decode_canvas=canvas, decode_canvas_stream=canvas, decode_canvas_stream_u8=canvas,
+                    decode_frames=frames, encode_canvas=canvas[:2], encode_frames=frames, audio_decode=audio,
+                    audio_encode=audio, pixel_ratios=vae.pixel_ratios(canvas),
+                    pixel_ratios_stream=vae.pixel_ratios(canvas), pixel_ratios_stream_u8=vae.pixel_ratios(canvas),
+                    stream_bit_exact=True),
+    }
+
+
+def test_report_targets_markdown_json_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = _fake_results()
+    names = [t["name"] for t in report.targets(results)]
+    assert len(names) == 7
+    written = report.write(results, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "## Targets: " in md and "**missed**" in md and "What reaches the target" in md
+    assert json.loads((tmp_path / "results.json").read_text())["targets"][0]["name"] == names[0]
+    assert set(written["plots"]) == {"split.png", "wire.png", "remote.png", "vae.png"}
+    lines = report.status_lines(results)
+    assert lines[-1].startswith("targets met: ") and lines[-1].endswith("/7") and len(lines) == 8
+    # a partial run reports the sections it skipped as not measured
+    partial = report.status_lines({"meta": results["meta"], "wire": results["wire"]})
+    assert partial[-1] == "targets met: 1/7" and "not measured" in partial[0]
