@@ -177,7 +177,8 @@ class ModelSource:
         missing = [name for name in names if name not in self.paths]
         if missing:
             raise ModelSourceError(
-                f"{self.root} ({self.layout} layout) has no {', '.join(missing)}; the requested stage needs it"
+                f"{self.root} ({self.layout} layout) has no {', '.join(COMPONENT_NAMES[name] for name in missing)}; "
+                "the requested stage needs it"
             )
 
     def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

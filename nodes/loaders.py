@@ -178,12 +178,7 @@ class DiTLoader(io.ComfyNode):
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(weight_dtype)
         if dtype is None:
             dtype = torch.float32 if load_device.type == "cpu" else torch.bfloat16
-        source = _source("diffusion_models", dit, component)
-        if component not in source.paths:
-            other = "transformer_ref" if component == "transformer" else "transformer"
-            found = "Ref2VA" if other == "transformer_ref" else "FL2VA"
-            if other in source.paths:
-                raise ValueError(f"{dit} is the {found} partition, but partition {partition!r} was selected")
+        source = _source("diffusion_models", dit, component)  # a single file of the other partition is refused here
         module = source.load(component, dtype=dtype)
         patcher = bridge.managed(module, load_device, offload_device)
         return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {"partition": component}))
