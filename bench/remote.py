@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench import common
+from h3_core import synthetic
 
 
 class EncoderServer:
@@ -83,9 +84,9 @@ def ref_request(i: int):
 
     return EncodeRequest(
         prompt=f"<Picture 1> walks in, <Video 1> moves, <Audio 2> plays. Take {i:05d}.",
-        ref_images=[common.image(3, 64, 96)],
-        ref_videos=[common.video(2.0)],
-        ref_audios=[AudioInput(common.tone(3.0), 32000)],
+        ref_images=[synthetic.image(3, 64, 96)],
+        ref_videos=[synthetic.video(2.0)],
+        ref_audios=[AudioInput(synthetic.tone(3.0), 32000)],
         num_frames=124,
     )
 

@@ -118,7 +118,6 @@ def _why_split(split: dict) -> str:
 def _why_wire(big: dict) -> str:
     b = big["breakdown_s"]
     raw = big["raw_s"]["median"]
-    extra = big["h3_s"]["median"] - raw
     budget = raw / 0.7 - raw
     return (f"Moving the bytes is not the cost: the raw socket needs {1000 * raw:.0f} ms, the h3 path "
             f"{1000 * big['h3_s']['median']:.0f} ms. Measured in-process on the same contract: to_bytes "

@@ -5,52 +5,34 @@ Done-when of the stages issue: on the tiny model at >= 124 frames, for t2va, fl2
 (measured: exactly 0) against `MiniMaxH3ModularPipeline` on the same folder, inputs and seed.
 """
 
-import numpy as np
 import pytest
 import torch
 
+from h3_core import synthetic
 from h3_core.contract import H3Conditioning
 from h3_core.diffusion import DiffusionStage
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
-from h3_core.request import AudioInput, EncodeRequest, VideoInput
+from h3_core.request import AudioInput, EncodeRequest
 from h3_reference import monolithic
 
 STEPS = 4
-
-
-def _image(seed: int, height: int, width: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), (x + y) % 256], axis=-1)
-    return np.clip(base + rng.integers(-20, 20, base.shape), 0, 255).astype(np.uint8)
-
-
-def _tone(seconds: float, rate: int = 32000, freq: float = 440.0) -> np.ndarray:
-    t = np.arange(int(seconds * rate)) / rate
-    return np.stack([0.3 * np.sin(2 * np.pi * freq * t), 0.3 * np.sin(2 * np.pi * freq * 1.5 * t)]).astype(np.float32)
-
-
-def _video(seconds: float, height=64, width=64, fps=24.0, audio=True) -> VideoInput:
-    frames = np.stack([np.roll(_image(7, height, width), 3 * i, axis=1) for i in range(int(seconds * fps))])
-    return VideoInput(frames=frames, fps=fps, audio=_tone(seconds, freq=220.0) if audio else None,
-                      sample_rate=32000 if audio else None)
 
 
 CASES = {
     "t2va-64x64-seed0": (EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, num_frames=124), "t2va", 0),
     "t2va-default-canvas-seed5": (EncodeRequest(prompt="Rain on a tin roof, distant thunder.", num_frames=141), "t2va", 5),
     "fl2va-first-last-seed1": (
-        EncodeRequest(prompt="The door opens.", first_frame=_image(1, 64, 96), last_frame=_image(2, 80, 96), num_frames=124),
+        EncodeRequest(prompt="The door opens.", first_frame=synthetic.image(1, 64, 96), last_frame=synthetic.image(2, 80, 96), num_frames=124),
         "fl2va",
         1,
     ),
     "ref2va-image-video-audio-seed2": (
         EncodeRequest(
             prompt="<Picture 1> walks in, <Video 1> moves, <Audio 2> plays.",
-            ref_images=[_image(3, 64, 96)],
-            ref_videos=[_video(2.0)],
-            ref_audios=[AudioInput(_tone(3.0), 32000)],
+            ref_images=[synthetic.image(3, 64, 96)],
+            ref_videos=[synthetic.video(2.0)],
+            ref_audios=[AudioInput(synthetic.tone(3.0), 32000)],
             num_frames=124,
         ),
         "ref2va",
