@@ -57,7 +57,7 @@ def encode(cond) -> list:
     if cond.task == "fl2va":
         extras["minimax_keyframes"] = [
             {"resolved_frame_index": 0 if anchor == "first" else cond.num_frames - 1, "latent": lat}
-            for anchor, lat in zip(cond.keyframe_anchors, cond.condition_latents)
+            for anchor, lat in zip(cond.keyframe_anchors, cond.condition_latents, strict=False)
         ]
     elif cond.task == "ref2va":
         refs = []

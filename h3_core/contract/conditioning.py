@@ -232,7 +232,7 @@ class H3Conditioning:
         if len(self.condition_latents) != len(visual):
             raise fail("condition_latents", f"needs one latent per image/video reference ({len(visual)}), "
                                             f"got {len(self.condition_latents)}")
-        for i, (ref, lat) in enumerate(zip(visual, self.condition_latents)):
+        for i, (ref, lat) in enumerate(zip(visual, self.condition_latents, strict=False)):
             t = lat.shape[2]
             if ref.kind == "image" and t != 1:
                 raise fail(f"condition_latents[{i}]", f"an image reference latent has T=1, got T={t}")
@@ -244,9 +244,9 @@ class H3Conditioning:
             raise fail("audio_condition_latents", f"needs one audio condition per reference with audio "
                                                   f"({len(audio_refs)}), got {len(self.audio_condition_latents)}")
         totals = [0, 0]  # embedded soundtracks, standalone audios
-        for ref, rows in zip(audio_refs, self.audio_condition_latents):
+        for ref, rows in zip(audio_refs, self.audio_condition_latents, strict=False):
             totals[ref.kind != "video"] += rows.shape[0] // AUDIO_CHANNELS
-        for (label, budget), total in zip(AUDIO_BUDGETS, totals):
+        for (label, budget), total in zip(AUDIO_BUDGETS, totals, strict=False):
             if total > budget:
                 raise fail("audio_condition_latents", f"{label} total {total} latents, over the separate "
                                                       f"{budget}-latent ({budget / AUDIO_LATENTS_PER_SECOND:g} s) "
@@ -315,8 +315,8 @@ class H3Conditioning:
                 len(self.audio_condition_latents) != len(other.audio_condition_latents):
             return False
         pairs = [(self.prompt_embeds, other.prompt_embeds), (self.text_token_tags, other.text_token_tags)]
-        pairs += list(zip(self.condition_latents, other.condition_latents))
-        pairs += list(zip(self.audio_condition_latents, other.audio_condition_latents))
+        pairs += list(zip(self.condition_latents, other.condition_latents, strict=False))
+        pairs += list(zip(self.audio_condition_latents, other.audio_condition_latents, strict=False))
         return all(_bit_equal(a, b) for a, b in pairs)
 
     __hash__ = None  # tensors are mutable; use fingerprint() as a cache key
