@@ -6,9 +6,12 @@ ref2va+video adds a (1,24,7,4,4) video reference with a soundtrack. (The probe's
 latents, under the contract's 80-latent floor, so the soundtrack here is 3 s like the audio reference.)
 """
 
+import json
+
+import safetensors.torch as st
 import torch
 
-from h3_core.contract import H3Conditioning, H3Reference
+from h3_core.contract import HEADER_KEY, H3Conditioning, H3Reference
 
 H = W = 64
 NF = 124
@@ -77,3 +80,17 @@ def make(kind="t2va", prompt_dtype=torch.float32, **changes):
     return H3Conditioning(**kwargs)
 
 
+def _st_metadata(data):
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n])["__metadata__"]
+
+
+def _retamper(data, edit_header=None, edit_tensors=None):
+    """Re-serialise a payload with an edited contract header and/or tensor dict."""
+    header = json.loads(_st_metadata(data)[HEADER_KEY])
+    tensors = {k: v.clone() for k, v in st.load(data).items()}
+    if edit_header:
+        edit_header(header)
+    if edit_tensors:
+        edit_tensors(tensors)
+    return st.save(tensors, metadata={HEADER_KEY: json.dumps(header)})

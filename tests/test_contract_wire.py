@@ -7,7 +7,7 @@ import json
 import pytest
 import safetensors.torch as st
 import torch
-from contract_cases import KINDS, _randn, make
+from contract_cases import KINDS, _randn, _retamper, _st_metadata, make
 
 from h3_core import contract as hc
 from h3_core.contract import (
@@ -77,22 +77,6 @@ def test_shared_storage_tensors_serialise():
     kf = _randn(1, 24, 1, 4, 4, seed=50)
     c = make("fl2va_both", condition_latents=[kf, kf])  # the same tensor twice
     assert H3Conditioning.from_bytes(c.to_bytes()) == c
-
-
-def _st_metadata(data):
-    n = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + n])["__metadata__"]
-
-
-def _retamper(data, edit_header=None, edit_tensors=None):
-    """Re-serialise a payload with an edited contract header and/or tensor dict."""
-    header = json.loads(_st_metadata(data)[hc.HEADER_KEY])
-    tensors = {k: v.clone() for k, v in st.load(data).items()}
-    if edit_header:
-        edit_header(header)
-    if edit_tensors:
-        edit_tensors(tensors)
-    return st.save(tensors, metadata={hc.HEADER_KEY: json.dumps(header)})
 
 
 def _payload_error(data, fragment):
