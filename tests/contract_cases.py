@@ -1,6 +1,6 @@
 """Shared cases for the tests of h3_core.contract: the probe requests of every task.
 
-Shapes follow shared/h3/STAGE_SPLIT.md (64x64 canvas, 124 frames, text width D=64): t2va (1,24,64);
+Shapes follow the tiny H3's stage-split probe requests (64x64 canvas, 124 frames, text width D=64): t2va (1,24,64);
 fl2va (1,36,64) + one (1,24,1,4,4) keyframe; ref2va (1,43,64) + a (1,24,1,4,6) image + a (240,32) audio;
 ref2va+video adds a (1,24,7,4,4) video reference with a soundtrack. (The probe's soundtrack was 0.92 s = 37
 latents, under the contract's 80-latent floor, so the soundtrack here is 3 s like the audio reference.)
@@ -33,7 +33,7 @@ def _tags(length, zeros=0, start=3):
 
 
 def _kwargs(kind, prompt_dtype=torch.float32):
-    """Constructor kwargs for one of the STAGE_SPLIT probe requests."""
+    """Constructor kwargs for one of the probe requests."""
     if kind == "t2va":
         return dict(task="t2va", height=H, width=W, num_frames=NF,
                     prompt_embeds=_randn(1, 24, D, seed=1, dtype=prompt_dtype), text_token_tags=_tags(24))
