@@ -32,16 +32,14 @@ def raw_tensor_bytes(cond) -> int:
 
 # --- the lean wire prototype (bench/wire_server.py lean_server, bench/wire.py lean_fetch) -------------
 
-_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I64": "int64"}
-
-
 def lean_header(cond) -> tuple[bytes, list[memoryview]]:
     """JSON header (contract fields + tensor table) and zero-copy views of the tensors, in wire order."""
     import json
 
     import torch
 
-    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+    from h3_core.safetensors_header import DTYPE_TAGS
+
     tensors = {"prompt_embeds": cond.prompt_embeds, "text_token_tags": cond.text_token_tags}
     tensors.update({f"condition_latents.{i}": t for i, t in enumerate(cond.condition_latents)})
     tensors.update({f"audio_condition_latents.{i}": t for i, t in enumerate(cond.audio_condition_latents)})
@@ -49,7 +47,8 @@ def lean_header(cond) -> tuple[bytes, list[memoryview]]:
     for name, t in tensors.items():
         t = t.detach().cpu().contiguous()
         view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        table[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + view.nbytes]}
+        table[name] = {"dtype": DTYPE_TAGS[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + view.nbytes]}
         views.append(view)
         offset += view.nbytes
     header = {"task": cond.task, "height": cond.height, "width": cond.width, "num_frames": cond.num_frames,
@@ -64,10 +63,11 @@ def lean_parse(header: dict, buf: bytearray):
     import torch
 
     from h3_core.contract import H3Conditioning
+    from h3_core.safetensors_header import DTYPES
 
     tensors = {}
     for name, info in header["tensors"].items():
-        dtype = getattr(torch, _DTYPES[info["dtype"]])
+        dtype = DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
         t = torch.frombuffer(buf, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin) if end > begin \
             else torch.empty(0, dtype=dtype)

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from . import facts
+
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -159,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--task", choices=("t2va", "fl2va", "ref2va"), help="default: inferred from the media")
     encode.add_argument("--width", type=int, help="px, multiple of 32 (default: H3's canvas rule)")
     encode.add_argument("--height", type=int, help="px, multiple of 32")
-    encode.add_argument("--frames", type=int, default=124, help="17k+5 frames at 24 fps, 124..345 (default 124)")
+    encode.add_argument("--frames", type=int, default=facts.MIN_FRAMES,
+                        help=f"17k+5 frames at {facts.FPS} fps, "
+                             f"{facts.MIN_FRAMES}..{facts.MAX_FRAMES} (default %(default)s)")
     encode.add_argument("--first-frame", help="image the video starts from (fl2va)")
     encode.add_argument("--last-frame", help="image the video ends on (fl2va)")
     encode.add_argument("--ref-image", action="append", default=[], help="reference image (ref2va, <= 9)")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import media, rules
+from . import facts, media, rules
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning, H3Reference
 from .models import ModelSource
@@ -218,9 +218,10 @@ class EncoderStage:
                 # Snap *down* to 17k+5 so the VAE encodes without padding (diffusers' reference step).
                 count = rules.snap_frames_down(ref.frames.shape[0])
                 pixels.append(torch.from_numpy(np.ascontiguousarray(ref.frames[:count])).permute(3, 0, 1, 2)[None])
-        pixel_mean, pixel_std, seed = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 42
         return [
-            encode_vae_condition(self.vae, p.to(self.device), pixel_mean, pixel_std, encode_seed=seed) for p in pixels
+            encode_vae_condition(self.vae, p.to(self.device), facts.PIXEL_MEAN, facts.PIXEL_STD,
+                                 encode_seed=facts.KEYFRAME_ENCODE_SEED)
+            for p in pixels
         ]
 
     @torch.no_grad()

@@ -45,9 +45,9 @@ import av
 import numpy as np
 from PIL import Image, ImageOps
 
+from .facts import AUDIO_SAMPLE_RATE, FPS
+
 __all__ = [
-    "H3_FPS",
-    "H3_SAMPLE_RATE",
     "MediaError",
     "VideoClip",
     "read_image",
@@ -63,11 +63,6 @@ __all__ = [
     "encode_png_bytes",
     "probe",
 ]
-
-H3_FPS = 24
-"""MiniMax-H3's video clock (frames per second)."""
-H3_SAMPLE_RATE = 32000
-"""The audio VAE's sample rate (Hz); H3 audio is stereo at this rate."""
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
 
@@ -262,7 +257,7 @@ def _check_rate(sample_rate: Any, what: str) -> int:
     return int(sample_rate)
 
 
-def resampled_length(num_samples: int, sample_rate: int, target_rate: int = H3_SAMPLE_RATE) -> int:
+def resampled_length(num_samples: int, sample_rate: int, target_rate: int = AUDIO_SAMPLE_RATE) -> int:
     """Length :func:`resample_audio` returns: ``ceil(S * target / rate)``, evaluated like ``torchaudio``'s
     ``Resample`` (rates reduced by their gcd, the quotient rounded to float32 before the ceiling), so lengths
     match what diffusers' torchaudio path would produce."""
@@ -271,7 +266,7 @@ def resampled_length(num_samples: int, sample_rate: int, target_rate: int = H3_S
     return int(np.ceil(quotient))
 
 
-def resample_audio(waveform: Any, sample_rate: int, target_rate: int = H3_SAMPLE_RATE) -> np.ndarray:
+def resample_audio(waveform: Any, sample_rate: int, target_rate: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
     """A waveform ``[C, S]`` (numpy or torch, float) -> float32 stereo ``[2, S']`` at ``target_rate``.
 
     Mono is duplicated to both channels and channels beyond two are dropped (SPEC 1.3: the reference duplicates
@@ -562,8 +557,8 @@ def write_mp4(
     path: str | os.PathLike,
     frames: Any,
     audio: Any = None,
-    fps: float = H3_FPS,
-    sample_rate: int = H3_SAMPLE_RATE,
+    fps: float = FPS,
+    sample_rate: int = AUDIO_SAMPLE_RATE,
     crf: int = 18,
     audio_bitrate: int = 192_000,
 ) -> str:
@@ -593,8 +588,8 @@ def write_mp4(
 def encode_mp4_bytes(
     frames: Any,
     audio: Any = None,
-    fps: float = H3_FPS,
-    sample_rate: int = H3_SAMPLE_RATE,
+    fps: float = FPS,
+    sample_rate: int = AUDIO_SAMPLE_RATE,
     crf: int = 18,
     audio_bitrate: int = 192_000,
 ) -> bytes:

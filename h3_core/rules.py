@@ -2,8 +2,8 @@
 
 Every entry point (CLI, ComfyUI nodes, encoder server) validates through these functions before
 any heavy work, so a bad request fails the same way, with the same message, wherever it enters.
-Sources: shared/h3/SPEC.md §3 (vLLM-Omni's serving rules) and diffusers' modular pipeline, which
-wins where the two disagree (the 5 s floor, checked after snapping to 17k+5).
+The rules are vLLM-Omni's serving rules and diffusers' modular pipeline's checks; diffusers wins where
+the two disagree (the 5 s floor, checked after snapping to 17k+5). The numbers live in `facts`.
 """
 
 from __future__ import annotations
@@ -11,27 +11,37 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-FPS = 24
-FRAMES_PER_CLIP = 17  # the video VAE encodes 17-frame clips ...
-LATENTS_PER_CLIP = 5  # ... into 5 latent frames; frames 17k+5 <-> latents 5k+2
-SPATIAL_RATIO = 16  # video VAE spatial compression
-CANVAS_MULTIPLE = 32  # VAE /16 times the DiT's 2x2 patch
-MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
-
-AUDIO_SAMPLE_RATE = 32000
-AUDIO_CHANNELS = 2
-AUDIO_LATENTS_PER_SECOND = 40
-
-MIN_DURATION_S, MAX_DURATION_S = 5.0, 15.0  # output, after snapping (diffusers' pipeline)
-MIN_FRAMES = 124  # 17*7+5, the first grid point at or above 5 s (diffusers: 120 before snapping)
-MAX_FRAMES = 345  # 17*20+5, the last grid point within 15 s (362 frames = 15.08 s is refused)
-
-MIN_AUDIO_CLIP_S, MAX_AUDIO_CLIP_S = 2.0, 15.0  # every reference clip (soundtrack or standalone)
-AUDIO_BUDGET_S = 15.0  # per budget: embedded soundtracks and standalone audios are counted separately
-MIN_REFERENCE_VIDEO_S = 2.0
-
-MAX_KEYFRAMES = 2
-MAX_REF_IMAGES, MAX_REF_VIDEOS, MAX_REF_AUDIOS, MAX_REFS = 9, 3, 3, 12
+# The numbers are H3's model facts (one home, `facts`); they are re-exported here because every entry
+# point reads them as `rules.X` next to the checks that use them.
+from .facts import (  # noqa: F401
+    AUDIO_CHANNELS,
+    AUDIO_LATENTS_PER_SECOND,
+    AUDIO_SAMPLE_RATE,
+    CANVAS_MULTIPLE,
+    EMBEDDED_AUDIO_BUDGET_S,
+    FPS,
+    FRAMES_PER_CLIP,
+    LATENTS_PER_CLIP,
+    MAX_ASPECT,
+    MAX_AUDIO_CLIP_S,
+    MAX_DURATION_S,
+    MAX_FRAMES,
+    MAX_KEYFRAMES,
+    MAX_REF_AUDIOS,
+    MAX_REF_IMAGES,
+    MAX_REF_VIDEOS,
+    MAX_REFS,
+    MIN_ASPECT,
+    MIN_AUDIO_CLIP_S,
+    MIN_DURATION_S,
+    MIN_FRAMES,
+    MIN_REFERENCE_VIDEO_S,
+    STANDALONE_AUDIO_BUDGET_S,
+    VAE_SPATIAL_FACTOR,
+    audio_latent_frames,
+    is_on_frame_grid,
+    video_latent_frames,
+)
 
 TASKS = ("t2va", "fl2va", "ref2va")
 
@@ -41,10 +51,6 @@ class H3InputError(ValueError):
 
 
 # --- frame grid ----------------------------------------------------------------------------------
-
-
-def is_on_frame_grid(num_frames: int) -> bool:
-    return num_frames >= LATENTS_PER_CLIP and num_frames % FRAMES_PER_CLIP == LATENTS_PER_CLIP
 
 
 def snap_frames_up(num_frames: int) -> int:
@@ -59,20 +65,6 @@ def snap_frames_down(num_frames: int) -> int:
     """The largest frame count of the form 17k+5 not above `num_frames` (at least 5)."""
     k = max(0, (num_frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP)
     return FRAMES_PER_CLIP * k + LATENTS_PER_CLIP
-
-
-def video_latent_frames(num_frames: int) -> int:
-    """Latent frames of a 17k+5 clip: 5k+2 (a single image -> 1)."""
-    if num_frames == 1:
-        return 1
-    if not is_on_frame_grid(num_frames):
-        raise H3InputError(f"frame count must be of the form 17k+5 (5, 22, 39, ..., 124, ...), got {num_frames}")
-    return (num_frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP * LATENTS_PER_CLIP + 2
-
-
-def audio_latent_frames(num_frames: int) -> int:
-    """Audio latents covering `num_frames` video frames: round(frames / 24 * 40)."""
-    return int(round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND))
 
 
 def check_output_frames(num_frames: int) -> int:
@@ -137,7 +129,7 @@ class MediaSummary:
 
 
 def infer_task(summary: MediaSummary) -> str:
-    """The implicit task (SPEC.md §3): video or audio references -> ref2va, images -> fl2va, else t2va."""
+    """The implicit task: video or audio references -> ref2va, images -> fl2va, else t2va."""
     if summary.video_ref_seconds or summary.audio_ref_seconds or summary.image_refs:
         return "ref2va"
     if summary.keyframes:
@@ -184,7 +176,7 @@ def check_reference_counts(images: int, videos: int, audios: int) -> None:
 
 
 def check_reference_durations(summary: MediaSummary, num_frames: int) -> None:
-    """Reference clip lengths (SPEC.md §3): each 2-15 s; embedded and standalone budgets 15 s each.
+    """Reference clip lengths: each 2-15 s; embedded and standalone budgets 15 s each.
 
     Soundtracks and standalone audio are cut to the output duration before encoding (as the
     reference does), so the budgets are checked on what is actually encoded.
@@ -214,9 +206,10 @@ def check_reference_durations(summary: MediaSummary, num_frames: int) -> None:
                 f"reference audio {index} must be {MIN_AUDIO_CLIP_S:g}-{MAX_AUDIO_CLIP_S:g} s long, got {seconds:.2f} s"
             )
         standalone.append(min(seconds, output_s))
-    for label, clips in (("reference video soundtracks", embedded), ("standalone reference audios", standalone)):
-        if sum(clips) > AUDIO_BUDGET_S + 1e-9:
+    for label, clips, budget in (("reference video soundtracks", embedded, EMBEDDED_AUDIO_BUDGET_S),
+                                 ("standalone reference audios", standalone, STANDALONE_AUDIO_BUDGET_S)):
+        if sum(clips) > budget + 1e-9:
             raise H3InputError(
-                f"{label} must total at most {AUDIO_BUDGET_S:g} s (a separate budget from the other audio kind), "
+                f"{label} must total at most {budget:g} s (a separate budget from the other audio kind), "
                 f"got {sum(clips):.2f} s"
             )

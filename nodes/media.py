@@ -13,11 +13,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 from comfy_api.latest import io
 
+from ..h3_core import facts
 from ..h3_core.request import AudioInput, EncodeRequest, VideoInput
 from . import comfy_bridge as bridge
 from .types import CATEGORY, Media
 
-MAX_IMAGE_SOCKETS, MAX_VIDEO_SOCKETS, MAX_AUDIO_SOCKETS = 9, 3, 3
+MAX_IMAGE_SOCKETS, MAX_VIDEO_SOCKETS, MAX_AUDIO_SOCKETS = (facts.MAX_REF_IMAGES, facts.MAX_REF_VIDEOS,
+                                                         facts.MAX_REF_AUDIOS)
 
 
 @dataclass(frozen=True)

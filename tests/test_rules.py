@@ -1,4 +1,4 @@
-"""Every request rule (SPEC.md §3, diffusers' limits) fed a violating input; the error names the rule."""
+"""Every request rule (vLLM-Omni's serving rules, diffusers' limits) fed a violating input; the error names the rule."""
 
 import numpy as np
 import pytest

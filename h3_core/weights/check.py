@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from . import components
 from .detect import Detection, scan
 from .errors import H3WeightsError, KeyMismatchError, preview
-from .safetensors_header import meta_state_dict
+from .headers import meta_state_dict
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from . import audio_vae_keys, text_encoder_keys, transformer_keys, video_vae_keys
 from .errors import H3WeightsError, UnrecognisedCheckpointError
 from .refusal import refuse_unsupported
-from .safetensors_header import Header, read_header
+from .headers import Header, read_header
 from .sources import Source, component_paths, component_source, is_root, loose_files, partition_token
 
 COMPONENTS = ("transformer", "video_vae", "audio_vae", "text_encoder")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .errors import UnsupportedCheckpointError, preview
-from .safetensors_header import Header
+from .headers import Header
 
 SUPPORTED_FILES = (
     "supported: unquantised (bf16/fp16/fp32) weights - the Comfy-Org single files "

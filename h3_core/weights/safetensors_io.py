@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import H3WeightsError
-from .safetensors_header import Header
+from .headers import Header
 
 SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 

@@ -1,0 +1,58 @@
+"""The MiniMax-H3 conditioning contract between the encoder stage and the diffusion stage.
+
+`H3Conditioning` (in `conditioning`) is the type: validated on construction, frozen, bit-exact equality.
+Its outside forms live one per module, each an adapter to a format that changes on its own schedule:
+
+    conditioning.py  the dataclass, validation, derived values, __eq__/__repr__, check_compatible
+    layout.py        patchify/unpatchify and audio rows <-> latents (what the DiT sees)
+    wire.py          to_bytes/from_bytes/save/load/fingerprint: one safetensors file, never pickle
+    comfy.py         to_comfy/from_comfy: ComfyUI core's H3 CONDITIONING
+    vllm.py          to_vllm/from_vllm: vLLM-Omni's unified stage-0 payload
+
+The class keeps one-line delegate methods (`cond.to_vllm()`, `H3Conditioning.load(path)`), so callers
+import only from `h3_core.contract`. Nothing here imports ComfyUI, diffusers or vLLM.
+"""
+
+from .comfy import COMFY_PACK_KEY
+from .conditioning import (
+    KEYFRAME_ANCHOR_SETS,
+    PROMPT_EMBED_DTYPES,
+    REFERENCE_KINDS,
+    TASKS,
+    H3Conditioning,
+    H3Reference,
+)
+from .errors import ContractError
+from .layout import (
+    audio_latent_frames,
+    audio_latent_to_rows,
+    audio_rows_to_latent,
+    patchify_video_latent,
+    unpatchify_video_rows,
+    video_latent_frames,
+)
+from .vllm import VLLM_LAYOUT_KEY, VLLM_STAGE_SCHEMA_VERSION, VLLM_WIRE_SCHEMA_ID
+from .wire import FORMAT_ID, FORMAT_VERSION, HEADER_KEY
+
+__all__ = [
+    "COMFY_PACK_KEY",
+    "FORMAT_ID",
+    "FORMAT_VERSION",
+    "HEADER_KEY",
+    "KEYFRAME_ANCHOR_SETS",
+    "PROMPT_EMBED_DTYPES",
+    "REFERENCE_KINDS",
+    "TASKS",
+    "VLLM_LAYOUT_KEY",
+    "VLLM_STAGE_SCHEMA_VERSION",
+    "VLLM_WIRE_SCHEMA_ID",
+    "ContractError",
+    "H3Conditioning",
+    "H3Reference",
+    "audio_latent_frames",
+    "audio_latent_to_rows",
+    "audio_rows_to_latent",
+    "patchify_video_latent",
+    "unpatchify_video_rows",
+    "video_latent_frames",
+]

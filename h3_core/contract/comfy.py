@@ -1,0 +1,214 @@
+"""ComfyUI core's H3 CONDITIONING, to and from `H3Conditioning` (lossless both ways for what the contract holds).
+
+Core's CONDITIONING is plain Python lists, dicts and tensors, so it is built and read here without importing
+ComfyUI. Core's condition latents are the same *normalised* VAE latents the contract holds: core's video VAE
+`encode` returns the posterior mean already normalised per channel and its audio VAE `encode` returns
+normalised `[B, 32, 2, T]` latents, and `model_base.MiniMaxH3.extra_conds` passes them to the DiT untouched.
+So the conversion is a re-arrangement, never arithmetic (values differ only in how they were produced: core
+takes the video posterior mean, diffusers and vLLM sample it under the fixed keyframe seed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import check_tensor, fail, is_int, shape
+from .layout import audio_latent_to_rows, audio_rows_to_latent
+from .wire import FORMAT_ID, FORMAT_VERSION
+
+COMFY_PACK_KEY = "minimax_h3_pack"  # our extra key in the cond dict; core's extra_conds never reads it
+CORE_REF_KINDS = ("image", "video", "video_audio", "audio")
+_UNREPRESENTABLE_KEYS = ("minimax_visual_cond_noise_aug", "minimax_audio_cond_noise_aug")
+
+
+def _f32(value: Any, name: str) -> torch.Tensor:
+    """A tensor, half-precision upcast to float32 (exact): core may hold fp16/bf16 condition latents."""
+    value = check_tensor(name, value)
+    return value.to(torch.float32) if value.dtype in (torch.float16, torch.bfloat16) else value
+
+
+def encode(cond) -> list:
+    """ComfyUI core's H3 CONDITIONING: `[[prompt_embeds, extras]]`.
+
+    Mapping (core form as Comfy-Org/ComfyUI:comfy_extras/nodes_minimax_h3.py builds it and
+    comfy/model_base.py `MiniMaxH3.extra_conds` + comfy/ldm/minimax/model.py `PackedLayout` read it):
+
+    * `cross_attn` (list item 0)          <- prompt_embeds `[1, L, D]`, dtype kept
+    * `extras["minimax_token_tags"]`      <- text_token_tags int64 `[L]`
+    * fl2va: `extras["minimax_keyframes"]` = one dict per keyframe, in order:
+      `{"resolved_frame_index": 0 ('first') | num_frames - 1 ('last'), "latent": [1, C, 1, H/16, W/16]}`
+      (core's MiniMaxH3ImageToVideo uses frame_count - 1 for the last frame)
+    * ref2va: `extras["minimax_refs"]` = one dict per reference, in packed order:
+      image: `{"kind": "image", "picture_index": i (ordinal among images), "latent_h", "latent_w", "latent"}`;
+      video: `{"kind": "video_audio" if has_audio else "video", "latent_t", "latent_h", "latent_w",
+      "ref_audio_t" (0 without audio), "latent", "audio_latent" ([1, 32, 2, T] or None)}`;
+      audio: `{"kind": "audio", "ref_audio_t", "audio_latent" [1, 32, 2, T]}`.
+      Audio rows `[2T, 32]` become core's `[1, 32, 2, T]` (channel-major unpack). Latents are the same
+      normalised values core's VAEs produce, so no statistics are involved.
+    * `extras["minimax_h3_pack"]` = `{"format", "version", "task", "height", "width", "num_frames",
+      "metadata"}`: what core does not carry. Core's extra_conds never reads it.
+
+    Tensors are shared, not copied (except the audio latents, which change layout).
+    """
+    extras: dict[str, Any] = {"minimax_token_tags": cond.text_token_tags}
+    if cond.task == "fl2va":
+        extras["minimax_keyframes"] = [
+            {"resolved_frame_index": 0 if anchor == "first" else cond.num_frames - 1, "latent": lat}
+            for anchor, lat in zip(cond.keyframe_anchors, cond.condition_latents, strict=False)
+        ]
+    elif cond.task == "ref2va":
+        refs = []
+        visual = iter(cond.condition_latents)
+        audio = iter(cond.audio_condition_latents)
+        picture_index = 0
+        for ref in cond.references:
+            if ref.kind == "image":
+                lat = next(visual)
+                refs.append({"kind": "image", "picture_index": picture_index, "latent_h": int(lat.shape[3]),
+                             "latent_w": int(lat.shape[4]), "latent": lat})
+                picture_index += 1
+            elif ref.kind == "video":
+                lat = next(visual)
+                audio_latent = audio_rows_to_latent(next(audio)) if ref.has_audio else None
+                refs.append({"kind": "video_audio" if ref.has_audio else "video",
+                             "latent_t": int(lat.shape[2]), "latent_h": int(lat.shape[3]),
+                             "latent_w": int(lat.shape[4]),
+                             "ref_audio_t": int(audio_latent.shape[-1]) if audio_latent is not None else 0,
+                             "latent": lat, "audio_latent": audio_latent})
+            else:
+                audio_latent = audio_rows_to_latent(next(audio))
+                refs.append({"kind": "audio", "ref_audio_t": int(audio_latent.shape[-1]),
+                             "audio_latent": audio_latent})
+        extras["minimax_refs"] = refs
+    extras[COMFY_PACK_KEY] = {
+        "format": FORMAT_ID,
+        "version": FORMAT_VERSION,
+        "task": cond.task,
+        "height": cond.height,
+        "width": cond.width,
+        "num_frames": cond.num_frames,
+        "metadata": dict(cond.metadata),
+    }
+    return [[cond.prompt_embeds, extras]]
+
+
+def decode(cls, conditioning: Sequence, *, task: str | None = None, height: int | None = None,
+           width: int | None = None, num_frames: int | None = None, metadata: Mapping[str, str] | None = None):
+    """Read ComfyUI core's H3 CONDITIONING (the inverse of `to_comfy`, mapping documented there).
+
+    `task`/`height`/`width`/`num_frames`/`metadata` come from the `minimax_h3_pack` key when present;
+    a CONDITIONING made by core's own nodes has none, so pass the canvas (e.g. from the LATENT) and the
+    frame count explicitly; `task` is then inferred (refs -> ref2va, keyframes -> fl2va, else t2va).
+    An explicit value that disagrees with the pack key is an error. Core features the contract cannot
+    express raise `ContractError`: audio keyframes and interior frame indices (MiniMaxH3AddGuide),
+    keyframes mixed with refs, and the `minimax_*_cond_noise_aug` overrides. `picture_index` is not
+    read (core never consumes it). fp16/bf16 condition latents are upcast to fp32 (exact).
+    """
+    if not isinstance(conditioning, (list, tuple)) or len(conditioning) != 1:
+        n = len(conditioning) if isinstance(conditioning, (list, tuple)) else type(conditioning).__name__
+        raise fail("conditioning", f"must be a list of exactly one [cross_attn, extras] entry (H3 runs batch "
+                                    f"1), got {n}")
+    entry = conditioning[0]
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], Mapping):
+        raise fail("conditioning", "entry must be [cross_attn tensor, extras dict]")
+    cross_attn, extras = entry
+    if "minimax_token_tags" not in extras:
+        raise fail("minimax_token_tags", "missing: the CONDITIONING was not made by the MiniMax H3 text encoder")
+    for key in _UNREPRESENTABLE_KEYS:
+        if extras.get(key) is not None:
+            raise fail(key, "condition noise overrides are not representable in H3Conditioning")
+
+    pack = extras.get(COMFY_PACK_KEY)
+    if pack is not None:
+        if not isinstance(pack, Mapping) or pack.get("format") != FORMAT_ID:
+            raise fail(COMFY_PACK_KEY, f"must be a mapping with format {FORMAT_ID!r}")
+        if pack.get("version") != FORMAT_VERSION:
+            raise fail(COMFY_PACK_KEY, f"unsupported version {pack.get('version')!r}")
+    pack = pack or {}
+
+    def resolve(name: str, explicit: Any) -> Any:
+        packed = pack.get(name)
+        if explicit is not None and packed is not None and explicit != packed:
+            raise fail(name, f"explicit value {explicit!r} conflicts with {COMFY_PACK_KEY}[{name!r}]={packed!r}")
+        return explicit if explicit is not None else packed
+
+    keyframes = extras.get("minimax_keyframes") or []
+    refs = extras.get("minimax_refs") or []
+    if keyframes and refs:
+        raise fail("minimax_keyframes", "keyframes together with references are not representable (one task "
+                                         "per conditioning)")
+    task = resolve("task", task)
+    if task is None:
+        task = "ref2va" if refs else "fl2va" if keyframes else "t2va"
+    height, width, num_frames = resolve("height", height), resolve("width", width), resolve("num_frames",
+                                                                                           num_frames)
+    for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
+        if value is None:
+            raise fail(name, f"not carried by core's CONDITIONING and no {COMFY_PACK_KEY} key: pass it "
+                              f"explicitly (e.g. from the LATENT)")
+    metadata = resolve("metadata", None if metadata is None else dict(metadata))
+
+    condition_latents, audio_rows, anchors, references = [], [], [], []
+    for i, kf in enumerate(keyframes):
+        name = f"minimax_keyframes[{i}]"
+        if not isinstance(kf, Mapping):
+            raise fail(name, "must be a dict")
+        if kf.get("audio_latent") is not None:
+            raise fail(name, "audio keyframes (MiniMaxH3AddGuide) are not representable in H3Conditioning")
+        if kf.get("latent") is None:
+            raise fail(name, "has no video latent")
+        index = kf.get("resolved_frame_index")
+        if index == 0:
+            anchors.append("first")
+        elif is_int(num_frames) and index == num_frames - 1:
+            anchors.append("last")
+        else:
+            raise fail(name, f"resolved_frame_index must be 0 (first) or num_frames-1 = "
+                              f"{num_frames - 1 if is_int(num_frames) else '?'} (last), got {index!r}")
+        condition_latents.append(_f32(kf["latent"], f"{name}['latent']"))
+
+    for i, ref in enumerate(refs):
+        name = f"minimax_refs[{i}]"
+        if not isinstance(ref, Mapping):
+            raise fail(name, "must be a dict")
+        kind = ref.get("kind")
+        if kind not in CORE_REF_KINDS:
+            raise fail(name, f"kind must be image/video/video_audio/audio, got {kind!r}")
+        if kind != "audio":
+            lat = _f32(ref.get("latent"), f"{name}['latent']")
+            if lat.ndim != 5:
+                raise fail(f"{name}['latent']", f"must be [1, C, T, h, w], got {shape(lat)}")
+            declared = [("latent_h", 3), ("latent_w", 4)] + ([("latent_t", 2)] if kind != "image" else [])
+            for key, dim in declared:
+                if ref.get(key) != lat.shape[dim]:
+                    raise fail(name, f"{key}={ref.get(key)!r} does not match the latent shape {shape(lat)}")
+            condition_latents.append(lat)
+        audio_latent = ref.get("audio_latent")
+        ref_audio_t = ref.get("ref_audio_t", 0) or 0
+        if kind in ("video_audio", "audio"):
+            audio_latent = _f32(audio_latent, f"{name}['audio_latent']")
+            if audio_latent.ndim != 4 or audio_latent.shape[-1] != ref_audio_t:
+                raise fail(name, f"ref_audio_t={ref_audio_t!r} does not match audio_latent "
+                                  f"{shape(audio_latent)}")
+            audio_rows.append(audio_latent_to_rows(audio_latent))
+        elif audio_latent is not None or ref_audio_t:
+            raise fail(name, f"kind {kind!r} must carry no audio (audio_latent None, ref_audio_t 0)")
+        references.append(("video" if kind == "video_audio" else kind, kind in ("video_audio", "audio")))
+
+    return cls(
+        task=task,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        prompt_embeds=check_tensor("cross_attn", cross_attn),
+        text_token_tags=check_tensor("minimax_token_tags", extras["minimax_token_tags"]),
+        condition_latents=tuple(condition_latents),
+        audio_condition_latents=tuple(audio_rows),
+        keyframe_anchors=tuple(anchors),
+        references=tuple(references),
+        metadata=metadata or {},
+    )
+

@@ -1,0 +1,78 @@
+"""MiniMax-H3's model facts, in one place: every other module imports them from here.
+
+Dependency-free on purpose (no torch, no diffusers): the media code, the request rules, the
+contract, the nodes and the CLI all import it cheaply. Where diffusers' MiniMax-H3 pipeline defines
+the same fact (`diffusers.modular_pipelines.minimax_h3.modular_pipeline`: `MINIMAX_H3_FPS`, the
+pipeline's `canvas_multiple` / `pixel_mean` / `pixel_std` / `keyframe_encode_seed` properties, the
+scheduler's defaults), the literal here is pinned against diffusers' value by `tests/test_facts.py`,
+so an upstream change fails a test instead of silently diverging.
+"""
+
+from __future__ import annotations
+
+# --- time ---------------------------------------------------------------------------------------
+FPS = 24  # everything H3 generates or conditions on is resampled onto 24 fps
+AUDIO_SAMPLE_RATE = 32000  # the audio VAE's waveform rate (Hz)
+AUDIO_LATENTS_PER_SECOND = 40  # the audio VAE's latent rate, per stereo channel
+AUDIO_CHANNELS = 2  # stereo; the two channels are packed channel-major
+AUDIO_LATENT_CHANNELS = 32  # audio VAE latent width (the release and the tiny H3 alike)
+
+# --- space --------------------------------------------------------------------------------------
+VAE_SPATIAL_FACTOR = 16  # video VAE spatial compression
+PATCH_SIZE = (1, 2, 2)  # the DiT's (t, h, w) patch
+CANVAS_MULTIPLE = VAE_SPATIAL_FACTOR * PATCH_SIZE[2]  # 32: a canvas must survive the VAE and the 2x2 patch
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
+
+# --- the frame grid -----------------------------------------------------------------------------
+# The video VAE encodes 17-frame clips into 5 latent frames (plus a 5-frame head -> 2 latents), so the
+# valid pixel frame counts are 17k + 5 and their latent counts 5k + 2.
+FRAMES_PER_CLIP = 17
+LATENTS_PER_CLIP = 5
+
+# Output duration: diffusers checks 5-15 s on the frame count *after* snapping up to 17k + 5, so the
+# valid counts are 124 (5.17 s) .. 345 (14.375 s); 362 frames would be 15.08 s and is refused.
+MIN_DURATION_S, MAX_DURATION_S = 5.0, 15.0
+MIN_FRAMES = 124  # 17*7 + 5, the first grid point at or above 5 s
+MAX_FRAMES = 345  # 17*20 + 5, the last grid point within 15 s
+
+# --- references (ref2va) ------------------------------------------------------------------------
+MAX_KEYFRAMES = 2  # fl2va: first and/or last frame
+MAX_REF_IMAGES, MAX_REF_VIDEOS, MAX_REF_AUDIOS, MAX_REFS = 9, 3, 3, 12
+MIN_AUDIO_CLIP_S, MAX_AUDIO_CLIP_S = 2.0, 15.0  # every reference clip, soundtrack or standalone
+MIN_REFERENCE_VIDEO_S = 2.0
+# Two separate 15 s budgets: the soundtracks embedded in reference videos, and the standalone audios.
+EMBEDDED_AUDIO_BUDGET_S = 15.0
+STANDALONE_AUDIO_BUDGET_S = 15.0
+
+# --- video VAE input normalisation and conditioning sampling ------------------------------------
+PIXEL_MEAN = (0.485, 0.456, 0.406)  # ImageNet's, per RGB channel
+PIXEL_STD = (0.229, 0.224, 0.225)
+KEYFRAME_ENCODE_SEED = 42  # the conditioning posterior is sampled under this seed, whatever the request's
+
+# --- sampling -----------------------------------------------------------------------------------
+VIDEO_SHIFT = 12.0  # flow-matching sigma shift of the video schedule
+AUDIO_SHIFT = 3.0  # ... and of the audio schedule
+
+
+def is_on_frame_grid(num_frames: int) -> bool:
+    """True for the frame counts the video VAE encodes without padding: 17k + 5."""
+    return num_frames >= LATENTS_PER_CLIP and num_frames % FRAMES_PER_CLIP == LATENTS_PER_CLIP
+
+
+def video_latent_frames(num_frames: int) -> int:
+    """Latent frames the video VAE produces: 5k + 2 for 17k + 5 frames, and 1 for a single image."""
+    if num_frames == 1:
+        return 1
+    if not is_on_frame_grid(num_frames):
+        raise ValueError(f"frame count must be of the form 17k+5 (5, 22, 39, ..., 124, ...), got {num_frames}")
+    return (num_frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP * LATENTS_PER_CLIP + 2
+
+
+def audio_latent_frames(num_frames: int) -> int:
+    """Audio latents (per stereo channel) covering `num_frames` video frames: round(frames / 24 * 40)."""
+    return int(round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND))
+
+
+def audio_latents(seconds: float) -> int:
+    """Audio latents (per channel) in `seconds` of audio, e.g. the 15 s budget -> 600."""
+    return int(round(seconds * AUDIO_LATENTS_PER_SECOND))

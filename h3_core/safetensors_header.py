@@ -1,0 +1,227 @@
+"""The one safetensors header parser: bytes or a file in, the header's tensor table and metadata out.
+
+A safetensors file is `u64 little-endian N`, then N bytes of JSON (`{name: {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {str: str}}`), then the data buffer the offsets point
+into. Everything here reads only the first `8 + N` bytes, so a 66 GB checkpoint is inspected in
+milliseconds, and every size is checked before anything is allocated for it: the length prefix
+against one cap, the JSON's nesting depth before it is parsed (a hostile header of a million `[`
+would otherwise raise RecursionError inside `json`), every entry's shape against its byte span.
+
+Callers add their own policy on top: the weights code turns `HeaderError` into `H3WeightsError`
+and checks that the file holds the data the offsets describe; the conditioning contract checks its
+tensor set, checksums and that the tensors tile the data buffer exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DTYPES",
+    "DTYPE_TAGS",
+    "MAX_HEADER_BYTES",
+    "MAX_JSON_DEPTH",
+    "HeaderError",
+    "ParsedHeader",
+    "TensorEntry",
+    "header_length",
+    "loads_bounded",
+    "parse_header",
+    "read_header",
+]
+
+# safetensors dtype tags -> torch dtypes. A tag missing here (exotic fp4 packings ...) is kept as a
+# string in `TensorEntry.dtype` and refused later, by name, by whoever needs the data.
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
+
+# safetensors' own cap on the JSON header; a real checkpoint's is ~100 KB.
+MAX_HEADER_BYTES = 100_000_000
+# A safetensors header nests 3 deep ({name: {"shape": [...]}}); anything far deeper is hostile.
+MAX_JSON_DEPTH = 16
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_DEPTH_STEP = np.zeros(256, dtype=np.int8)
+_DEPTH_STEP[[ord("["), ord("{")]] = 1
+_DEPTH_STEP[[ord("]"), ord("}")]] = -1
+
+
+class HeaderError(ValueError):
+    """The bytes are not a well-formed safetensors header. Messages state sizes and names, never raw bytes."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as the header describes it; `begin`/`end` are relative to the start of the data buffer."""
+
+    name: str
+    dtype: str  # the safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return DTYPES.get(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ParsedHeader:
+    """A parsed header: the tensor table (file order), the raw `__metadata__` and where the data starts."""
+
+    tensors: dict[str, TensorEntry]
+    metadata: dict | None
+    header_len: int
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+    @property
+    def data_end(self) -> int:
+        """Bytes of data buffer the offsets reach (its minimal length)."""
+        return max((entry.end for entry in self.tensors.values()), default=0)
+
+
+def header_length(prefix: bytes | bytearray | memoryview, max_bytes: int = MAX_HEADER_BYTES) -> int:
+    """The JSON header length N from the 8-byte prefix, refused above `max_bytes`."""
+    if len(prefix) < 8:
+        raise HeaderError(f"truncated: {len(prefix)} bytes is shorter than the 8-byte safetensors length prefix")
+    n = int.from_bytes(bytes(prefix[:8]), "little")
+    if n > max_bytes:
+        raise HeaderError(f"corrupted: header length {n} exceeds the {max_bytes}-byte limit")
+    return n
+
+
+def _max_depth(raw: bytes) -> int:
+    """Deepest `[`/`{` nesting of a JSON text, ignoring brackets inside strings; vectorised, no recursion."""
+    stripped = _STRING.sub(b'""', raw)
+    steps = _DEPTH_STEP[np.frombuffer(stripped, dtype=np.uint8)]
+    if not steps.any():
+        return 0
+    return int(np.cumsum(steps, dtype=np.int64).max())
+
+
+def loads_bounded(raw: bytes | bytearray | memoryview | str, what: str = "header",
+                  max_depth: int = MAX_JSON_DEPTH) -> object:
+    """`json.loads` that refuses nesting deeper than `max_depth` before parsing, and never echoes the input."""
+    data = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(f"corrupted or not safetensors: {what} is not valid JSON (not UTF-8 at byte "
+                          f"{exc.start})") from None
+    depth = _max_depth(data)
+    if depth > max_depth:
+        raise HeaderError(f"corrupted: {what} JSON nests {depth} deep, more than the {max_depth} allowed")
+    try:
+        return json.loads(text)
+    except RecursionError:  # unreachable after the depth check; kept so no input can escape as RecursionError
+        raise HeaderError(f"corrupted: {what} JSON nests too deep") from None
+    except ValueError as exc:
+        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+        pos = f" at byte {exc.pos}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise HeaderError(f"corrupted or not safetensors: {what} is not valid JSON ({detail}{pos})") from None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shown(name: str, limit: int = 60) -> str:
+    """A tensor name as an error message shows it: escaped and cut short (names come from the file)."""
+    text = ascii(name)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
+
+
+def parse_header(raw: bytes | bytearray | memoryview, header_len: int | None = None) -> ParsedHeader:
+    """Parse the N header bytes (without the prefix) into a tensor table.
+
+    Checks what every safetensors reader needs: a JSON object of well-formed entries whose byte span
+    matches its shape for every known dtype. It does not check that spans are disjoint or tile the
+    buffer: callers that need that (the contract) check it against the data they hold.
+    """
+    header = loads_bounded(raw)
+    if not isinstance(header, dict):
+        raise HeaderError("corrupted or not safetensors: header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise HeaderError("corrupted: __metadata__ is not a JSON object")
+    tensors: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            raise HeaderError(f"corrupted tensor table entry for {_shown(name)}")
+        tag, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not (isinstance(tag, str) and isinstance(shape, list) and all(_is_count(s) for s in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise HeaderError(f"corrupted tensor table entry for {_shown(name)}")
+        begin, end = offsets
+        dtype = DTYPES.get(tag)
+        if dtype is not None:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if end - begin != nbytes:
+                raise HeaderError(f"corrupted: tensor {_shown(name)} spans {end - begin} bytes, its shape needs "
+                                  f"{nbytes}")
+        tensors[name] = TensorEntry(name, tag, tuple(shape), begin, end)
+    return ParsedHeader(tensors, metadata, len(raw) if header_len is None else header_len)
+
+
+def _read_exactly(handle: BinaryIO, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = handle.read(n - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def read_header(source: bytes | bytearray | memoryview | BinaryIO | str | os.PathLike,
+                max_bytes: int = MAX_HEADER_BYTES, size: int | None = None) -> ParsedHeader:
+    """Parse the header of a safetensors byte string, an open binary file (read from its current position)
+    or a path. Reads exactly `8 + N` bytes, and none of the N when `size` (the file's, known for a path)
+    cannot hold them; the size of what follows is the caller's to check."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        n = header_length(source, max_bytes)
+        if 8 + n > len(source):
+            raise HeaderError(f"truncated: header claims {n} bytes but only {len(source) - 8} follow the length "
+                              f"prefix")
+        return parse_header(memoryview(source)[8:8 + n], n)
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as handle:
+            return read_header(handle, max_bytes, os.fstat(handle.fileno()).st_size)
+    n = header_length(_read_exactly(source, 8), max_bytes)
+    if size is not None and 8 + n > size:
+        raise HeaderError(f"truncated: header claims {n} bytes but only {max(0, size - 8)} follow the length "
+                          f"prefix")
+    raw = _read_exactly(source, n)
+    if len(raw) != n:
+        raise HeaderError(f"truncated: header claims {n} bytes but only {len(raw)} follow the length prefix")
+    return parse_header(raw, n)

@@ -1,0 +1,93 @@
+"""Every H3 fact in `h3_core.facts` pinned against diffusers' own value, where diffusers defines it.
+
+The literals live in `facts` (which imports nothing, so the media code and the nodes stay light); these
+tests make an upstream change fail loudly instead of letting the pack drift from diffusers.
+"""
+
+import math
+import re
+
+import pytest
+from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as mp
+from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
+from diffusers.schedulers import MiniMaxH3Scheduler
+
+from h3_core import configs, facts, rules
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    """The pipeline's property defaults (what it reports with no component loaded: the release's values)."""
+    return object.__new__(mp.MiniMaxH3ModularPipeline)
+
+
+def test_fps_and_audio_rates(pipe):
+    assert facts.FPS == mp.MINIMAX_H3_FPS == pipe.fps == 24
+    assert facts.AUDIO_LATENTS_PER_SECOND == mp.MINIMAX_H3_AUDIO_LATENTS_PER_SECOND == 40
+    assert facts.AUDIO_SAMPLE_RATE == pipe.audio_sampling_rate == 32000
+    assert facts.AUDIO_CHANNELS == mp.MINIMAX_H3_AUDIO_CHANNELS == pipe.audio_channels == 2
+    assert facts.AUDIO_LATENT_CHANNELS == pipe.audio_latent_channels == 32
+
+
+def test_canvas_and_patch(pipe):
+    assert facts.VAE_SPATIAL_FACTOR == pipe.vae_spatial_compression_ratio == 16
+    assert facts.PATCH_SIZE == pipe.patch_size == (1, 2, 2)
+    assert facts.CANVAS_MULTIPLE == pipe.canvas_multiple == 32
+    assert (facts.MIN_ASPECT, facts.MAX_ASPECT) == (mp.MINIMAX_H3_MIN_ASPECT_RATIO, mp.MINIMAX_H3_MAX_ASPECT_RATIO)
+
+
+def test_frame_grid(pipe):
+    assert (facts.FRAMES_PER_CLIP, facts.LATENTS_PER_CLIP) == (pipe.vae_frames_per_chunk, pipe.vae_latents_per_chunk)
+    for n in range(1, 400):
+        on_grid = mp.align_num_frames(n, 17, 5) == n
+        assert facts.is_on_frame_grid(n) == on_grid, n
+        if on_grid:
+            assert facts.video_latent_frames(n) == mp.video_latent_num_frames(n, 17, 5), n
+        assert facts.audio_latent_frames(n) == mp.audio_latent_num_frames(n), n
+
+
+def test_single_image_and_off_grid_latent_frames():
+    assert facts.video_latent_frames(1) == 1  # an image reference or keyframe encodes to one latent frame
+    with pytest.raises(ValueError, match="17k\\+5"):
+        facts.video_latent_frames(125)
+
+
+def test_frame_range_is_diffusers_duration_after_snapping(pipe):
+    """diffusers checks 5-15 s on the frame count *after* snapping up to 17k+5 (so 346..361 -> 362 = 15.08 s
+    is refused): the valid range is 124..345, the value the contract and the rules both use."""
+    assert (facts.MIN_DURATION_S, facts.MAX_DURATION_S) == (pipe.min_duration, pipe.max_duration)
+    accepted = [n for n in range(1, 400)
+                if pipe.min_duration <= mp.align_num_frames(n, 17, 5) / pipe.fps <= pipe.max_duration]
+    snapped = sorted({mp.align_num_frames(n, 17, 5) for n in accepted})
+    assert (facts.MIN_FRAMES, facts.MAX_FRAMES) == (snapped[0], snapped[-1]) == (124, 345)
+    assert facts.MIN_FRAMES == mp.align_num_frames(math.ceil(pipe.min_duration * pipe.fps), 17, 5)
+    assert (rules.MIN_FRAMES, rules.MAX_FRAMES) == (facts.MIN_FRAMES, facts.MAX_FRAMES)
+
+
+def test_reference_limits():
+    step = MiniMaxH3Ref2VASetupStep()
+    assert (facts.MAX_REF_IMAGES, facts.MAX_REF_VIDEOS, facts.MAX_REF_AUDIOS, facts.MAX_REFS) == \
+        (step.max_images, step.max_videos, step.max_audios, step.max_references) == (9, 3, 3, 12)
+
+
+def test_audio_clip_limits_and_budgets():
+    # vLLM-Omni's serving rules (diffusers defines none): every clip 2-15 s, two separate 15 s budgets.
+    assert (facts.MIN_AUDIO_CLIP_S, facts.MAX_AUDIO_CLIP_S, facts.MIN_REFERENCE_VIDEO_S) == (2.0, 15.0, 2.0)
+    assert (facts.EMBEDDED_AUDIO_BUDGET_S, facts.STANDALONE_AUDIO_BUDGET_S) == (15.0, 15.0)
+    assert [facts.audio_latents(s) for s in (2.0, 15.0)] == [80, 600]
+
+
+def test_vae_pixel_statistics_and_keyframe_seed(pipe):
+    assert facts.PIXEL_MEAN == tuple(pipe.pixel_mean) == (0.485, 0.456, 0.406)
+    assert facts.PIXEL_STD == tuple(pipe.pixel_std) == (0.229, 0.224, 0.225)
+    assert facts.KEYFRAME_ENCODE_SEED == pipe.keyframe_encode_seed == 42
+
+
+def test_flow_shifts():
+    assert facts.VIDEO_SHIFT == MiniMaxH3Scheduler().config.shift == 12.0
+    # The audio schedule's shift is the released checkpoint's scheduler config; diffusers states it in the
+    # pipeline's documentation.
+    doc = " ".join(mp.MiniMaxH3ModularPipeline.__doc__.split())
+    assert re.search(r"`shift = 12\.0` for video, `shift = 3\.0` for audio", doc)
+    assert facts.AUDIO_SHIFT == 3.0
+    assert (configs.VIDEO_SHIFT, configs.AUDIO_SHIFT) == (facts.VIDEO_SHIFT, facts.AUDIO_SHIFT)
