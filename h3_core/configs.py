@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 
+# H3 facts the configs are built around; defined once in facts.py, re-exported for the config users.
+from .facts import AUDIO_SHIFT, TEXT_ENCODER_LAYER, VIDEO_SHIFT  # noqa: F401
+
 # --- DiT (diffusers MiniMaxH3Transformer3DModel); SPEC.md §1.1 ---------------------------------
 RELEASE_TRANSFORMER = {
     "num_attention_heads": 56,
@@ -189,12 +192,7 @@ TINY_TEXT_ENCODER = {
     **QWEN_TOKEN_IDS,
 }
 
-# The layer whose residual stream conditions the DiT (diffusers' `text_encoder_layer`).
-TEXT_ENCODER_LAYER = 50
-
 # --- Schedulers and pipeline config ------------------------------------------------------------
-VIDEO_SHIFT = 12.0
-AUDIO_SHIFT = 3.0
 
 RELEASE_PIPELINE_CONFIG = {
     "canvas_short_edge": 768,

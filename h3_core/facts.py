@@ -49,6 +49,11 @@ PIXEL_MEAN = (0.485, 0.456, 0.406)  # ImageNet's, per RGB channel
 PIXEL_STD = (0.229, 0.224, 0.225)
 KEYFRAME_ENCODE_SEED = 42  # the conditioning posterior is sampled under this seed, whatever the request's
 
+# --- text conditioning ----------------------------------------------------------------------------
+# The DiT is conditioned on the residual stream after this Qwen3-VL layer (diffusers' `text_encoder_layer`,
+# a fixed pipeline property; diffusers refuses a text model of 50 layers or fewer).
+TEXT_ENCODER_LAYER = 50
+
 # --- sampling -----------------------------------------------------------------------------------
 VIDEO_SHIFT = 12.0  # flow-matching sigma shift of the video schedule
 AUDIO_SHIFT = 3.0  # ... and of the audio schedule

@@ -91,3 +91,8 @@ def test_flow_shifts():
     assert re.search(r"`shift = 12\.0` for video, `shift = 3\.0` for audio", doc)
     assert facts.AUDIO_SHIFT == 3.0
     assert (configs.VIDEO_SHIFT, configs.AUDIO_SHIFT) == (facts.VIDEO_SHIFT, facts.AUDIO_SHIFT)
+
+
+def test_text_encoder_layer(pipe):
+    assert facts.TEXT_ENCODER_LAYER == pipe.text_encoder_layer == 50
+    assert configs.TEXT_ENCODER_LAYER == facts.TEXT_ENCODER_LAYER
