@@ -8,7 +8,8 @@ Environment (read on every call, so a test or a long-running process sees change
 
     H3_ENCODER_TOKEN   the bearer token ...
     H3_ENCODER_URLS    ... and the endpoints it is for: comma-separated URLs (H3_ENCODER_URL, one URL, also works)
-    H3_ENCODER_TOKENS  per-origin tokens: "https://enc-a:8443=tok1,https://enc-b=tok2" (split at the first "="; a token may not contain ",")
+    H3_ENCODER_TOKENS  per-origin tokens: "https://enc-a:8443=tok1,https://enc-b=tok2"
+                       (each entry split at its first "="; a token may not contain ",")
 
 Origins are compared after normalisation: scheme and host lower-cased, the port made explicit (443/80), the path
 ignored. The policy, as `token_for` applies it:
@@ -129,9 +130,9 @@ class Policy:
         if self.configured and key not in self.allowed:
             listed = ", ".join(sorted(self.allowed)) or "nothing"
             raise EndpointNotAllowedError(
-                f"encoder endpoint {key} is not allowed: with {TOKEN_ENV}, {URLS_ENV} or {TOKENS_ENV} set, this machine "
-                f"contacts only the endpoints listed in {URLS_ENV} (or {TOKENS_ENV}); listed now: {listed}. Add the "
-                "URL there (comma-separated) if you trust it with the token.")
+                f"encoder endpoint {key} is not allowed: with {TOKEN_ENV}, {URLS_ENV} or {TOKENS_ENV} set, this "
+                f"machine contacts only the endpoints listed in {URLS_ENV} (or {TOKENS_ENV}); listed now: {listed}. "
+                "Add the URL there (comma-separated) if you trust it with the token.")
         token = self.per_origin.get(key) or (self.token if key in self.bound else None)
         if token and key.startswith("http://") and not is_loopback(urlsplit(key).hostname or ""):
             raise InsecureEndpointError(
