@@ -38,7 +38,8 @@ from .types import CATEGORY, Media
 MAX_ERROR_CHARS = 300  # of a server's own error message shown in the node's error
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _KINDS = (  # most specific first
-    (RemoteAuthError, "the server refused the token (check H3_ENCODER_TOKEN / H3_ENCODER_TOKENS)"),
+    (RemoteAuthError, "the server wants a valid token (H3_ENCODER_TOKEN with H3_ENCODER_URLS, or "
+                      "H3_ENCODER_TOKENS)"),
     (ProtocolMismatchError, "the server speaks another protocol version"),
     (ModelMismatchError, "the server serves other weights than the ones pinned"),
     (RemoteRequestError, "the server refused the request"),
