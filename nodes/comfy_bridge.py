@@ -71,6 +71,8 @@ def resolve_model_path(folder: str, choice: str) -> tuple[Path, bool]:
         path = safe_paths.resolve_child_dir(folder_paths.get_folder_paths(PACK_FOLDER), choice.split("/", 1)[1],
                                             what="model folder", folder_label=f"models/{PACK_FOLDER}/")
         return path, True
+    if not choice.lower().endswith(".safetensors"):  # the listed choices; never a pickle a workflow names
+        raise ValueError(f"{str(choice)[:200]!r} is not a .safetensors file in models/{folder}/")
     return Path(folder_paths.get_full_path_or_raise(folder, choice)), False
 
 
