@@ -179,6 +179,11 @@ def test_loader_folder_choices_stay_inside_models_minimax_h3(server):
         assert result.status == "error", choice
         assert result.error["exception_message"].startswith("model folder: "), result.error["exception_message"]
         assert result.error["exception_type"].endswith("safe_paths.UnsafePathError")
+    (server.base_dir / "models" / "vae" / "h3sec.ckpt").write_bytes(b"not a pickle, but never read")
+    graph = {"1": {"class_type": "H3SplitVideoVAELoader", "inputs": {"vae": "h3sec.ckpt"}},
+             "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
+    result = server.run_prompt(graph, timeout=60, check=False)
+    assert result.status == "error" and "is not a .safetensors file" in result.error["exception_message"]
 
 
 # --- item 5: Remote Encode sends the token only where the environment says ----------------------------------
