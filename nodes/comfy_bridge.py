@@ -16,7 +16,7 @@ import comfy.model_patcher
 import comfy.utils
 import folder_paths
 
-from ..h3_core import media, rules
+from ..h3_core import media, rules, safe_paths
 from ..h3_core.progress import Cancelled
 
 PACK_FOLDER = "minimax_h3"  # models/minimax_h3/: diffusers roots, native partitions, the embedded tiny H3
@@ -65,11 +65,14 @@ def resolve_model_path(folder: str, choice: str) -> tuple[Path, bool]:
     if choice == TINY_CHOICE:
         return tiny_dir(), True
     if choice.startswith(PACK_FOLDER + "/"):
-        name = choice.split("/", 1)[1]
-        for base in folder_paths.get_folder_paths(PACK_FOLDER):
-            if (Path(base) / name).is_dir():
-                return Path(base) / name, True
-        raise ValueError(f"model folder {choice!r} not found under models/{PACK_FOLDER}/")
+        # ComfyUI 0.3.75 does not hold V3 combo values to their options: the name after the prefix must be one
+        # folder directly inside a models/minimax_h3 root, never a path ('../..', '/etc').
+        register_model_folder()
+        path = safe_paths.resolve_child_dir(folder_paths.get_folder_paths(PACK_FOLDER), choice.split("/", 1)[1],
+                                            what="model folder", folder_label=f"models/{PACK_FOLDER}/")
+        return path, True
+    if not choice.lower().endswith(".safetensors"):  # the listed choices; never a pickle a workflow names
+        raise ValueError(f"{str(choice)[:200]!r} is not a .safetensors file in models/{folder}/")
     return Path(folder_paths.get_full_path_or_raise(folder, choice)), False
 
 

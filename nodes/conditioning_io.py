@@ -4,23 +4,48 @@ tensors plus a versioned JSON header, validated again when loaded."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import folder_paths
 from comfy_api.latest import io, ui
 
-from ..h3_core import assembly
+from ..h3_core import assembly, safe_paths
 from ..h3_core.contract import H3Conditioning
 from .types import CATEGORY
 
 
 def _conditioning_files() -> list[str]:
+    """The node's choices: regular .safetensors files whose real path is inside input/ (a symlink out of it, a
+    FIFO or a device named *.safetensors is not listed)."""
     root = Path(folder_paths.get_input_directory())
     if not root.is_dir():
         return []
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*.safetensors") if p.is_file())
+    names = []
+    for path in root.rglob("*.safetensors"):
+        name = path.relative_to(root).as_posix()
+        try:
+            safe_paths.resolve_file(root, name)
+        except safe_paths.UnsafePathError:
+            continue
+        names.append(name)
+    return sorted(names)
+
+
+def resolve_conditioning(name: str) -> Path:
+    """A workflow's file name -> its real path, only if it is one of the node's own choices.
+
+    ComfyUI 0.3.75 does not hold V3 combo values to their options, so a workflow can name anything
+    (`/etc/passwd`, `../../x`, a FIFO, `/dev/zero`). Only `stat` runs before this returns: nothing is opened.
+    """
+    if not isinstance(name, str) or name not in _conditioning_files():
+        shown = name if isinstance(name, str) and len(name) <= 200 else f"{str(name)[:200]}..."
+        raise safe_paths.UnsafePathError(
+            f"conditioning_file {shown!r} is not one of the .safetensors files in ComfyUI's input folder "
+            "(names are relative to input/; absolute paths, '..', symlinks out of input/, FIFOs and devices "
+            "are refused)")
+    return safe_paths.resolve_file(folder_paths.get_input_directory(), name, what="conditioning_file",
+                                   folder_label="ComfyUI's input folder")
 
 
 class SaveConditioning(io.ComfyNode):
@@ -67,23 +92,31 @@ class LoadConditioning(io.ComfyNode):
         )
 
     @classmethod
-    def _path(cls, conditioning_file) -> str:
-        return folder_paths.get_annotated_filepath(conditioning_file)
-
-    @classmethod
     def fingerprint_inputs(cls, conditioning_file):
-        with open(cls._path(conditioning_file), "rb") as handle:
-            return hashlib.sha256(handle.read()).hexdigest()
+        # Identity from stat alone (real path, size, mtime): queue time must not read, let alone hash, a file a
+        # workflow named; execute reads it once, after the checks.
+        try:
+            path = resolve_conditioning(conditioning_file)
+        except safe_paths.UnsafePathError:
+            return "refused"  # execute raises the clear error
+        info = path.stat()
+        return f"{path}:{info.st_size}:{info.st_mtime_ns}:{info.st_ino}"
 
     @classmethod
     def validate_inputs(cls, conditioning_file):
-        if not folder_paths.exists_annotated_filepath(conditioning_file):
-            return f"conditioning file not found in input/: {conditioning_file}"
+        try:
+            resolve_conditioning(conditioning_file)
+        except safe_paths.UnsafePathError as error:
+            return str(error)
         return True
 
     @classmethod
     def execute(cls, conditioning_file) -> io.NodeOutput:
-        return io.NodeOutput(H3Conditioning.load(cls._path(conditioning_file)).to_comfy())
+        path = resolve_conditioning(conditioning_file)
+        # The length prefix and JSON header first (bounded, opened without blocking): a file that is not a
+        # safetensors file is refused before its body is read, and no message quotes its bytes.
+        safe_paths.check_safetensors_header(path, what=f"conditioning_file {conditioning_file!r}")
+        return io.NodeOutput(H3Conditioning.load(path).to_comfy())
 
 
 NODES = [SaveConditioning, LoadConditioning]

@@ -15,6 +15,7 @@ from comfy_api.latest import io
 from ..h3_core import assembly, rules
 from ..h3_core.encoder import EncoderStage
 from . import comfy_bridge as bridge
+from .input_checks import check_declared
 from .media import MediaBundle
 from .types import CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
 
@@ -93,7 +94,8 @@ class TextEncode(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, width, height, length, **kwargs):
-        return check_numbers(width, height, length)
+        declared = check_declared(cls, dict(kwargs, width=width, height=height, length=length))
+        return check_numbers(width, height, length) if declared is True else declared
 
     @classmethod
     def execute(cls, text_encoder, prompt, width, height, length, media=None, task="auto") -> io.NodeOutput:
