@@ -201,7 +201,7 @@ def release_meta_model(component: str):
 
     cls, name = {
         "transformer": (MiniMaxH3Transformer3DModel, "transformer"),
-        "video_vae": (AutoencoderKLMiniMaxH3, "vae"),
+        "vae": (AutoencoderKLMiniMaxH3, "vae"),
         "audio_vae": (AutoencoderKLMiniMaxH3Audio, "audio_vae"),
     }[component]
     with init_empty_weights(include_buffers=False):

@@ -45,7 +45,7 @@ _NATIVE_PARTITIONS = {"fl2va": ("FL2VA", ["t2va", "fl2va"]), "ref2va": ("Ref2VA"
 
 
 def _native_model_index(root: str, partition: str) -> None:
-    """Create (or confirm) the partition's model_index.json `_minimax_h3` block (SPEC §5.2)."""
+    """Create (or confirm) the partition's model_index.json `_minimax_h3` block."""
     name, tasks = _NATIVE_PARTITIONS[partition]
     path = os.path.join(root, "model_index.json")
     index = {}
