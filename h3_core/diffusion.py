@@ -207,7 +207,7 @@ class DiffusionStage:
             transformer.register_forward_hook(reporter.after),
         ]
         lora = options.lora
-        lora_context = lora.applied(transformer, options.lora_strength) if lora is not None else contextlib.nullcontext()
+        lora_context = contextlib.nullcontext() if lora is None else lora.applied(transformer, options.lora_strength)
         try:
             with lora_context:
                 state = run_blocks(pipe, **inputs)

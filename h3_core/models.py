@@ -108,7 +108,9 @@ class ModelSource:
         if found.handler.partitioned and found.partition is None and component in PARTITION_OF_TASK.values():
             kind = component
         if kind != component:
-            raise ModelSourceError(f"{path.name} holds the H3 {COMPONENT_NAMES[kind]}, not the {COMPONENT_NAMES[component]}")
+            raise ModelSourceError(
+                f"{path.name} holds the H3 {COMPONENT_NAMES[kind]}, not the {COMPONENT_NAMES[component]}"
+            )
         tiny = any((parent / "tiny.json").is_file() for parent in list(path.parents)[:4])
         return cls(
             root=path.parent,

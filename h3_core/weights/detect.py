@@ -106,7 +106,9 @@ def detect(path: str) -> Detection:
         )
     loose = loose_files(path)
     if len(loose) > 1:
-        raise H3WeightsError(f"{path} is a folder of {len(loose)} separate checkpoints; use scan() or point at one file")
+        raise H3WeightsError(
+            f"{path} is a folder of {len(loose)} separate checkpoints; use scan() or point at one file"
+        )
     source = component_source(loose[0] if loose else path)
     header = read_header(source.files)
     weight_format = detect_format(header, source.path)
