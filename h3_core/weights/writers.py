@@ -94,6 +94,8 @@ def save_comfy_video_vae(model, path: str) -> None:
     _require(model, "AutoencoderKLMiniMaxH3")
     config = _init_config(model)
     tensors = video_vae_keys.from_diffusers(model.state_dict(), config, with_latent_stats=True)
+    # The metadata tag is the file's own name for the component (as in native partitions' video_vae/),
+    # kept so that the files this writes stay byte-identical; nothing reads it back.
     write_file(path, tensors, config_merge.config_metadata("video_vae", config))
 
 
