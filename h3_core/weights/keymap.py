@@ -73,7 +73,8 @@ class ComponentHandler:
     - `load_single_file(detection, config, dtype)`: a loader for Comfy single files, if the generic
       assign-into-meta-model path is not the one to take (reads tensor data);
     - `after_load(detection, model, dtype)`: checks / fix-ups once weights are in (reads tensor data).
-    `latent_stat_keys` are buffers a file carries that the model keeps in its config instead.
+    `latent_stat_keys` are buffers a file carries that the model keeps in its config instead;
+    `fp32_modules` is the dtype policy's addition to the model class's own float32 modules.
     """
 
     name: str  # the component's folder name in a diffusers root: what the pipeline receives
@@ -91,6 +92,9 @@ class ComponentHandler:
     load_single_file: Callable | None = None
     after_load: Callable | None = None
     latent_stat_keys: tuple[str, ...] = ()
+    # dtype policy: modules kept in float32 whatever dtype is asked for, beyond the model class's own
+    # `_keep_in_fp32_modules` (matched against dotted-name components, as diffusers matches them).
+    fp32_modules: tuple[str, ...] = ()
     partitioned: bool = False  # the DiT: one handler, two partitions (fl2va -> transformer, ref2va -> transformer_ref)
 
     def family(self, keys) -> KeyFamily | None:
@@ -98,6 +102,9 @@ class ComponentHandler:
 
     def family_named(self, name: str) -> KeyFamily:
         return next(family for family in self.families if family.name == name)
+
+    def keep_in_fp32(self, model_type: type) -> tuple[str, ...]:
+        return (*(getattr(model_type, "_keep_in_fp32_modules", None) or ()), *self.fp32_modules)
 
     def model_type(self) -> type:
         import importlib

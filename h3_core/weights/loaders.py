@@ -9,9 +9,9 @@ check's meta model.
 
 dtype follows diffusers' `from_pretrained(torch_dtype=...)` rule, so a module loaded from a Comfy
 file, a native partition or a diffusers folder ends up with the same dtypes: floating tensors take the
-requested dtype, except those inside a module named in the class's `_keep_in_fp32_modules` (matched
-against the dotted name's components, as diffusers matches them), which stay float32; integer
-tensors are never cast. The default float32 gives exact weights.
+requested dtype, except those inside a module named in the class's `_keep_in_fp32_modules` (plus the
+handler's `fp32_modules`; matched against the dotted name's components, as diffusers matches them),
+which stay float32; integer tensors are never cast. The default float32 gives exact weights.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def resolve(path, component: str, partition: str | None = None) -> Detection:
 
 def _assign(model: torch.nn.Module, det: Detection, converted: dict, dtype: torch.dtype) -> torch.nn.Module:
     """Assign converted tensors into a meta-built model: strict, no copies beyond the dtype cast."""
-    state = cast_state_dict(converted, dtype, getattr(type(model), "_keep_in_fp32_modules", None))
+    state = cast_state_dict(converted, dtype, det.handler.keep_in_fp32(type(model)))
     expected = components.expected_keys(model)
     for alias, owner in expected.aliases.items():
         state.setdefault(alias, state[owner])  # tied weights saved once
@@ -145,7 +145,7 @@ def load(path, component: str, dtype: torch.dtype = torch.float32, partition: st
     stats = _latent_stats(det)
     if det.layout == "comfyui" and handler.load_single_file is not None:
         model = handler.load_single_file(det, checked.config)
-        cast_module(model, dtype, getattr(type(model), "_keep_in_fp32_modules", None))
+        cast_module(model, dtype, handler.keep_in_fp32(type(model)))
     else:
         converted, unexpected = components.to_model_names(det, load_tensors(det.header), checked.config)
         if unexpected:  # already excluded by the check; kept as a guard for future converters
