@@ -11,7 +11,6 @@ layouts by `weights.LAYOUTS`, the names the pipeline and `check` use too.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ import torch
 from . import configs, weights
 from .weights.sources import partition_roots
 
-COMPONENTS = weights.SLOTS
 COMPONENT_NAMES = weights.SLOT_LABELS
 PARTITION_OF_TASK = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 
@@ -155,22 +153,9 @@ class ModelSource:
         return qwen_assets.build_processor(tiny=self.tiny)
 
     def fingerprint(self) -> str:
-        """Identity of the weights this source would load, cheap even for 66 GB files.
-
-        A large file contributes its size and its first and last MiB (for safetensors that covers the
-        header: names, dtypes, shapes, offsets); small files (configs, tokenizer) their whole bytes.
-        Touching or moving the folder does not change it; new weights (or a re-quantisation) do.
-        """
-        digest = hashlib.sha256(self.layout.encode())
-        sources = {**self.paths, "tokenizer": self.tokenizer, "processor": self.processor}
-        for name, path in sorted(sources.items()):
-            if path is None:
-                continue
-            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-            for file in files:
-                digest.update(f"{name}/{file.name}:".encode())
-                digest.update(_file_identity(file))
-        return digest.hexdigest()[:16]
+        """Identity of the weights (and tokenizer) this source would load, cheap even for 66 GB files."""
+        named = {**self.paths, "tokenizer": self.tokenizer, "processor": self.processor}
+        return weights.sources.identity(self.layout, {name: path for name, path in named.items() if path is not None})
 
 
 def _pipeline_config(root: Path) -> dict:
@@ -181,14 +166,3 @@ def _pipeline_config(root: Path) -> dict:
         data = json.loads(index.read_text(encoding="utf-8"))
         config.update({key: data[key] for key in config if key in data})
     return config
-
-
-def _file_identity(path: Path, window: int = 1 << 20) -> bytes:
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        if size <= 16 * window:
-            return hashlib.sha256(handle.read()).digest()
-        head = handle.read(window)
-        handle.seek(size - window)
-        tail = handle.read(window)
-    return hashlib.sha256(str(size).encode() + head + tail).digest()

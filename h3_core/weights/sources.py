@@ -22,6 +22,7 @@ the Comfy key names with a config.json (key detection decides, not the folder na
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -204,3 +205,30 @@ def component_source(path: str) -> Source:
         native_root=parent if is_native else None,
         native_partition=partition if is_native else None,
     )
+
+
+def identity(salt: str, named_paths: dict) -> str:
+    """A short digest of the weights at `named_paths` (name -> file or folder), cheap even for 66 GB.
+
+    A large file contributes its size and its first and last MiB (for safetensors that covers the
+    header: names, dtypes, shapes, offsets); small files (configs, tokenizer) their whole bytes.
+    Touching or moving the files does not change it; new weights (or a re-quantisation) do.
+    """
+    digest = hashlib.sha256(salt.encode())
+    for name, path in sorted(named_paths.items()):
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            digest.update(f"{name}/{file.name}:".encode())
+            digest.update(_file_identity(file))
+    return digest.hexdigest()[:16]
+
+
+def _file_identity(path, window: int = 1 << 20) -> bytes:
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        if size <= 16 * window:
+            return hashlib.sha256(handle.read()).digest()
+        head = handle.read(window)
+        handle.seek(size - window)
+        tail = handle.read(window)
+    return hashlib.sha256(str(size).encode() + head + tail).digest()
