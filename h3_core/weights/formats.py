@@ -4,8 +4,10 @@ A component (DiT, VAE, ...) says *what* a file holds; its format says *how* the 
 Every loader supports one format today, "dense": plain bf16 / fp16 / fp32 tensors. The published
 pruned ("AdaLN curve") DiTs and the quantised Comfy-Org files (ConvRot int8, fp8_scaled, w6a8,
 nvfp4/AWQ) are recognised and refused with a message naming the format and what is supported.
-Supporting one of them later means flipping its entry to supported and giving it a tensor
-transform; `FORMATS` is the only list to touch.
+Supporting one of them later is one entry here: mark it supported and give it what the loaders then
+need from a format - the dense shapes its stored tensors stand for (so each component handler still
+derives its config from shapes) and the per-layer modules or dequantisation that run its tensors.
+Detection records the format (`Detection.format`), so the loaders can route on it.
 """
 
 from __future__ import annotations
