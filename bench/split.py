@@ -126,7 +126,7 @@ def overhead(models: Path, pairs: int, steps: int, width: int, height: int, fram
     from diffusers import ModularPipeline
 
     from h3_core.contract import H3Conditioning
-    from h3_core.diffusion import DiffusionStage
+    from h3_core.diffusion import DiffusionStage, SamplingOptions
     from h3_core.encoder import EncoderStage
     from h3_core.models import ModelSource
     from h3_core.request import EncodeRequest
@@ -154,7 +154,7 @@ def overhead(models: Path, pairs: int, steps: int, width: int, height: int, fram
         t.append(time.perf_counter())
         received = H3Conditioning.from_bytes(data)
         t.append(time.perf_counter())
-        latents = diffusion.sample(received, seed, steps)
+        latents = diffusion.sample(received, SamplingOptions(steps=steps, seed=seed))
         t.append(time.perf_counter())
         decoded = diffusion.decode(latents, received.task)
         t.append(time.perf_counter())

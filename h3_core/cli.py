@@ -92,23 +92,23 @@ def _cmd_encode(args) -> int:
 def _cmd_generate(args) -> int:
     from . import media
     from .contract import H3Conditioning
-    from .diffusion import DiffusionStage
+    from .diffusion import DiffusionStage, SamplingOptions
     from .lora import LoRA
     from .models import ModelSource
 
     cond = H3Conditioning.load(args.cond)
     stage = DiffusionStage(ModelSource.from_path(args.models, layout=args.layout))
     start = time.perf_counter()
-    latents, decoded = stage.generate(
-        cond,
-        seed=args.seed,
+    options = SamplingOptions(
         steps=args.steps,
+        seed=args.seed,
         video_shift=args.video_shift,
         audio_shift=args.audio_shift,
         progress=_progress("denoise"),
         lora=LoRA.load(args.lora) if args.lora else None,
         lora_strength=args.lora_strength,
     )
+    latents, decoded = stage.generate(cond, options)
     media.write_mp4(args.out, decoded.video, decoded.audio, fps=decoded.fps, sample_rate=decoded.sample_rate)
     if args.dump:
         from safetensors.torch import save_file

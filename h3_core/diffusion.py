@@ -2,15 +2,16 @@
 
 STAGE BOUNDARY: input is an `H3Conditioning` (h3_core/contract.py), nothing else from stage 0.
 Built from diffusers' *resolved* workflow for the task (`denoise.*` + `decode.*` leaf blocks,
-shared/h3/STAGE_SPLIT.md), so stage 1 never loads the text encoder, tokenizer or processor and
+see docs/ARCHITECTURE.md), so stage 1 never loads the text encoder, tokenizer or processor and
 never lets an auto block pick a branch from inputs it does not have.
 
     H3Conditioning --sample()--> AVLatents (video [1,24,T,h,w], audio [2,32,Ta], diffusers layout)
                    --decode()--> Decoded  (video float32 [F,H,W,3] in 0..1, audio float32 [2,S] @ 32 kHz)
 
-`seed` means exactly what diffusers' monolithic pipeline does with
-`generator=torch.Generator("cpu").manual_seed(seed)`: one request generator drawing condition
-noise, then video noise, then audio noise (all inside stage 1).
+Per-call choices (steps, seed, shifts, LoRA, progress, cancel) travel as one `SamplingOptions`, so a
+new sampling feature is a new field there, not a new argument of every caller. `seed` means exactly
+what diffusers' monolithic pipeline does with `generator=torch.Generator("cpu").manual_seed(seed)`:
+one request generator drawing condition noise, then video noise, then audio noise (all in stage 1).
 """
 
 from __future__ import annotations
@@ -50,6 +51,34 @@ class Decoded:
     audio: torch.Tensor  # float32 [2, S] at 32 kHz, trimmed to the video's duration
     sample_rate: int = rules.AUDIO_SAMPLE_RATE
     fps: int = rules.FPS
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Everything one `DiffusionStage.sample` call may vary, validated on construction.
+
+    `steps` = number of sigma points including the final 0 (diffusers' num_inference_steps), so
+    `steps - 1` DiT forwards. Shifts default to the release's (video 12, audio 3). `lora` (e.g. a
+    Turbo distillation, with its own steps/shift) runs beside the DiT for this call only.
+    """
+
+    steps: int
+    seed: int = 0
+    video_shift: float | None = None
+    audio_shift: float | None = None
+    lora: LoRA | None = None
+    lora_strength: float = 1.0
+    progress: ProgressFn | None = None
+    cancel: threading.Event | None = None
+
+    def __post_init__(self):
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
+            raise rules.H3InputError(
+                f"steps must be an integer >= 2 (sigma points incl. the final 0), got {self.steps!r}"
+            )
+
+    def generator(self) -> torch.Generator:
+        return torch.Generator("cpu").manual_seed(int(self.seed))
 
 
 class _StepReporter:
@@ -128,21 +157,8 @@ class DiffusionStage:
 
     # --- sampling --------------------------------------------------------------------------------
 
-    def sample(
-        self,
-        cond: H3Conditioning,
-        seed: int,
-        steps: int,
-        *,
-        video_shift: float | None = None,
-        audio_shift: float | None = None,
-        progress: ProgressFn | None = None,
-        cancel: threading.Event | None = None,
-        lora: LoRA | None = None,
-        lora_strength: float = 1.0,
-    ) -> AVLatents:
-        """Run the flow-matching loop. `steps` = number of sigma points (diffusers' num_inference_steps);
-        `lora` (e.g. a Turbo distillation, with its own steps/shift) runs beside the DiT for this call only."""
+    def sample(self, cond: H3Conditioning, options: SamplingOptions) -> AVLatents:
+        """Run the flow-matching loop for `cond` as `options` say (see `SamplingOptions`)."""
         from diffusers import MiniMaxH3Scheduler
         from diffusers.modular_pipelines.minimax_h3 import (
             MiniMaxH3AudioReference,
@@ -150,28 +166,24 @@ class DiffusionStage:
             MiniMaxH3VideoReference,
         )
 
-        if not isinstance(steps, int) or steps < 2:
-            raise rules.H3InputError(f"steps must be an integer >= 2 (sigma points incl. the final 0), got {steps!r}")
         # `cond` validated itself on construction / receipt; here only its fit to the loaded DiT is left.
         transformer = self.transformer(cond.task)
         cond.check_compatible(text_dim=transformer.config.text_dim, latent_channels=transformer.config.in_channels)
         components = {
             "transformer_ref" if cond.task == "ref2va" else "transformer": transformer,
-            "scheduler": MiniMaxH3Scheduler(shift=configs.VIDEO_SHIFT if video_shift is None else float(video_shift)),
-            "audio_scheduler": MiniMaxH3Scheduler(
-                shift=configs.AUDIO_SHIFT if audio_shift is None else float(audio_shift)
-            ),
+            "scheduler": MiniMaxH3Scheduler(shift=_or(options.video_shift, configs.VIDEO_SHIFT)),
+            "audio_scheduler": MiniMaxH3Scheduler(shift=_or(options.audio_shift, configs.AUDIO_SHIFT)),
         }
         pipe = self._pipeline(cond.task, ("denoise",), components)
 
         inputs = {
-            "prompt_embeds": cond.prompt_embeds.to(self.device),  # STAGE_SPLIT.md trap 3: the DiT won't move it
+            "prompt_embeds": cond.prompt_embeds.to(self.device),  # the DiT never moves its text input itself
             "text_token_tags": cond.text_token_tags,
             "height": cond.height,
             "width": cond.width,
             "num_frames": cond.num_frames,
-            "num_inference_steps": steps,
-            "generator": torch.Generator("cpu").manual_seed(int(seed)),
+            "num_inference_steps": options.steps,
+            "generator": options.generator(),
         }
         if cond.task in ("fl2va", "ref2va"):
             inputs["condition_latents"] = list(cond.condition_latents)
@@ -179,7 +191,7 @@ class DiffusionStage:
             inputs["keyframe_anchors"] = tuple(cond.keyframe_anchors)
         if cond.task == "ref2va":
             inputs["audio_condition_latents"] = list(cond.audio_condition_latents)
-            # Stage 1 reads only each reference's kind and has_audio (STAGE_SPLIT.md, trap 2): media-free stand-ins.
+            # Stage 1 reads only each reference's kind and has_audio (never their media): stand-ins.
             stubs = {
                 "image": lambda has_audio: MiniMaxH3ImageReference(image=None),
                 "audio": lambda has_audio: MiniMaxH3AudioReference(audio=None),
@@ -189,12 +201,13 @@ class DiffusionStage:
             }
             inputs["normalized_references"] = [stubs[ref.kind](ref.has_audio) for ref in cond.references]
 
-        reporter = _StepReporter(steps - 1, progress, cancel)
+        reporter = _StepReporter(options.steps - 1, options.progress, options.cancel)
         handles = [
             transformer.register_forward_pre_hook(reporter, with_kwargs=True),
             transformer.register_forward_hook(reporter.after),
         ]
-        lora_context = lora.applied(transformer, lora_strength) if lora is not None else contextlib.nullcontext()
+        lora = options.lora
+        lora_context = contextlib.nullcontext() if lora is None else lora.applied(transformer, options.lora_strength)
         try:
             with lora_context:
                 state = run_blocks(pipe, **inputs)
@@ -215,6 +228,10 @@ class DiffusionStage:
         samples = round(video.shape[0] / rules.FPS * rules.AUDIO_SAMPLE_RATE)
         return Decoded(video=video, audio=audio[:, :samples].contiguous())
 
-    def generate(self, cond: H3Conditioning, seed: int, steps: int, **kwargs) -> tuple[AVLatents, Decoded]:
-        latents = self.sample(cond, seed, steps, **kwargs)
+    def generate(self, cond: H3Conditioning, options: SamplingOptions) -> tuple[AVLatents, Decoded]:
+        latents = self.sample(cond, options)
         return latents, self.decode(latents, cond.task)
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else float(value)

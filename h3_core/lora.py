@@ -7,8 +7,8 @@ kohya `lora_down`/`lora_up` + `.alpha`, musubi-tuner, DiffSynth) onto diffusers'
 The low-rank update runs beside each targeted Linear as a forward hook, y = W x + s * B (A x), the
 way an unmerged peft adapter computes it (peft itself is not needed). Nothing is written into the
 weights, so leaving `applied(...)` restores the DiT exactly, and one loaded DiT serves requests with
-and without the LoRA. Turbo LoRAs change the schedule too: see SPEC.md §4 (5 or 9 sigma points,
-video shift 6 or 12).
+and without the LoRA. Turbo LoRAs change the schedule too: the Turbo LoRAs' cards ask for 5 or 9
+sigma points and video shift 6 or 12 (`SamplingOptions` carries both).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..h3_core import assembly, configs
-from ..h3_core.diffusion import DiffusionStage
+from ..h3_core.diffusion import DiffusionStage, SamplingOptions
 from ..h3_core.lora import LoRA
 from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
 from . import comfy_bridge as bridge
@@ -61,11 +61,9 @@ class Sampler(io.ComfyNode):
         device = bridge.use(dit.patcher)
         stage = DiffusionStage(modules={needed: dit.module}, pipeline_config=dit.pipeline_config, device=device,
                                dtype=next(dit.module.parameters()).dtype)
-        latents = bridge.run_interruptible(
-            stage.sample,
-            cond,
-            seed=seed,
+        options = SamplingOptions(
             steps=steps,
+            seed=seed,
             video_shift=video_shift,
             audio_shift=audio_shift,
             progress=bridge.progress_callback(cls.hidden.unique_id),
@@ -73,6 +71,7 @@ class Sampler(io.ComfyNode):
             lora=adapter,
             lora_strength=lora_strength,
         )
+        latents = bridge.run_interruptible(stage.sample, cond, options)
         return io.NodeOutput(bridge.av_latent(latents.video, latents.to_comfy_audio()))
 
 

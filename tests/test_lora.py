@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from h3_core.diffusion import DiffusionStage
+from h3_core.diffusion import DiffusionStage, SamplingOptions
 from h3_core.encoder import EncoderStage
 from h3_core.lora import LoRA, LoraError
 from h3_core.models import ModelSource
@@ -47,12 +47,12 @@ def test_lora_changes_the_result_and_leaves_the_dit_untouched(setup, tmp_path):
     lora = LoRA.load(tmp_path / "turbo.safetensors")
     assert len(lora.factors) == 4 * transformer.config.num_layers  # q, k, v split out of qkv_proj; ff.net.0.proj
 
-    before = stage.sample(cond, seed=1, steps=STEPS)
-    with_lora = stage.sample(cond, seed=1, steps=STEPS, lora=lora)
-    after = stage.sample(cond, seed=1, steps=STEPS)
+    before = stage.sample(cond, SamplingOptions(steps=STEPS, seed=1))
+    with_lora = stage.sample(cond, SamplingOptions(steps=STEPS, seed=1, lora=lora))
+    after = stage.sample(cond, SamplingOptions(steps=STEPS, seed=1))
     assert not torch.equal(with_lora.video, before.video)
     assert torch.equal(after.video, before.video) and torch.equal(after.audio, before.audio)  # removed exactly
-    half = stage.sample(cond, seed=1, steps=STEPS, lora=lora, lora_strength=0.0)
+    half = stage.sample(cond, SamplingOptions(steps=STEPS, seed=1, lora=lora, lora_strength=0.0))
     assert torch.equal(half.video, before.video)
 
 
@@ -68,8 +68,8 @@ def test_lora_equals_merged_weights(setup, tmp_path):
         for name, (down, up, scale) in lora.factors.items():
             modules[name].weight += 0.7 * scale * (up @ down)
     reference = DiffusionStage(modules={"transformer": merged}, pipeline_config=source.pipeline_config)
-    expected = reference.sample(cond, seed=2, steps=STEPS)
-    got = stage.sample(cond, seed=2, steps=STEPS, lora=lora, lora_strength=0.7)
+    expected = reference.sample(cond, SamplingOptions(steps=STEPS, seed=2))
+    got = stage.sample(cond, SamplingOptions(steps=STEPS, seed=2, lora=lora, lora_strength=0.7))
     assert (got.video - expected.video).abs().max() < 1e-4
     assert (got.audio - expected.audio).abs().max() < 1e-4
 
@@ -86,3 +86,17 @@ def test_bad_loras_are_refused(setup, tmp_path):
     pickled.write_bytes(b"not read")
     with pytest.raises(LoraError, match="safetensors only"):
         LoRA.load(pickled)
+
+
+def test_sampling_options_validate_and_are_immutable():
+    import dataclasses
+
+    from h3_core.rules import H3InputError
+
+    for bad in (1, 0, 2.5, True, "8"):
+        with pytest.raises(H3InputError, match="steps must be an integer >= 2"):
+            SamplingOptions(steps=bad)
+    options = SamplingOptions(steps=4, seed=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.steps = 5
+    assert options.generator().initial_seed() == 3 and options.generator().device.type == "cpu"

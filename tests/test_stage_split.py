@@ -10,7 +10,7 @@ import torch
 
 from h3_core import synthetic
 from h3_core.contract import H3Conditioning
-from h3_core.diffusion import DiffusionStage
+from h3_core.diffusion import DiffusionStage, SamplingOptions
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.request import AudioInput, EncodeRequest
@@ -54,7 +54,7 @@ def test_split_matches_monolithic(case, stages, tiny_dir):
     cond = encoder.encode(request)
     assert cond.task == task
     received = H3Conditioning.from_bytes(cond.to_bytes())  # what crosses the wire or a file
-    latents, decoded = diffusion.generate(received, seed=seed, steps=STEPS)
+    latents, decoded = diffusion.generate(received, SamplingOptions(steps=STEPS, seed=seed))
 
     ref = monolithic(tiny_dir / "diffusers", request, task, seed, STEPS)
     assert torch.equal(received.prompt_embeds, ref["prompt_embeds"].cpu())
@@ -75,10 +75,10 @@ def test_every_layout_generates_the_same(layout, stages, tiny_dir):
     partitions (interleaved QKV) give the diffusers root's result exactly."""
     request, _, seed = CASES["ref2va-image-video-audio-seed2"]
     encoder, diffusion = stages
-    _, expected = diffusion.generate(encoder.encode(request), seed=seed, steps=STEPS)
+    _, expected = diffusion.generate(encoder.encode(request), SamplingOptions(steps=STEPS, seed=seed))
     source = ModelSource.from_path(tiny_dir, layout=layout)
     cond = EncoderStage(source).encode(request)
-    _, decoded = DiffusionStage(source).generate(cond, seed=seed, steps=STEPS)
+    _, decoded = DiffusionStage(source).generate(cond, SamplingOptions(steps=STEPS, seed=seed))
     assert torch.equal(decoded.video, expected.video) and torch.equal(decoded.audio, expected.audio)
 
 

@@ -91,3 +91,33 @@ def test_cli_builds(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out)
     assert json.loads((out / "tiny.json").read_text())["seed"] == 3
+
+
+def test_legacy_comfyui_folders_load_through_models(tiny_dir, tmp_path):
+    """A ComfyUI models folder from before the renames (unet/ for the DiT, clip/ for the text
+    encoder) is what `check` accepts, so `--models` (ModelSource) accepts it too."""
+    import os
+
+    from h3_core import weights
+
+    models = tmp_path / "ComfyUI" / "models"
+    legacy = {"diffusion_models": "unet", "text_encoders": "clip", "vae": "vae"}
+    for rel in tiny.COMFY_FILES.values():
+        folder, name = rel.split("/")
+        (models / legacy[folder]).mkdir(parents=True, exist_ok=True)
+        os.symlink(tiny_dir / "comfyui" / rel, models / legacy[folder] / name)
+    (models / "unet" / "not_h3.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    assert weights.check(models).components and all(
+        c.ok for c in weights.check(models).components if "not_h3" not in c.path
+    )
+    source = ModelSource.from_path(models)
+    assert source.layout == "comfyui" and set(source.paths) == set(weights.SLOTS)
+    assert source.paths["transformer_ref"].parent.name == "unet" and source.paths["text_encoder"].parent.name == "clip"
+    assert "not_h3.safetensors" in "".join(source.problems)  # skipped, and said why
+    reference = ModelSource.from_path(tiny_dir, layout="comfyui")
+    assert {slot: path.name for slot, path in source.paths.items()} == {
+        slot: path.name for slot, path in reference.paths.items()
+    }
+    for slot in ("transformer_ref", "text_encoder"):
+        got, expected = source.load(slot).state_dict(), reference.load(slot).state_dict()
+        assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected), slot

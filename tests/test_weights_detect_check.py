@@ -25,25 +25,25 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_weights")
     models = {
         "transformer": support.tiny_transformer(seed=0),
-        "video_vae": support.tiny_video_vae(seed=0),
+        "vae": support.tiny_video_vae(seed=0),
         "audio_vae": support.tiny_audio_vae(seed=0),
         "text_encoder": support.tiny_text_encoder(seed=0),
     }
     comfy = root / "models"
     files = {
         "transformer": comfy / "minimax_h3_ref2va_tiny.safetensors",
-        "video_vae": comfy / "minimax_h3_video_vae_tiny.safetensors",
+        "vae": comfy / "minimax_h3_video_vae_tiny.safetensors",
         "audio_vae": comfy / "minimax_h3_audio_vae_tiny.safetensors",
         "text_encoder": comfy / "qwen3vl_tiny_minimax_h3.safetensors",
     }
     weights.save_comfy_transformer(models["transformer"], str(files["transformer"]))
-    weights.save_comfy_video_vae(models["video_vae"], str(files["video_vae"]))
+    weights.save_comfy_video_vae(models["vae"], str(files["vae"]))
     weights.save_comfy_audio_vae(models["audio_vae"], str(files["audio_vae"]))
     weights.save_comfy_text_encoder(models["text_encoder"], str(files["text_encoder"]))
 
     native = root / "FL2VA"
     weights.save_native_transformer(models["transformer"], str(native))  # + model_index.json
-    vae = models["video_vae"]
+    vae = models["vae"]
     safetensors_io.write_file(  # Comfy key names, latents in config.json, weights under source/
         str(native / "video_vae" / "source" / "model.safetensors"),
         video_vae_keys.from_diffusers(vae.state_dict(), dict(vae.config), with_latent_stats=False),
@@ -64,10 +64,10 @@ def tiny(tmp_path_factory):
     return {"models": models, "files": files, "comfy": comfy, "native": native}
 
 
-@pytest.mark.parametrize("component", ["transformer", "video_vae", "audio_vae", "text_encoder"])
+@pytest.mark.parametrize("component", ["transformer", "vae", "audio_vae", "text_encoder"])
 def test_detect_comfy_files(tiny, component):
     det = weights.detect(tiny["files"][component])
-    assert (det.component, det.layout) == (component, "comfy")
+    assert (det.component, det.layout) == (component, "comfyui")
     assert det.partition == ("ref2va" if component == "transformer" else None)
     assert det.num_tensors == len(det.header.tensors) > 0
     assert component in det.summary()
@@ -90,8 +90,8 @@ def test_native_partition_detects_checks_and_loads_bit_exactly(tiny):
     assert weights.detect(native / "transformer").partition == "fl2va"
     assert support.state_dicts_equal(dit, models["transformer"])
     vae = weights.load_video_vae(native)
-    assert support.state_dicts_equal(vae, models["video_vae"])
-    assert list(vae.config.latents_std) == list(models["video_vae"].config.latents_std)
+    assert support.state_dicts_equal(vae, models["vae"])
+    assert list(vae.config.latents_std) == list(models["vae"].config.latents_std)
     audio = weights.load_audio_vae(native)
     assert support.state_dicts_equal(audio, models["audio_vae"])  # weight_g / weight_v kept
     text = weights.load_text_encoder(native)
@@ -152,7 +152,7 @@ def test_quantised_files_are_refused(tiny, tmp_path, variant):
 
 
 def test_broken_and_foreign_files_get_clear_errors(tiny, tmp_path):
-    source = tiny["files"]["video_vae"]
+    source = tiny["files"]["vae"]
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(source.read_bytes()[:-100])
     with pytest.raises(weights.IncompleteFileError, match="interrupted download"):
@@ -165,7 +165,7 @@ def test_broken_and_foreign_files_get_clear_errors(tiny, tmp_path):
     pickled.write_bytes(b"not read")
     with pytest.raises(weights.UnrecognisedCheckpointError, match="never pickled"):
         weights.detect(pickled)
-    with pytest.raises(weights.H3WeightsError, match="holds a transformer, not a video_vae"):
+    with pytest.raises(weights.H3WeightsError, match="holds the H3 DiT, not the video VAE"):
         weights.load_video_vae(tiny["files"]["transformer"])
 
 
@@ -240,20 +240,20 @@ def test_comfyui_models_folder_and_two_partition_folder(tiny, tmp_path):
 
     models = tmp_path / "ComfyUI" / "models"
     for sub, component in (("diffusion_models", "transformer"), ("text_encoders", "text_encoder"),
-                           ("vae", "video_vae"), ("vae", "audio_vae")):
+                           ("vae", "vae"), ("vae", "audio_vae")):
         (models / sub).mkdir(parents=True, exist_ok=True)
         shutil.copy(tiny["files"][component], models / sub)
     report = weights.check(models)
     assert report.ok and len(report.components) == 4, str(report)
     # vae/ holds both VAEs: each loader picks its own file by its header.
-    assert support.state_dicts_equal(weights.load_video_vae(models), tiny["models"]["video_vae"])
+    assert support.state_dicts_equal(weights.load_video_vae(models), tiny["models"]["vae"])
     assert weights.load_text_encoder(models).config.text_config.num_hidden_layers == 51
 
     both = tmp_path / "native"
     weights.save_native_transformer(support.tiny_transformer(seed=7), str(both / "FL2VA"))
     weights.save_native_transformer(tiny["models"]["transformer"], str(both / "Ref2VA"))
     assert weights.check(both).ok
-    with pytest.raises(weights.H3WeightsError, match="several transformers"):
+    with pytest.raises(weights.H3WeightsError, match="several DiTs"):
         weights.load_transformer(both)
     loaded = weights.load_transformer(both, partition="ref2va")
     assert support.state_dicts_equal(loaded, tiny["models"]["transformer"])

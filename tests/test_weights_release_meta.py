@@ -46,7 +46,7 @@ def release(tmp_path_factory):
     if not support.sparse_files_supported(root):
         pytest.skip("this filesystem has no sparse files; release-size header fixtures would use real disk")
     dit = support.release_meta_model("transformer")
-    vae = support.release_meta_model("video_vae")
+    vae = support.release_meta_model("vae")
     audio = support.release_meta_model("audio_vae")
     te = support.release_meta_model("text_encoder")
     dit_cfg, vae_cfg, audio_cfg = (configs.get(n, tiny=False) for n in ("transformer", "vae", "audio_vae"))
@@ -56,13 +56,13 @@ def release(tmp_path_factory):
     comfy = root / "comfy"
     files = {
         "transformer": comfy / "minimax_h3_fl2va_bf16.safetensors",
-        "video_vae": comfy / "minimax_h3_video_vae_fp16.safetensors",
+        "vae": comfy / "minimax_h3_video_vae_fp16.safetensors",
         "audio_vae": comfy / "minimax_h3_audio_vae_fp32.safetensors",
         "text_encoder": comfy / "qwen3vl_32b_minimax_h3_bf16.safetensors",
     }
     comfy_shapes = {
         "transformer": support.shapes_of(transformer_keys.from_diffusers(dit.state_dict(), dit_cfg, "comfy"), support.dit_dtype),
-        "video_vae": support.shapes_of(
+        "vae": support.shapes_of(
             video_vae_keys.from_diffusers(vae.state_dict(), vae_cfg),
             lambda k, t: torch.float32 if k.startswith("latents_") else torch.float16,
         ),
@@ -137,7 +137,7 @@ def test_comfy_names_and_shapes_match_spec(release):
     assert "token_refiner.final_norm.weight" in dit and "blocks.50.norm1.weight" not in dit
     assert sum(1 for k in dit if k.endswith(".attn.qkv_proj.weight")) == 52
     assert release["sizes"]["transformer"] / 1e9 == pytest.approx(66.3, abs=0.3)  # SPEC: 66.3 GB bf16
-    vae = s["video_vae"]
+    vae = s["vae"]
     assert vae["encoder.down.5.block.0.conv1.weight"] == (1024, 512, 3, 3, 3)
     assert "decoder.transformer_blocks.0.scale1" in vae
     assert vae["decoder.x_embedder.weight"] == (2048, 24)
@@ -145,7 +145,7 @@ def test_comfy_names_and_shapes_match_spec(release):
     assert vae["decoder.transformer_blocks.0.ff.w1.weight"] == (2 * 8192, 2048)
     assert vae["decoder.proj_out.weight"] == (3 * 4 * 16 * 16, 2048)
     assert vae["decoder.mask_token"] == (1, 1, 2048) and vae["latents_mean"] == (24,)
-    assert release["sizes"]["video_vae"] / 1e9 == pytest.approx(5.21, abs=0.05)  # SPEC: fp16 file 5.21 GB
+    assert release["sizes"]["vae"] / 1e9 == pytest.approx(5.21, abs=0.05)  # SPEC: fp16 file 5.21 GB
     audio = s["audio_vae"]
     assert "pre_block.attn.zero_k_bias" in audio and audio["pre_block.attn.qkv.weight"] == (6144, 2048)
     assert audio["dec_in_proj.weight"] == (2048, 32, 1) and audio["decoder.conv_pre.weight"] == (1024, 2048, 7)
@@ -162,15 +162,15 @@ def test_comfy_names_and_shapes_match_spec(release):
     assert not any(k.startswith(("model.norm", "lm_head")) for k in te)
 
 
-@pytest.mark.parametrize("component", ["transformer", "video_vae", "audio_vae", "text_encoder"])
+@pytest.mark.parametrize("component", ["transformer", "vae", "audio_vae", "text_encoder"])
 def test_release_comfy_file_maps_onto_the_meta_model(release, component):
     report = weights.check(release["files"][component])
     assert report.ok, str(report)
     (result,) = report.components
-    assert (result.detection.component, result.detection.layout) == (component, "comfy")
+    assert (result.detection.component, result.detection.layout) == (component, "comfyui")
     assert result.missing == [] and result.unexpected == [] and result.mismatched == []
     # Comfy files state no config: shapes + release values must give the release config exactly.
-    release_config = configs.get({"video_vae": "vae"}.get(component, component), tiny=False)
+    release_config = configs.get(component, tiny=False)
     if component == "text_encoder":
         release_config["text_config"]["num_hidden_layers"] = 50
     assert result.config == release_config
@@ -182,7 +182,7 @@ def test_release_diffusers_root_maps_onto_the_meta_models(release):
     report = weights.check(release["diffusers"])
     assert report.ok, str(report)
     found = {(c.detection.component, c.detection.partition) for c in report.components}
-    assert found == {("transformer", "fl2va"), ("transformer", "ref2va"), ("video_vae", None), ("audio_vae", None), ("text_encoder", None)}
+    assert found == {("transformer", "fl2va"), ("transformer", "ref2va"), ("vae", None), ("audio_vae", None), ("text_encoder", None)}
     assert all(c.detection.layout == "diffusers" for c in report.components)
     te = next(c for c in report.components if c.detection.component == "text_encoder")
     assert "64 decoder layers, with final norm" in te.detection.notes
@@ -191,7 +191,7 @@ def test_release_diffusers_root_maps_onto_the_meta_models(release):
 def test_release_native_partition_maps_onto_the_meta_models(release):
     report = weights.check(release["native"])
     assert report.ok, str(report)
-    assert {c.detection.component for c in report.components} == {"transformer", "video_vae", "audio_vae", "text_encoder"}
+    assert {c.detection.component for c in report.components} == {"transformer", "vae", "audio_vae", "text_encoder"}
     assert all(c.detection.layout == "native" for c in report.components)
     dit = next(c for c in report.components if c.detection.component == "transformer")
     assert dit.detection.partition == "fl2va" and len(dit.detection.files) == 4

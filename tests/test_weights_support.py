@@ -136,6 +136,7 @@ _DTYPE_TAGS = {
     torch.float16: "F16",
     torch.bfloat16: "BF16",
     torch.int8: "I8",
+    torch.int16: "I16",
     torch.uint8: "U8",
     torch.float8_e4m3fn: "F8_E4M3",
 }
@@ -201,7 +202,7 @@ def release_meta_model(component: str):
 
     cls, name = {
         "transformer": (MiniMaxH3Transformer3DModel, "transformer"),
-        "video_vae": (AutoencoderKLMiniMaxH3, "vae"),
+        "vae": (AutoencoderKLMiniMaxH3, "vae"),
         "audio_vae": (AutoencoderKLMiniMaxH3Audio, "audio_vae"),
     }[component]
     with init_empty_weights(include_buffers=False):

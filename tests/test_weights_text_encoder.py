@@ -32,7 +32,7 @@ def deep_and_truncated(tmp_path_factory):
 def test_comfy_file_has_exactly_50_layers_and_no_norm_or_head(deep_and_truncated):
     _, _, path = deep_and_truncated
     det = weights.detect(path)
-    assert (det.component, det.layout, det.key_format) == ("text_encoder", "comfy", "legacy")
+    assert (det.component, det.layout, det.key_format) == ("text_encoder", "comfyui", "legacy")
     names = det.header.tensors
     layers = {k.split(".")[2] for k in names if k.startswith("model.layers.")}
     assert layers == {str(i) for i in range(50)}

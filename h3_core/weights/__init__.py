@@ -1,9 +1,13 @@
 """MiniMax-H3 checkpoints: detect, check, load and write every published layout.
 
 Public API (see the README-style docstrings of each function):
-- `detect(path) -> Detection`, `scan(path)`: which component / layout / partition, headers only;
+- `detect(path) -> Detection`, `scan(path)`: which component / layout / partition / weight format,
+  headers only;
 - `check(path) -> CheckReport`: header-only key and shape verification against a meta model;
-- `load_transformer`, `load_video_vae`, `load_audio_vae`, `load_text_encoder`: ready modules;
+- `load(path, component)` (and its spellings `load_transformer`, `load_video_vae`, `load_audio_vae`,
+  `load_text_encoder`): ready modules;
+- `HANDLERS` (component name -> `ComponentHandler`), `FORMATS`: the two registries everything above
+  dispatches through;
 - `save_comfy_transformer`, `save_comfy_video_vae`, `save_comfy_audio_vae`,
   `save_comfy_text_encoder`, `save_native_transformer`: deterministic writers.
 
@@ -11,6 +15,7 @@ This package never imports ComfyUI, never touches the network, and never unpickl
 """
 
 from .check import CheckReport, ComponentCheck, check
+from .components import HANDLERS, SLOT_LABELS, SLOTS
 from .detect import Detection, detect, scan
 from .errors import (
     H3WeightsError,
@@ -19,7 +24,9 @@ from .errors import (
     UnrecognisedCheckpointError,
     UnsupportedCheckpointError,
 )
-from .loaders import load_audio_vae, load_text_encoder, load_transformer, load_video_vae
+from .formats import FORMATS
+from .keymap import LAYOUTS, ComponentHandler, KeyFamily
+from .loaders import load, load_audio_vae, load_text_encoder, load_transformer, load_video_vae
 from .writers import (
     save_comfy_audio_vae,
     save_comfy_text_encoder,
@@ -31,14 +38,22 @@ from .writers import (
 __all__ = [
     "CheckReport",
     "ComponentCheck",
+    "ComponentHandler",
     "Detection",
+    "FORMATS",
     "H3WeightsError",
+    "HANDLERS",
     "IncompleteFileError",
+    "KeyFamily",
     "KeyMismatchError",
+    "LAYOUTS",
+    "SLOTS",
+    "SLOT_LABELS",
     "UnrecognisedCheckpointError",
     "UnsupportedCheckpointError",
     "check",
     "detect",
+    "load",
     "load_audio_vae",
     "load_text_encoder",
     "load_transformer",

@@ -13,14 +13,12 @@ which would round), giving bit-exact outputs.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from .. import configs
-
 from . import config_merge
 from .errors import H3WeightsError
+from .keymap import ComponentHandler, KeyFamily, count_indices
 
 LATENT_STAT_KEYS = ("latents_mean", "latents_std")
 _G, _V = ".weight_g", ".weight_v"
@@ -74,21 +72,12 @@ def from_diffusers(state: dict, config: dict) -> dict:
     return out
 
 
-def latent_stats(tensors: dict) -> dict:
-    return {key: [float(v) for v in tensors[key].to(torch.float32).tolist()] for key in LATENT_STAT_KEYS if key in tensors}
-
-
 def _weight_shape(shapes: dict, stem: str):
     """Shape of a conv weight whether stored folded (`.weight`) or weight-normed (`.weight_v`)."""
     for suffix in (".weight", _V):
         if stem + suffix in shapes:
             return shapes[stem + suffix]
     return None
-
-
-def _count(shapes: dict, pattern: str) -> int:
-    regex = re.compile(pattern)
-    return len({m.group(1) for key in shapes if (m := regex.match(key))})
 
 
 def _rate_for_kernel(kernel: int) -> int:
@@ -104,11 +93,11 @@ def derive_config(shapes: dict, stated: dict | None, source: str) -> dict:
     conv_pre = _weight_shape(shapes, "decoder.conv_pre")
     if first is None or conv_pre is None or "mean_proj.weight" not in shapes or "dec_in_proj.weight" not in shapes:
         raise H3WeightsError(f"{source}: not a complete MiniMax-H3 audio VAE (encoder/decoder convs missing)")
-    n_down = _count(shapes, r"encoder\.block\.(\d+)\.block\.4\.")
+    n_down = count_indices(shapes, r"encoder\.block\.(\d+)\.block\.4\.")
     encoder_rates = [_weight_shape(shapes, f"encoder.block.{i}.block.4")[2] // 2 for i in range(1, n_down + 1)]
-    n_up = _count(shapes, r"decoder\.ups\.(\d+)\.")
+    n_up = count_indices(shapes, r"decoder\.ups\.(\d+)\.")
     kernels = [_weight_shape(shapes, f"decoder.ups.{i}.0")[2] for i in range(n_up)]
-    n_kernels = _count(shapes, r"decoder\.resblocks\.(\d+)\.") // max(n_up, 1)
+    n_kernels = count_indices(shapes, r"decoder\.resblocks\.(\d+)\.") // max(n_up, 1)
     derived = {
         "encoder_dim": first[0],
         "encoder_rates": encoder_rates,
@@ -123,4 +112,70 @@ def derive_config(shapes: dict, stated: dict | None, source: str) -> dict:
     return config_merge.merge(configs.get("audio_vae", tiny=False), stated, derived, source)
 
 
+# --- the handler ---------------------------------------------------------------------------------
+
 MARKERS = ("pre_block.attn.zero_k_bias", "dec_in_proj.weight")
+
+
+def native_stated_config(stated: dict, source) -> dict:
+    """Native `audio_vae/metadata.json` kwargs + `config.json` -> diffusers argument names (the
+    translation diffusers' conversion script applies); what the folder states otherwise wins."""
+    if not source.extra_config:
+        return stated
+    kwargs, config = source.extra_config, source.config
+    renames = {"vae_latent_channels": "latent_channels", "sample_rate": "sampling_rate"}
+    names = ("encoder_dim", "encoder_rates", "latent_dim", "decoder_dim", "decoder_rates", *renames)
+    native = {renames.get(key, key): kwargs[key] for key in names if key in kwargs}
+    if "sample_rate" in config:
+        native["sampling_rate"] = config["sample_rate"]
+    native.update({key: config[key] for key in ("latent_channels", "latents_mean", "latents_std") if key in config})
+    return {**native, **stated}
+
+
+def remove_weight_norm(module: torch.nn.Module) -> None:
+    """Turn every weight-normed conv of a module into a plain one (in place)."""
+    # `torch.nn.utils.weight_norm` is also the name of a function; import from the module itself.
+    from torch.nn.utils.weight_norm import WeightNorm
+    from torch.nn.utils.weight_norm import remove_weight_norm as remove
+
+    for sub in module.modules():
+        for hook in list(sub._forward_pre_hooks.values()):
+            if isinstance(hook, WeightNorm):
+                remove(sub, hook.name)
+
+
+def _build(cls, det, config: dict):
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config)
+    if det.key_format == "folded":  # a folded file loads into plain convs (bit-exact, see above)
+        remove_weight_norm(model)
+    return model
+
+
+def _to_model(tensors: dict, config: dict, family: str, layout: str):
+    return to_diffusers(tensors)
+
+
+def _from_model(state: dict, config: dict, family: str, layout: str) -> dict:
+    return from_diffusers(state, config) if family == "folded" else dict(state)
+
+
+HANDLER = ComponentHandler(
+    name="audio_vae",
+    label="audio VAE",
+    model_class="AutoencoderKLMiniMaxH3Audio",
+    library="diffusers",
+    folders=("audio_vae",),
+    families=(
+        KeyFamily("weight_norm", MARKERS, test=is_weight_normed),
+        KeyFamily("folded", MARKERS, comfy=True),
+    ),
+    derive_config=lambda shapes, family, stated, where: derive_config(shapes, stated, where),
+    to_model=_to_model,
+    from_model=_from_model,
+    stated_config=native_stated_config,
+    build=_build,
+    latent_stat_keys=LATENT_STAT_KEYS,
+)

@@ -53,7 +53,7 @@ class ComponentCheck:
         lines = [head]
         for note in det.notes:
             lines.append(f"     note: {note}")
-        target = components.MODEL_CLASSES[det.component]
+        target = det.handler.model_class
         if self.ok:
             lines.append(f"     maps onto {target}: 0 missing, 0 unexpected, all shapes equal ({self.seconds:.2f}s)")
         else:
@@ -64,7 +64,7 @@ class ComponentCheck:
         if self.error is not None:
             raise H3WeightsError(self.error)
         if not self.ok:
-            target = components.MODEL_CLASSES[self.detection.component]
+            target = self.detection.handler.model_class
             raise KeyMismatchError(f"{self.path}: does not map onto {target}: {self.problems()}")
 
 

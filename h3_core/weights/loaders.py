@@ -1,38 +1,83 @@
 """Load ready-to-run diffusers / transformers modules from any published H3 layout.
 
-Every loader: detect (refuses pruned / quantised), resolve the config, run the header-only check
-(so a wrong file fails in seconds with a precise key list, before any weight is read), then load.
-The Comfy-Org DiT goes through diffusers' own `from_single_file` with a local config derived from
-its shapes (no hub access); everything else is converted here and assigned into a model built on
-the meta device. dtype follows diffusers' rule (see dtype_policy): the default float32 gives
-exact weights; lower dtypes keep each class's `_keep_in_fp32_modules` in float32.
+One path for every component, driven by its handler (`components.HANDLERS`): detect (refuses
+unsupported weight formats), resolve the config, run the header-only check (so a wrong file fails in
+seconds with a precise key list, before any weight is read), then load. Comfy-Org files of a handler
+with `load_single_file` (the DiT: diffusers' own `from_single_file` with a local config derived from
+its shapes, no hub access) go through it; everything else is converted and assigned into the
+check's meta model.
+
+dtype follows diffusers' `from_pretrained(torch_dtype=...)` rule, so a module loaded from a Comfy
+file, a native partition or a diffusers folder ends up with the same dtypes: floating tensors take the
+requested dtype, except those inside a module named in the class's `_keep_in_fp32_modules` (plus the
+handler's `fp32_modules`; matched against the dotted name's components, as diffusers matches them),
+which stay float32; integer tensors are never cast. The default float32 gives exact weights.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 
-from . import audio_vae_keys, components, dtype_policy, transformer_keys, video_vae_keys
+from . import components
 from .check import check_detection
 from .detect import Detection, detect, scan
 from .errors import H3WeightsError
-from .safetensors_io import load_tensors, write_json
+from .safetensors_io import load_tensors
 from .sources import component_paths
 
+# --- dtype policy --------------------------------------------------------------------------------
 
-def _resolve(path, component: str, partition: str | None = None) -> Detection:
-    """The one `component` at `path` (a file, a component folder, or any root `scan` understands:
-    diffusers root, native partition(s), ComfyUI models folder)."""
+
+def target_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype, keep_in_fp32_modules) -> torch.dtype:
+    if not tensor.is_floating_point():
+        return tensor.dtype
+    if any(module in name.split(".") for module in (keep_in_fp32_modules or ())):
+        return torch.float32
+    return dtype
+
+
+def cast_state_dict(state_dict: dict, dtype: torch.dtype, keep_in_fp32_modules) -> dict:
+    """Cast a state dict before assigning it into a model (no copy when the dtype already matches)."""
+    return {name: t.to(target_dtype(name, t, dtype, keep_in_fp32_modules)) for name, t in state_dict.items()}
+
+
+def cast_module(module: torch.nn.Module, dtype: torch.dtype, keep_in_fp32_modules) -> None:
+    """Cast a loaded module's parameters and persistent buffers in place by the same rule.
+
+    Non-persistent buffers (rotary `inv_freq`, ...) are computed by the module itself in float32
+    and are left alone, as `from_pretrained` leaves them.
+    """
+    for name, param in module.named_parameters():
+        wanted = target_dtype(name, param, dtype, keep_in_fp32_modules)
+        if param.dtype != wanted:
+            param.data = param.data.to(wanted)
+    persistent = set(module.state_dict(keep_vars=True))
+    for name, buffer in module.named_buffers():
+        if name not in persistent or buffer is None:
+            continue
+        wanted = target_dtype(name, buffer, dtype, keep_in_fp32_modules)
+        if buffer.dtype != wanted:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            setattr(owner, attr, buffer.to(wanted))
+
+
+# --- finding the one component -------------------------------------------------------------------
+
+
+def resolve(path, component: str, partition: str | None = None) -> Detection:
+    """The one `component` (a handler name) at `path`: a file, a component folder, or any root
+    `scan` understands (diffusers root, native partition(s), ComfyUI models folder)."""
     path = os.fspath(path)
+    label = components.require_handler(component).label
     wanted_partition = {"t2va": "fl2va"}.get(partition, partition)
     targets = component_paths(path)
     if len(targets) == 1 and targets[0] == path:
         det = detect(path)
         if det.component != component:
-            raise H3WeightsError(f"{det.path} holds a {det.component}, not a {component}")
+            raise H3WeightsError(f"{det.path} holds the H3 {det.handler.label}, not the {label}")
     else:
         found, problems = [], []
         for item in scan(path):
@@ -45,29 +90,23 @@ def _resolve(path, component: str, partition: str | None = None) -> Detection:
             found = [d for d in found if d.partition in (wanted_partition, None)]
         if not found:
             detail = f"; problems: {' | '.join(problems)}" if problems else ""
-            raise H3WeightsError(f"{path}: no usable {component} found{detail}")
+            raise H3WeightsError(f"{path}: no usable {label} found{detail}")
         if len(found) > 1:
             choices = sorted(f"{os.path.basename(d.path)} ({d.partition or d.layout})" for d in found)
-            hint = " pass partition='fl2va' or 'ref2va'," if component == "transformer" else ""
-            raise H3WeightsError(f"{path} holds several {component}s {choices};{hint} or point at one of them")
+            hint = " pass partition='fl2va' or 'ref2va'," if found[0].handler.partitioned else ""
+            raise H3WeightsError(f"{path} holds several {label}s {choices};{hint} or point at one of them")
         det = found[0]
     if wanted_partition is not None and det.partition is not None and det.partition != wanted_partition:
         raise H3WeightsError(f"{det.path} is the {det.partition} DiT partition, not {partition}")
     return det
 
 
-def _checked(det: Detection):
-    """Header-only check first: a wrong file fails in seconds, before any weight is read.
-    Returns the check result (its config, and the meta model to assign into)."""
-    result = check_detection(det)
-    result.raise_if_failed()
-    return result
+# --- loading -------------------------------------------------------------------------------------
 
 
 def _assign(model: torch.nn.Module, det: Detection, converted: dict, dtype: torch.dtype) -> torch.nn.Module:
     """Assign converted tensors into a meta-built model: strict, no copies beyond the dtype cast."""
-    keep = getattr(type(model), "_keep_in_fp32_modules", None)
-    state = dtype_policy.cast_state_dict(converted, dtype, keep)
+    state = cast_state_dict(converted, dtype, det.handler.keep_in_fp32(type(model)))
     expected = components.expected_keys(model)
     for alias, owner in expected.aliases.items():
         state.setdefault(alias, state[owner])  # tied weights saved once
@@ -77,25 +116,17 @@ def _assign(model: torch.nn.Module, det: Detection, converted: dict, dtype: torc
         raise H3WeightsError(f"{det.path}: parameters left unloaded: {leftover[:5]}")
     if expected.aliases and hasattr(model, "tie_weights"):
         model.tie_weights()
-    return model.eval()
+    return model
 
 
-def _load_generic(det: Detection, checked, dtype: torch.dtype) -> torch.nn.Module:
-    """Read every tensor, convert the names, assign into the check's meta model."""
-    tensors = load_tensors(det.header)
-    converted, unexpected = components.to_model_names(det, tensors, checked.config)
-    if unexpected:  # already excluded by the check; kept as a guard for future converters
-        raise H3WeightsError(f"{det.path}: unexpected tensors {unexpected[:5]}")
-    return _assign(checked.model, det, converted, dtype)
-
-
-def _latent_stats(det: Detection, keys, read) -> dict:
-    """`latents_mean` / `latents_std` buffers of a Comfy VAE file, as config values. A config.json
-    that states other values is a contradiction, not a preference."""
-    present = set(keys) & set(det.header.tensors)
+def _latent_stats(det: Detection) -> dict:
+    """A file's `latents_mean` / `latents_std` buffers, as config lists (float32 values, exactly
+    representable). A config.json that states other values is a contradiction, not a preference."""
+    present = set(det.handler.latent_stat_keys) & set(det.header.tensors)
     if not present:
         return {}
-    stats = read(load_tensors(det.header, present))
+    tensors = load_tensors(det.header, present)
+    stats = {key: [float(v) for v in tensors[key].to(torch.float32).tolist()] for key in sorted(present)}
     for key, values in stats.items():
         stated = det.source.config.get(key)
         if stated is not None and [float(v) for v in stated] != values:
@@ -103,82 +134,49 @@ def _latent_stats(det: Detection, keys, read) -> dict:
     return stats
 
 
-def _check_rope(det: Detection, model) -> None:
-    """The stored `rope.inv_freq` must equal what diffusers recomputes from `rope_theta`:
-    diffusers drops the stored table, so a different table would be silently ignored."""
-    if transformer_keys.ROPE_KEY not in det.header.tensors:
-        return
-    stored = load_tensors(det.header, {transformer_keys.ROPE_KEY})[transformer_keys.ROPE_KEY]
-    computed = model.rope.inv_freq
-    if stored.shape != computed.shape or not torch.equal(stored.to(torch.float32), computed.to(torch.float32)):
-        raise H3WeightsError(
-            f"{det.path}: rope.inv_freq does not equal 1/rope_theta^(2i/{2 * computed.numel()}) for "
-            f"rope_theta={model.config.rope_theta}; MiniMaxH3Transformer3DModel recomputes that table and "
-            "cannot carry a different one"
-        )
+def load(path, component: str, dtype: torch.dtype = torch.float32, partition: str | None = None) -> torch.nn.Module:
+    """The `component` (a key of `components.HANDLERS`) at `path` as a ready, eval-mode module.
 
-
-def _load_comfy_transformer(det: Detection, config: dict, dtype: torch.dtype):
-    """Through diffusers' single-file loader, with a local config folder (never the hub)."""
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    with tempfile.TemporaryDirectory(prefix="h3-dit-config-") as config_dir:
-        write_json(
-            os.path.join(config_dir, "config.json"),
-            {"_class_name": "MiniMaxH3Transformer3DModel", **config},
-        )
-        model = MiniMaxH3Transformer3DModel.from_single_file(
-            det.path, config=config_dir, local_files_only=True, torch_dtype=None
-        )
-    # from_single_file's low-memory path leaves absent weights on `meta` instead of failing.
-    leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
-    if leftover:
-        raise H3WeightsError(f"{det.path}: diffusers' single-file loader left weights unloaded: {leftover[:5]}")
-    dtype_policy.apply_to_module(model, dtype, MiniMaxH3Transformer3DModel._keep_in_fp32_modules)
+    `partition` ('fl2va' / 't2va' / 'ref2va') picks the DiT where a root holds both."""
+    det = resolve(path, component, partition)
+    handler = det.handler
+    checked = check_detection(det)  # header only: a wrong file fails here, before any weight is read
+    checked.raise_if_failed()
+    stats = _latent_stats(det)
+    if det.layout == "comfyui" and handler.load_single_file is not None:
+        model = handler.load_single_file(det, checked.config)
+        cast_module(model, dtype, handler.keep_in_fp32(type(model)))
+    else:
+        converted, unexpected = components.to_model_names(det, load_tensors(det.header), checked.config)
+        if unexpected:  # already excluded by the check; kept as a guard for future converters
+            raise H3WeightsError(f"{det.path}: unexpected tensors {unexpected[:5]}")
+        model = _assign(checked.model, det, converted, dtype)
+    if stats:
+        model.register_to_config(**stats)
+    if handler.after_load is not None:
+        handler.after_load(det, model, dtype)
     return model.eval()
 
 
 def load_transformer(path, dtype: torch.dtype = torch.float32, partition: str | None = None):
     """`MiniMaxH3Transformer3DModel` from a Comfy-Org file, a native partition (root or
     `transformer/`), or a diffusers folder / root (`partition` picks `transformer` or `transformer_ref`)."""
-    det = _resolve(path, "transformer", partition)
-    checked = _checked(det)
-    if det.layout == "comfy":
-        model = _load_comfy_transformer(det, checked.config, dtype)
-    else:
-        model = _load_generic(det, checked, dtype)
-    _check_rope(det, model)
-    return model
+    return load(path, "transformer", dtype, partition)
 
 
 def load_video_vae(path, dtype: torch.dtype = torch.float32):
     """`AutoencoderKLMiniMaxH3`; the Comfy file's `latents_mean/std` buffers become its config."""
-    det = _resolve(path, "video_vae")
-    checked = _checked(det)
-    stats = _latent_stats(det, video_vae_keys.LATENT_STAT_KEYS, video_vae_keys.latent_stats)
-    model = _load_generic(det, checked, dtype)
-    if stats:
-        model.register_to_config(**stats)
-    return model
+    return load(path, "vae", dtype)
 
 
 def load_audio_vae(path, dtype: torch.dtype = torch.float32):
     """`AutoencoderKLMiniMaxH3Audio`. A folded (Comfy) file loads into a model whose weight norm
     is removed, which is bit-exact with the weight-normed model it was folded from."""
-    det = _resolve(path, "audio_vae")
-    checked = _checked(det)
-    stats = _latent_stats(det, audio_vae_keys.LATENT_STAT_KEYS, audio_vae_keys.latent_stats)
-    model = _load_generic(det, checked, dtype)
-    if stats:
-        model.register_to_config(**stats)
-    return model
+    return load(path, "audio_vae", dtype)
 
 
 def load_text_encoder(path, dtype: torch.dtype = torch.float32):
     """`Qwen3VLForConditionalGeneration`. A Comfy file (50 layers, no final norm, no head) becomes
     the H3 arrangement of `qwen_h3`, which diffusers' `get_qwen3vl_prompt_embeds` accepts and whose
     `hidden_states[50]` is the un-normalised stream after decoder layer 50."""
-    det = _resolve(path, "text_encoder")
-    model = _load_generic(det, _checked(det), dtype)
-    model.config.dtype = dtype
-    return model
+    return load(path, "text_encoder", dtype)

@@ -1,6 +1,6 @@
 """The 50-layer Qwen3-VL conditioner as a real `Qwen3VLForConditionalGeneration`.
 
-H3 conditions on the residual stream after decoder layer 50, before any final norm (SPEC §1.4).
+H3 conditions on the residual stream after decoder layer 50, before any final norm.
 diffusers' `get_qwen3vl_prompt_embeds` reads it as `text_encoder.model(...).hidden_states[50]` and
 refuses a stack with `num_hidden_layers <= 50`, because in transformers the *last* entry of
 `hidden_states` is replaced by the post-norm `last_hidden_state`.

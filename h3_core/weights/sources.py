@@ -1,6 +1,6 @@
 """Where a component's tensors and configs live, for every published container.
 
-Containers (SPEC.md §5):
+Containers:
 - a single `.safetensors` file (Comfy-Org layout; config can only come from shapes, plus the
   `h3.config` metadata this package's writers add);
 - a component folder: `config.json` + `*.safetensors`, possibly sharded with a
@@ -22,22 +22,18 @@ the Comfy key names with a config.json (key detection decides, not the folder na
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
 from dataclasses import dataclass, field
 
+from .components import HANDLERS
 from .errors import H3WeightsError, UnrecognisedCheckpointError
 from .safetensors_io import SHARD_INDEX_SUFFIX
 
-# Sub-folder names of pipeline roots, per component (diffusers name first).
-COMPONENT_FOLDERS = {
-    "transformer": ("transformer", "transformer_ref"),
-    "video_vae": ("vae", "video_vae"),
-    "audio_vae": ("audio_vae",),
-    "text_encoder": ("text_encoder",),
-}
-_ALL_FOLDERS = tuple(name for names in COMPONENT_FOLDERS.values() for name in names)
+# Sub-folder names of pipeline roots (diffusers root, native partition), from the handlers.
+_ALL_FOLDERS = tuple(name for handler in HANDLERS.values() for name in handler.folders)
 _PARTITION_TOKEN = re.compile(r"(?<![a-z0-9])(fl2va|ref2va)(?![a-z0-9])", re.IGNORECASE)
 
 
@@ -87,8 +83,8 @@ def native_root_info(root: str) -> tuple[bool, str | None]:
     return is_native, partition
 
 
-# ComfyUI's model folders hold loose single files (SPEC §5.1): the DiT in diffusion_models/
-# (formerly unet/), the text encoder in text_encoders/ (formerly clip/), both VAEs in vae/.
+# ComfyUI's model folders hold loose single files: the DiT in diffusion_models/ (formerly unet/),
+# the text encoder in text_encoders/ (formerly clip/), both VAEs in vae/.
 COMFYUI_FOLDERS = ("diffusion_models", "unet", "text_encoders", "clip", "vae")
 _ROOT_FOLDERS = tuple(dict.fromkeys(_ALL_FOLDERS + COMFYUI_FOLDERS))
 _SHARD_NAME = re.compile(r".*-\d{5}-of-\d{5}\.safetensors$")
@@ -209,3 +205,30 @@ def component_source(path: str) -> Source:
         native_root=parent if is_native else None,
         native_partition=partition if is_native else None,
     )
+
+
+def identity(salt: str, named_paths: dict) -> str:
+    """A short digest of the weights at `named_paths` (name -> file or folder), cheap even for 66 GB.
+
+    A large file contributes its size and its first and last MiB (for safetensors that covers the
+    header: names, dtypes, shapes, offsets); small files (configs, tokenizer) their whole bytes.
+    Touching or moving the files does not change it; new weights (or a re-quantisation) do.
+    """
+    digest = hashlib.sha256(salt.encode())
+    for name, path in sorted(named_paths.items()):
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            digest.update(f"{name}/{file.name}:".encode())
+            digest.update(_file_identity(file))
+    return digest.hexdigest()[:16]
+
+
+def _file_identity(path, window: int = 1 << 20) -> bytes:
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        if size <= 16 * window:
+            return hashlib.sha256(handle.read()).digest()
+        head = handle.read(window)
+        handle.seek(size - window)
+        tail = handle.read(window)
+    return hashlib.sha256(str(size).encode() + head + tail).digest()

@@ -5,7 +5,7 @@ with a final `model.language_model.norm` and an `lm_head`. The Comfy file (and t
 Face Qwen-VL layout it descends from) uses `model.layers.N.*`, `model.embed_tokens`, `visual.*`
 with the same sub-names under `visual.` (ComfyUI's Qwen3-VL tower mirrors the HF module tree,
 `deepstack_merger_list` included). The Comfy file keeps only the first 50 decoder layers and has
-neither the final norm nor an lm_head: H3 reads the residual stream after layer 50 (SPEC §1.4).
+neither the final norm nor an lm_head: H3 reads the residual stream after layer 50, before any norm.
 The legacy spelling of norm/lm_head (`model.norm`, `lm_head`) is accepted on input so that a full
 legacy-layout Qwen checkpoint converts too.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 import re
 
 from .. import configs
-
 from . import config_merge
 from .errors import H3WeightsError
+from .keymap import ComponentHandler, KeyFamily, count_indices, rename
 
 _TO_TRANSFORMERS = [
     (re.compile(r"model\.embed_tokens\.(.+)"), r"model.language_model.embed_tokens.\1"),
@@ -33,19 +33,11 @@ _FROM_TRANSFORMERS = [
 ]
 
 
-def _rename(key: str, rules) -> str | None:
-    for pattern, template in rules:
-        match = pattern.fullmatch(key)
-        if match:
-            return match.expand(template)
-    return None
-
-
 def to_transformers(state: dict) -> tuple[dict, list[str]]:
     """Comfy/legacy names -> transformers 5 names. Returns (converted, unexpected keys)."""
     out, unexpected = {}, []
     for key, tensor in state.items():
-        new_key = _rename(key, _TO_TRANSFORMERS)
+        new_key = rename(key, _TO_TRANSFORMERS)
         if new_key is None:
             unexpected.append(key)
         else:
@@ -66,7 +58,7 @@ def from_transformers(state: dict, num_layers: int) -> dict:
             continue
         if key.startswith("model.language_model.norm.") or key.startswith("lm_head."):
             continue
-        new_key = _rename(key, _FROM_TRANSFORMERS)
+        new_key = rename(key, _FROM_TRANSFORMERS)
         if new_key is None:
             raise H3WeightsError(f"not a Qwen3VLForConditionalGeneration weight: {key}")
         out[new_key] = tensor
@@ -76,11 +68,6 @@ def from_transformers(state: dict, num_layers: int) -> dict:
             f"fewer than the {num_layers} a Comfy file keeps"
         )
     return out
-
-
-def _count(shapes: dict, pattern: str) -> int:
-    regex = re.compile(pattern)
-    return len({m.group(1) for key in shapes if (m := regex.match(key))})
 
 
 def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -> dict:
@@ -104,7 +91,7 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
     text_derived = {
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "num_hidden_layers": _count(shapes, re.escape(lm) + r"(\d+)\."),
+        "num_hidden_layers": count_indices(shapes, re.escape(lm) + r"(\d+)\."),
         "head_dim": head_dim,
         "num_attention_heads": shapes[f"{lm}0.self_attn.q_proj.weight"][0] // head_dim,
         "num_key_value_heads": shapes[f"{lm}0.self_attn.k_proj.weight"][0] // head_dim,
@@ -113,9 +100,9 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
     }
     v_hidden, in_ch, t_patch, patch, _ = shapes[f"{vis}patch_embed.proj.weight"]
     merge_dim = shapes[f"{vis}merger.linear_fc1.weight"][1]
-    n_deepstack = _count(shapes, re.escape(vis) + r"deepstack_merger_list\.(\d+)\.")
+    n_deepstack = count_indices(shapes, re.escape(vis) + r"deepstack_merger_list\.(\d+)\.")
     vision_derived = {
-        "depth": _count(shapes, re.escape(vis) + r"blocks\.(\d+)\."),
+        "depth": count_indices(shapes, re.escape(vis) + r"blocks\.(\d+)\."),
         "hidden_size": v_hidden,
         "in_channels": in_ch,
         "temporal_patch_size": t_patch,
@@ -137,5 +124,86 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
     return {**top, "text_config": text, "vision_config": vision}
 
 
+# --- the handler ---------------------------------------------------------------------------------
+
 COMFY_MARKERS = ("model.layers.0.self_attn.q_proj.weight", "visual.patch_embed.proj.weight")
 TRANSFORMERS_MARKERS = ("model.language_model.layers.0.self_attn.q_proj.weight", "model.visual.patch_embed.proj.weight")
+_LAYER_PREFIX = {"legacy": "model.layers.", "transformers": "model.language_model.layers."}
+
+
+def layer_count(keys, family: str) -> int:
+    return count_indices(keys, re.escape(_LAYER_PREFIX[family]) + r"(\d+)\.")
+
+
+def has_final_norm(keys) -> bool:
+    return any(key.startswith(("model.norm.", "model.language_model.norm.")) for key in keys)
+
+
+def _notes(keys, family: str) -> tuple[str, ...]:
+    norm = "with" if has_final_norm(keys) else "without"
+    return (f"{layer_count(keys, family)} decoder layers, {norm} final norm",)
+
+
+def _build(cls, det, config: dict):
+    """A file without its final norm is the truncated H3 conditioner (the Comfy file): it becomes
+    the H3 arrangement of `qwen_h3`; a complete stack is built as it is, ties included."""
+    from accelerate import init_empty_weights
+    from transformers import Qwen3VLConfig
+
+    from . import qwen_h3  # imports transformers' Qwen3-VL modelling; only needed for models
+
+    own = det.source.config if det.source is not None else {}
+    # The folder's own config.json when it has one (every field kept), else the derived dict.
+    qconfig = Qwen3VLConfig.from_dict(own) if own.get("model_type") == "qwen3_vl" else Qwen3VLConfig(**config)
+    if has_final_norm(det.header.tensors):
+        with init_empty_weights(include_buffers=False):
+            model = cls(qconfig)
+        # accelerate's meta-init re-creates every registered parameter, which unties shared ones;
+        # tying again outside the context restores the aliases (e.g. lm_head = embed_tokens).
+        model.tie_weights()
+        return model
+    layers = layer_count(det.header.tensors, det.key_format)
+    if layers < qwen_h3.H3_TEXT_ENCODER_LAYER:
+        raise H3WeightsError(
+            f"{det.path}: H3 reads the residual stream after decoder layer {qwen_h3.H3_TEXT_ENCODER_LAYER}, "
+            f"but this truncated text encoder has only {layers} layers"
+        )
+    with init_empty_weights(include_buffers=False):
+        model = cls(qwen_h3.arrangement_config(qconfig, layers))
+        qwen_h3.apply_arrangement(model, layers)
+    return model
+
+
+def _to_model(tensors: dict, config: dict, family: str, layout: str):
+    return to_transformers(tensors) if family == "legacy" else (dict(tensors), [])
+
+
+def _from_model(state: dict, config: dict, family: str, layout: str) -> dict:
+    if family != "legacy":
+        return dict(state)
+    return from_transformers(state, layer_count(state, "transformers"))
+
+
+def _set_dtype(det, model, dtype) -> None:
+    model.config.dtype = dtype
+
+
+HANDLER = ComponentHandler(
+    name="text_encoder",
+    label="text encoder",
+    model_class="Qwen3VLForConditionalGeneration",
+    library="transformers",
+    folders=("text_encoder",),
+    families=(
+        KeyFamily("legacy", COMFY_MARKERS, comfy=True, native=True),
+        KeyFamily("transformers", TRANSFORMERS_MARKERS),
+    ),
+    derive_config=lambda shapes, family, stated, where: derive_config(
+        shapes, "comfy" if family == "legacy" else "transformers", stated, where
+    ),
+    to_model=_to_model,
+    from_model=_from_model,
+    notes=_notes,
+    build=_build,
+    after_load=_set_dtype,
+)

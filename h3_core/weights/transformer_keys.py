@@ -1,6 +1,6 @@
 """DiT keys: diffusers `MiniMaxH3Transformer3DModel` <-> Comfy-Org single file / native partition.
 
-Comfy-Org and native files use the reference names (SPEC.md §5.1: `video_patch_proj`,
+Comfy-Org and native files use the reference names (`video_patch_proj`,
 `blocks.N.attn.qkv_proj`, `mlp.fc1`, `final_layer.*`, `rope.inv_freq`...) and differ only in the
 fused QKV row order: Comfy files are stacked `[q; k; v]`, native shards interleave per head
 (diffusers' single-file converter documents both). `fc1` is `[gate; value]` in both, diffusers'
@@ -11,15 +11,18 @@ with diffusers' own module on the way out.
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 
 import torch
 
 from .. import configs
-
 from . import config_merge
 from .errors import H3WeightsError
 from .fused import fuse_qkv, split_qkv, swap_halves
+from .keymap import ComponentHandler, KeyFamily, count_indices
+from .safetensors_io import load_tensors, write_json
 
 QKV_LAYOUT_BY_NAMING = {"comfy": "stacked", "native": "interleaved"}
 
@@ -156,11 +159,6 @@ def stated_config(raw: dict) -> dict:
     return {_NATIVE_CONFIG_NAMES.get(key, key): value for key, value in raw.items()}
 
 
-def _count(shapes: dict, pattern: str) -> int:
-    regex = re.compile(pattern)
-    return len({m.group(1) for key in shapes if (m := regex.match(key))})
-
-
 def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -> dict:
     """Config from tensor shapes (+ what the checkpoint states for the rest), diffusers names."""
     ref = naming != "diffusers"
@@ -201,8 +199,8 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
         "time_embed_dim": shapes[n["t_out"]][0],
         "attention_head_dim": head_dim,
         "num_attention_heads": qkv_rows // (3 * head_dim),
-        "num_layers": _count(shapes, n["blocks"]),
-        "num_refiner_layers": _count(shapes, n["refiner"]),
+        "num_layers": count_indices(shapes, n["blocks"]),
+        "num_refiner_layers": count_indices(shapes, n["refiner"]),
         "ffn_dim": shapes[n["fc1"]][0] // 2,
     }
     if ROPE_KEY in shapes:
@@ -210,6 +208,83 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
     return config_merge.merge(configs.get("transformer", tiny=False), stated, derived, source)
 
 
-# Detection markers (SPEC.md §5.1 and diffusers' single-file detector key).
+# --- the handler ---------------------------------------------------------------------------------
+
+# Detection markers (the reference names' refiner QKV, and diffusers' single-file detector key).
 REFERENCE_MARKERS = ("token_refiner.blocks.0.attn.qkv_proj.weight", "video_patch_proj.weight")
 DIFFUSERS_MARKERS = ("token_refiner.refiner_blocks.0.attn.to_q.weight", "proj_in.weight", "audio_proj_in.weight")
+
+
+def _naming(layout: str) -> str:
+    """Comfy files stack q/k/v, native shards interleave them per head: the layout decides."""
+    return "comfy" if layout == "comfyui" else "native"
+
+
+def _to_model(tensors: dict, config: dict, family: str, layout: str):
+    if family == "diffusers":
+        return dict(tensors), []
+    return to_diffusers(tensors, config, _naming(layout))
+
+
+def _from_model(state: dict, config: dict, family: str, layout: str) -> dict:
+    return dict(state) if family == "diffusers" else from_diffusers(state, config, _naming(layout))
+
+
+def _derive(shapes: dict, family: str, stated: dict, where: str) -> dict:
+    return derive_config(shapes, "diffusers" if family == "diffusers" else "reference", stated, where)
+
+
+def _notes(keys, family: str) -> tuple[str, ...]:
+    return ("stores rope.inv_freq (checked against rope_theta at load)",) if ROPE_KEY in keys else ()
+
+
+def _load_single_file(det, config: dict):
+    """Through diffusers' own single-file loader, with a local config folder (never the hub)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    with tempfile.TemporaryDirectory(prefix="h3-dit-config-") as config_dir:
+        write_json(os.path.join(config_dir, "config.json"), {"_class_name": "MiniMaxH3Transformer3DModel", **config})
+        model = MiniMaxH3Transformer3DModel.from_single_file(
+            det.path, config=config_dir, local_files_only=True, torch_dtype=None
+        )
+    # from_single_file's low-memory path leaves absent weights on `meta` instead of failing.
+    leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if leftover:
+        raise H3WeightsError(f"{det.path}: diffusers' single-file loader left weights unloaded: {leftover[:5]}")
+    return model
+
+
+def _check_rope(det, model, dtype) -> None:
+    """The stored `rope.inv_freq` must equal what diffusers recomputes from `rope_theta`:
+    diffusers drops the stored table, so a different table would be silently ignored."""
+    if ROPE_KEY not in det.header.tensors:
+        return
+    stored = load_tensors(det.header, {ROPE_KEY})[ROPE_KEY]
+    computed = model.rope.inv_freq
+    if stored.shape != computed.shape or not torch.equal(stored.to(torch.float32), computed.to(torch.float32)):
+        raise H3WeightsError(
+            f"{det.path}: rope.inv_freq does not equal 1/rope_theta^(2i/{2 * computed.numel()}) for "
+            f"rope_theta={model.config.rope_theta}; MiniMaxH3Transformer3DModel recomputes that table and "
+            "cannot carry a different one"
+        )
+
+
+HANDLER = ComponentHandler(
+    name="transformer",
+    label="DiT",
+    model_class="MiniMaxH3Transformer3DModel",
+    library="diffusers",
+    folders=("transformer", "transformer_ref"),
+    families=(
+        KeyFamily("reference", REFERENCE_MARKERS, comfy=True, native=True),
+        KeyFamily("diffusers", DIFFUSERS_MARKERS),
+    ),
+    derive_config=_derive,
+    to_model=_to_model,
+    from_model=_from_model,
+    stated_config=lambda stated, source: stated_config(stated),
+    notes=_notes,
+    load_single_file=_load_single_file,
+    after_load=_check_rope,
+    partitioned=True,
+)

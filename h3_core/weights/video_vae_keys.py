@@ -16,10 +16,10 @@ import re
 import torch
 
 from .. import configs
-
 from . import config_merge
 from .errors import H3WeightsError
 from .fused import fuse_qkv, split_qkv, swap_halves
+from .keymap import ComponentHandler, KeyFamily, count_indices, rename
 
 LATENT_STAT_KEYS = ("latents_mean", "latents_std")
 MASK_TOKEN_KEY = "decoder.mask_token"
@@ -64,14 +64,6 @@ _QKV = re.compile(r"decoder\.transformer_blocks\.(\d+)\.attn\.to_qkv\.(weight|bi
 _SPLIT = re.compile(r"decoder\.transformer_blocks\.(\d+)\.attn\.to_(q|k|v)\.(weight|bias)")
 
 
-def _rename(key: str, rules) -> str | None:
-    for pattern, template in rules:
-        match = pattern.fullmatch(key)
-        if match:
-            return match.expand(template)
-    return None
-
-
 def to_diffusers(state: dict, config: dict) -> tuple[dict, list[str]]:
     """Reference-named video VAE -> diffusers names. `latents_*` and `mask_token` are not weights
     of the diffusers model: the caller moves the former into the config; the latter is dropped."""
@@ -86,7 +78,7 @@ def to_diffusers(state: dict, config: dict) -> tuple[dict, list[str]]:
             for name, part in zip("qkv", split_qkv(tensor, heads, head_dim, "interleaved", key)):
                 out[f"decoder.transformer_blocks.{block}.attn.to_{name}.{kind}"] = part
             continue
-        new_key = _rename(key, _RENAMES)
+        new_key = rename(key, _RENAMES)
         if new_key is None:
             unexpected.append(key)
         elif ".ff.w1." in key:
@@ -106,7 +98,7 @@ def from_diffusers(state: dict, config: dict, with_latent_stats: bool = True) ->
             block, name, kind = match.groups()
             pending.setdefault((block, kind), {})[name] = tensor
             continue
-        new_key = _rename(key, _RENAMES_INV)
+        new_key = rename(key, _RENAMES_INV)
         if new_key is None:
             unexpected.append(key)
         elif ".ff.net.0.proj." in key:
@@ -129,23 +121,13 @@ def from_diffusers(state: dict, config: dict, with_latent_stats: bool = True) ->
     return out
 
 
-def latent_stats(tensors: dict) -> dict:
-    """`latents_mean` / `latents_std` buffers -> config lists (float32 values, exactly representable)."""
-    return {key: [float(v) for v in tensors[key].to(torch.float32).tolist()] for key in LATENT_STAT_KEYS if key in tensors}
-
-
-def _count(shapes: dict, pattern: str) -> int:
-    regex = re.compile(pattern)
-    return len({m.group(1) for key in shapes if (m := regex.match(key))})
-
-
 def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -> dict:
     """Config from shapes. Downsample strides, GroupNorm groups and the decoder's head split are
     invisible in shapes; they come from the stated config or the release values."""
     stated = dict(stated or {})
     ref = naming != "diffusers"
     block_re = r"encoder\.down\.(\d+)\." if ref else r"encoder\.down_blocks\.(\d+)\."
-    levels = _count(shapes, block_re)
+    levels = count_indices(shapes, block_re)
     if levels == 0:
         raise H3WeightsError(f"{source}: no encoder levels found, not a MiniMax-H3 video VAE")
     resnet = "encoder.down.{i}.block.{j}.conv1.weight" if ref else "encoder.down_blocks.{i}.resnets.{j}.conv1.weight"
@@ -155,14 +137,14 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
         if needed not in shapes:
             raise H3WeightsError(f"{source}: not a complete MiniMax-H3 video VAE, missing {needed}")
     block_out = [shapes[resnet.format(i=i, j=0)][0] for i in range(levels)]
-    per_level = _count(shapes, (r"encoder\.down\.0\.block\.(\d+)\." if ref else r"encoder\.down_blocks\.0\.resnets\.(\d+)\."))
+    per_level = count_indices(shapes, (r"encoder\.down\.0\.block\.(\d+)\." if ref else r"encoder\.down_blocks\.0\.resnets\.(\d+)\."))
     dim, latent = shapes[embed]
     derived = {
         "in_channels": shapes["encoder.conv_in.weight"][1],
         "latent_channels": shapes["post_quant_conv.weight"][0],
         "block_out_channels": block_out,
         "layers_per_block": per_level,
-        "decoder_num_layers": _count(shapes, r"decoder\.transformer_blocks\.(\d+)\."),
+        "decoder_num_layers": count_indices(shapes, r"decoder\.transformer_blocks\.(\d+)\."),
         "decoder_num_register_tokens": shapes["decoder.register_tokens"][1],
         "decoder_ffn_mult": shapes[w1][0] // (2 * dim),
     }
@@ -201,5 +183,39 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
     return config
 
 
+# --- the handler ---------------------------------------------------------------------------------
+
 REFERENCE_MARKERS = ("decoder.transformer_blocks.0.scale1", "encoder.down.0.block.0.conv1.weight", "decoder.x_embedder.weight")
 DIFFUSERS_MARKERS = ("decoder.transformer_blocks.0.scale1", "encoder.down_blocks.0.resnets.0.conv1.weight", "decoder.proj_in.weight")
+
+
+def _to_model(tensors: dict, config: dict, family: str, layout: str):
+    return (dict(tensors), []) if family == "diffusers" else to_diffusers(tensors, config)
+
+
+def _from_model(state: dict, config: dict, family: str, layout: str) -> dict:
+    if family == "diffusers":
+        return dict(state)
+    # Native folders keep the latent statistics in config.json; Comfy files carry them as buffers.
+    return from_diffusers(state, config, with_latent_stats=layout == "comfyui")
+
+
+def _derive(shapes: dict, family: str, stated: dict, where: str) -> dict:
+    return derive_config(shapes, "diffusers" if family == "diffusers" else "reference", stated, where)
+
+
+HANDLER = ComponentHandler(
+    name="vae",
+    label="video VAE",
+    model_class="AutoencoderKLMiniMaxH3",
+    library="diffusers",
+    folders=("vae", "video_vae"),
+    families=(
+        KeyFamily("reference", REFERENCE_MARKERS, comfy=True, native=True),
+        KeyFamily("diffusers", DIFFUSERS_MARKERS),
+    ),
+    derive_config=_derive,
+    to_model=_to_model,
+    from_model=_from_model,
+    latent_stat_keys=LATENT_STAT_KEYS,
+)

@@ -45,7 +45,7 @@ _NATIVE_PARTITIONS = {"fl2va": ("FL2VA", ["t2va", "fl2va"]), "ref2va": ("Ref2VA"
 
 
 def _native_model_index(root: str, partition: str) -> None:
-    """Create (or confirm) the partition's model_index.json `_minimax_h3` block (SPEC §5.2)."""
+    """Create (or confirm) the partition's model_index.json `_minimax_h3` block."""
     name, tasks = _NATIVE_PARTITIONS[partition]
     path = os.path.join(root, "model_index.json")
     index = {}
@@ -94,6 +94,8 @@ def save_comfy_video_vae(model, path: str) -> None:
     _require(model, "AutoencoderKLMiniMaxH3")
     config = _init_config(model)
     tensors = video_vae_keys.from_diffusers(model.state_dict(), config, with_latent_stats=True)
+    # The metadata tag is the file's own name for the component (as in native partitions' video_vae/),
+    # kept so that the files this writes stay byte-identical; nothing reads it back.
     write_file(path, tensors, config_merge.config_metadata("video_vae", config))
 
 

@@ -1,0 +1,114 @@
+"""Weight formats: how tensors are stored, decided from the header before any weight is read.
+
+A component (DiT, VAE, ...) says *what* a file holds; its format says *how* the numbers are stored.
+Every loader supports one format today, "dense": plain bf16 / fp16 / fp32 tensors. The published
+pruned ("AdaLN curve") DiTs and the quantised Comfy-Org files (ConvRot int8, fp8_scaled, w6a8,
+nvfp4/AWQ) are recognised and refused with a message naming the format and what is supported.
+Supporting one of them later is one entry here: mark it supported and give it what the loaders then
+need from a format - the dense shapes its stored tensors stand for (so each component handler still
+derives its config from shapes) and the per-layer modules or dequantisation that run its tensors.
+Detection records the format (`Detection.format`), so the loaders can route on it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import UnsupportedCheckpointError, preview
+from .headers import Header
+
+SUPPORTED_FILES = (
+    "supported: unquantised (bf16/fp16/fp32) weights - the Comfy-Org single files "
+    "minimax_h3_{fl2va,ref2va}_bf16.safetensors, minimax_h3_video_vae_fp16.safetensors, "
+    "minimax_h3_audio_vae_fp32.safetensors, qwen3vl_32b_minimax_h3_bf16.safetensors; "
+    "a diffusers component folder (config.json + safetensors); "
+    "or a native MiniMaxAI FL2VA/Ref2VA partition"
+)
+
+# Companion tensors that only quantised formats carry (Comfy quant ops, fp8_scaled, AWQ...).
+QUANT_SUFFIXES = (
+    ".weight_scale",
+    ".comfy_quant",
+    ".scale_weight",
+    ".input_scale",
+    ".weight_scale_2",
+    ".qweight",
+    ".qzeros",
+    ".scales",
+)
+# Integer/fp8/fp4 storage for a weight means a quantised (or packed) tensor, whatever its name.
+QUANT_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I4", "U4"}
+DENSE_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "BOOL"}
+PRUNED_TABLE_KEY = "adaln_t_table"
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """`recognise(header)` returns a description of the evidence (for messages), or None."""
+
+    name: str
+    supported: bool
+    recognise: Callable[[Header], str | None]
+
+
+def _pruned(header: Header) -> str | None:
+    if PRUNED_TABLE_KEY not in header.tensors:
+        return None
+    shape = list(header.tensors[PRUNED_TABLE_KEY].shape)
+    return (
+        f"pruned MiniMax-H3 DiT (it replaces time_embedder with {PRUNED_TABLE_KEY} {shape} and feeds every AdaLN "
+        "projection from that table), which MiniMaxH3Transformer3DModel cannot run"
+    )
+
+
+def _quantised(header: Header) -> str | None:
+    companions = [key for key in header.tensors if key.endswith(QUANT_SUFFIXES)]
+    weights = [k for k, info in header.tensors.items() if info.dtype in QUANT_DTYPES and not k.endswith(QUANT_SUFFIXES)]
+    if not (companions or weights):
+        return None
+    detail = []
+    if weights:
+        dtypes = "/".join(sorted({header.tensors[key].dtype for key in weights}))
+        detail.append(f"{len(weights)} weights stored as {dtypes} (e.g. {preview(weights, 2)})")
+    if companions:
+        detail.append(f"{len(companions)} quantisation tensors (e.g. {preview(companions, 2)})")
+    return f"quantised MiniMax-H3 checkpoint ({'; '.join(detail)}); this package does not dequantise"
+
+
+def _dense(header: Header) -> str | None:
+    return "dense" if all(info.dtype in DENSE_DTYPES for info in header.tensors.values()) else None
+
+
+# Checked in order: a pruned file is also stored densely, so it must be recognised first.
+FORMATS = (
+    WeightFormat("pruned_adaln", supported=False, recognise=_pruned),
+    WeightFormat("quantised", supported=False, recognise=_quantised),
+    WeightFormat("dense", supported=True, recognise=_dense),
+)
+
+
+def supported_names() -> list[str]:
+    return [fmt.name for fmt in FORMATS if fmt.supported]
+
+
+def detect_format(header: Header, where: str) -> WeightFormat:
+    """The header's format, or `UnsupportedCheckpointError` naming it and the supported ones."""
+    name = os.path.basename(os.path.normpath(where))
+    supported = ", ".join(supported_names())
+    for fmt in FORMATS:
+        evidence = fmt.recognise(header)
+        if evidence is None:
+            continue
+        if fmt.supported:
+            return fmt
+        raise UnsupportedCheckpointError(
+            f"{name}: {evidence}; weight format {fmt.name!r} is not supported (supported formats: {supported} - "
+            f"unquantised weights); {SUPPORTED_FILES}."
+        )
+    dtypes = sorted({info.dtype for info in header.tensors.values()} - DENSE_DTYPES)
+    raise UnsupportedCheckpointError(
+        f"{name}: unknown weight format: tensors stored as {'/'.join(dtypes)}; supported formats: {supported} "
+        f"({'/'.join(sorted(DENSE_DTYPES))}); {SUPPORTED_FILES}."
+    )
