@@ -10,14 +10,14 @@ Error messages name the constraint and the (truncated) name the workflow gave, n
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from .safetensors_header import HeaderError, read_header
+
 MAX_NAME_CHARS = 200  # of a workflow-given name quoted in an error message
-SAFETENSORS_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit on its JSON header
 
 
 class UnsafePathError(ValueError):
@@ -122,22 +122,12 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
 
 
 def check_safetensors_header(path: str | os.PathLike, what: str = "file") -> dict:
-    """Read only the 8-byte length prefix and the JSON header of a safetensors file, check them against the file
-    size, and return the header. Messages state the rule broken, never the bytes or numbers read."""
+    """Read only the 8-byte length prefix and the JSON header of a safetensors file (the pack's one header
+    parser), check them against the file size, and return the tensor table. The message states which rule was
+    broken, never the bytes or numbers read: the file may be anything on the host."""
     with open_regular(path) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise UnsafePathError(f"{what}: not a safetensors file (shorter than the 8-byte length prefix)")
-        length = int.from_bytes(prefix, "little")
-        if length < 2 or length > SAFETENSORS_MAX_HEADER_BYTES or 8 + length > size:
-            raise UnsafePathError(f"{what}: not a safetensors file (its header length field is out of range for "
-                                  "the file's size)")
-        raw = handle.read(length)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        header = None
-    if not isinstance(header, dict):
-        raise UnsafePathError(f"{what}: not a safetensors file (its header is not a JSON object)")
-    return header
+        try:
+            return read_header(handle, size=os.fstat(handle.fileno()).st_size).tensors
+        except HeaderError:
+            raise UnsafePathError(f"{what}: not a safetensors file (its length prefix or JSON header is malformed "
+                                  "or does not fit the file)") from None
