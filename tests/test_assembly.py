@@ -6,7 +6,7 @@ import torch
 from h3_core import assembly
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
-from test_stage_split import CASES
+from h3_core.testing import CASES
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from h3_core.diffusion import DiffusionStage, SamplingOptions
 from h3_core.encoder import EncoderStage
 from h3_core.lora import LoRA, LoraError
 from h3_core.models import ModelSource
-from test_stage_split import CASES, STEPS
+from h3_core.testing import CASES, STEPS
 
 RANK = 4
 

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from comfy_harness import comfy_factory, free_port  # noqa: F401  (session fixture)
-from test_contract import make
+from contract_cases import make
 
 TOKEN = "sekrit-" + "t" * 33
 LEAK = "INTERNAL-ONLY-BODY-4f1e"

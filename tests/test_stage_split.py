@@ -7,38 +7,14 @@ Done-when of the stages issue: on the tiny model at >= 124 frames, for t2va, fl2
 
 import pytest
 import torch
+from h3_reference import monolithic
 
-from h3_core import synthetic
 from h3_core.contract import H3Conditioning
 from h3_core.diffusion import DiffusionStage, SamplingOptions
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
-from h3_core.request import AudioInput, EncodeRequest
-from h3_reference import monolithic
-
-STEPS = 4
-
-
-CASES = {
-    "t2va-64x64-seed0": (EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, num_frames=124), "t2va", 0),
-    "t2va-default-canvas-seed5": (EncodeRequest(prompt="Rain on a tin roof, distant thunder.", num_frames=141), "t2va", 5),
-    "fl2va-first-last-seed1": (
-        EncodeRequest(prompt="The door opens.", first_frame=synthetic.image(1, 64, 96), last_frame=synthetic.image(2, 80, 96), num_frames=124),
-        "fl2va",
-        1,
-    ),
-    "ref2va-image-video-audio-seed2": (
-        EncodeRequest(
-            prompt="<Picture 1> walks in, <Video 1> moves, <Audio 2> plays.",
-            ref_images=[synthetic.image(3, 64, 96)],
-            ref_videos=[synthetic.video(2.0)],
-            ref_audios=[AudioInput(synthetic.tone(3.0), 32000)],
-            num_frames=124,
-        ),
-        "ref2va",
-        2,
-    ),
-}
+from h3_core.request import EncodeRequest
+from h3_core.testing import CASES, STEPS
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
+import weights_support as support
 
-import test_weights_support as support
 from h3_core import weights
 from h3_core.weights import safetensors_io, transformer_keys, video_vae_keys
 

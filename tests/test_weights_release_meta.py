@@ -14,8 +14,8 @@ import os
 
 import pytest
 import torch
+import weights_support as support
 
-import test_weights_support as support
 from h3_core import configs, weights
 from h3_core.weights import audio_vae_keys, text_encoder_keys, transformer_keys, video_vae_keys
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import weights_support as support
 
-import test_weights_support as support
 from h3_core import weights
 from h3_core.weights import qwen_h3
 

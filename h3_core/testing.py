@@ -1,0 +1,66 @@
+"""Test and benchmark helpers shipped with the pack (like diffusers' testing utilities).
+
+Deterministic synthetic media (test cards, tones, a moving clip with a soundtrack) and the canonical
+requests every parity test, node test and benchmark uses: one recipe, so a test and a benchmark that
+say "the ref2va case" mean the same bytes. The arrays are exactly what `h3_core.media` would decode;
+nothing here is downloaded or read from disk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .facts import AUDIO_SAMPLE_RATE
+from .request import AudioInput, EncodeRequest, VideoInput
+
+
+def image(seed: int, height: int, width: int) -> np.ndarray:
+    """uint8 RGB [H, W, 3]: gradients plus seeded noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), (x + y) % 256], axis=-1)
+    return np.clip(base + rng.integers(-20, 20, base.shape), 0, 255).astype(np.uint8)
+
+
+def tone(seconds: float, rate: int = AUDIO_SAMPLE_RATE, freq: float = 440.0) -> np.ndarray:
+    """float32 stereo [2, S]: `freq` left, 1.5 x `freq` right."""
+    t = np.arange(int(seconds * rate)) / rate
+    return np.stack([0.3 * np.sin(2 * np.pi * freq * t), 0.3 * np.sin(2 * np.pi * freq * 1.5 * t)]).astype(np.float32)
+
+
+def video(seconds: float, height: int = 64, width: int = 64, fps: float = 24.0, audio: bool = True) -> VideoInput:
+    """A scrolling test card at `fps`, with a 220 Hz stereo soundtrack at 32 kHz unless `audio` is False."""
+    frames = np.stack([np.roll(image(7, height, width), 3 * i, axis=1) for i in range(int(seconds * fps))])
+    return VideoInput(frames=frames, fps=fps, audio=tone(seconds, freq=220.0) if audio else None,
+                      sample_rate=AUDIO_SAMPLE_RATE if audio else None)
+
+
+def ref2va_request(num_frames: int = 124) -> EncodeRequest:
+    """The canonical ref2va request: an image, a 2 s video with a soundtrack and a 3 s audio reference."""
+    return EncodeRequest(
+        prompt="<Picture 1> walks in, <Video 1> moves, <Audio 2> plays.",
+        ref_images=[image(3, 64, 96)],
+        ref_videos=[video(2.0)],
+        ref_audios=[AudioInput(tone(3.0), AUDIO_SAMPLE_RATE)],
+        num_frames=num_frames,
+    )
+
+
+#: Sigma points of the parity cases (3 DiT forwards: fast, and enough to exercise the scheduler).
+STEPS = 4
+
+#: name -> (request, the task it infers, seed): the parity cases of the stage split, reused by the assembly,
+#: LoRA and node tests.
+CASES = {
+    "t2va-64x64-seed0": (
+        EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, num_frames=124), "t2va", 0),
+    "t2va-default-canvas-seed5": (
+        EncodeRequest(prompt="Rain on a tin roof, distant thunder.", num_frames=141), "t2va", 5),
+    "fl2va-first-last-seed1": (
+        EncodeRequest(prompt="The door opens.", first_frame=image(1, 64, 96), last_frame=image(2, 80, 96),
+                      num_frames=124),
+        "fl2va",
+        1,
+    ),
+    "ref2va-image-video-audio-seed2": (ref2va_request(), "ref2va", 2),
+}
