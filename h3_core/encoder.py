@@ -208,7 +208,7 @@ class EncoderStage:
         if not prepared.needs_video_vae:
             return []
         self._require("video", f"a {prepared.task} request with keyframes or visual references")
-        from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
+        from .diffusers_adapter import encode_vae_condition
 
         pixels = [_pixels(image) for image in prepared.keyframes]
         for ref in prepared.references:

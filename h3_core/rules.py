@@ -105,7 +105,7 @@ def check_canvas(width: int, height: int, multiple: int = CANVAS_MULTIPLE) -> tu
 
 def resolve_canvas(aspect_w: float, aspect_h: float, short_edge: int, max_pixels: int) -> tuple[int, int]:
     """The (width, height) H3 generates at for an aspect ratio (diffusers' rule: short edge, area cap, /32)."""
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
+    from .diffusers_adapter import resolve_canvas_size
 
     try:
         height, width = resolve_canvas_size(aspect_w, aspect_h, CANVAS_MULTIPLE, short_edge, max_pixels)

@@ -104,9 +104,9 @@ def to_diffusers(state: dict, config: dict, naming: str) -> tuple[dict, list[str
 
 def rope_inv_freq(config: dict) -> torch.Tensor:
     """The `rope.inv_freq` diffusers computes, taken from diffusers' own module (bit-identical)."""
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
+    from ..diffusers_adapter import rope_inv_freq as diffusers_rope_inv_freq
 
-    return MiniMaxH3RotaryPosEmbed(config["rope_freq_dim"], config["rope_theta"]).inv_freq
+    return diffusers_rope_inv_freq(config["rope_freq_dim"], config["rope_theta"])
 
 
 def from_diffusers(state: dict, config: dict, naming: str, inv_freq: torch.Tensor | None = None) -> dict:

@@ -1,0 +1,53 @@
+"""Every import of a diffusers *private* helper, in one place.
+
+The pack's model math is diffusers' own, and a few of the pieces it reuses are not part of diffusers' public API
+(they are module-level functions or classes no `__all__` exports). They can move or change signature in any
+release, so they are imported here only, lazily (importing diffusers' H3 modules pulls in transformers'
+Qwen3-VL code), and `tests/test_diffusers_adapter.py` checks each one's name and parameters against what
+this module passes, failing with the helper's name when diffusers changes it. The supported diffusers range is
+pinned in requirements.txt and pyproject.toml.
+
+Public diffusers API (`diffusers.MiniMaxH3Transformer3DModel`, `diffusers.modular_pipelines.MiniMaxH3Blocks`, the
+exported reference dataclasses, ...) is imported where it is used.
+"""
+
+from __future__ import annotations
+
+#: helper name -> (module, attribute, the parameters the pack passes, in order). Read by the adapter test.
+PRIVATE_HELPERS = {
+    "resolve_canvas_size": (
+        "diffusers.modular_pipelines.minimax_h3.modular_pipeline", "resolve_canvas_size",
+        ("aspect_width", "aspect_height", "canvas_multiple", "short_edge", "max_pixels"),
+    ),
+    "encode_vae_condition": (
+        "diffusers.modular_pipelines.minimax_h3.encoders", "encode_vae_condition",
+        ("vae", "pixels", "pixel_mean", "pixel_std", "encode_seed"),
+    ),
+    "rotary_pos_embed": (
+        "diffusers.models.transformers.transformer_minimax_h3", "MiniMaxH3RotaryPosEmbed",
+        ("rope_freq_dim", "rope_theta"),
+    ),
+}
+
+
+def _helper(name: str):
+    import importlib
+
+    module, attribute, _ = PRIVATE_HELPERS[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def resolve_canvas_size(aspect_width: float, aspect_height: float, canvas_multiple: int, short_edge: int,
+                        max_pixels: int) -> tuple[int, int]:
+    """(height, width) H3 generates at for an aspect ratio: short edge, area cap, rounded to the canvas multiple."""
+    return _helper("resolve_canvas_size")(aspect_width, aspect_height, canvas_multiple, short_edge, max_pixels)
+
+
+def encode_vae_condition(vae, pixels, pixel_mean, pixel_std, encode_seed: int):
+    """Normalised video-VAE latents of one condition: posterior sampled under `encode_seed`, fp16 round trip."""
+    return _helper("encode_vae_condition")(vae, pixels, pixel_mean, pixel_std, encode_seed=encode_seed)
+
+
+def rope_inv_freq(rope_freq_dim: int, rope_theta: float):
+    """The DiT's rotary `inv_freq` table exactly as diffusers computes it (bit-identical)."""
+    return _helper("rotary_pos_embed")(rope_freq_dim, rope_theta).inv_freq
