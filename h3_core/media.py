@@ -33,6 +33,7 @@ A source (``src``) is a filesystem path (``str`` / ``os.PathLike``), the file's 
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -139,6 +140,44 @@ class _wrap_errors:
         return False
 
 
+def _release_traceback(error: BaseException | None) -> None:
+    """Clear the locals of every frame a failure (and the failures chained to it) went through."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+
+
+def _releases_on_failure(function):
+    """Raise a decoder's :class:`MediaError` as a fresh one carrying the message only.
+
+    A traceback references every frame the failure went through, and with them the decoded pixels or samples, the
+    container and FFmpeg's decoder threads; a server that keeps the exception (a job's future) or a reference cycle
+    through it would keep all of that alive. The frames are cleared and the error re-raised outside the ``except``
+    block, so it chains to nothing. Other exceptions (``MemoryError``, ``KeyboardInterrupt``) propagate as they are,
+    their frames cleared the same way.
+    """
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        failure = None
+        try:
+            return function(*args, **kwargs)
+        except MediaError as error:
+            failure = str(error)
+            _release_traceback(error)
+        except BaseException as error:
+            _release_traceback(error.__cause__)
+            _release_traceback(error.__context__)
+            traceback.clear_frames(error.__traceback__)
+            raise
+        raise MediaError(failure)
+
+    return wrapper
+
+
 def _check_pixels(kind: str, label: str, width: int, height: int, max_pixels: int | None) -> None:
     if width <= 0 or height <= 0:
         raise MediaError(f"{kind} {label} has no pixels ({width}x{height})")
@@ -205,6 +244,7 @@ def image_to_uint8(image: Any) -> np.ndarray:
 # images
 
 
+@_releases_on_failure
 def read_image(src: Source, max_pixels: int | None = None) -> np.ndarray:
     """Decode an image file (PNG, JPEG, WEBP, ... whatever Pillow reads) to uint8 RGB ``[H, W, 3]``.
 
@@ -383,6 +423,7 @@ def _decode_audio_stream(container, stream, kind: str, label: str, max_samples: 
     return np.ascontiguousarray(interleaved.T, dtype=np.float32)
 
 
+@_releases_on_failure
 def read_audio(src: Source, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
     """Decode the first audio stream of a file (WAV, FLAC, MP3, AAC/M4A, or a video's soundtrack) to
     ``(float32 [C, S], sample_rate)`` at the file's own rate and channel count (pass it to :func:`resample_audio`
@@ -647,6 +688,7 @@ def _target_size(upright: tuple[int, int], target: VideoTarget) -> tuple[int, in
     return height, width
 
 
+@_releases_on_failure
 def read_video(
     src: Source,
     max_frames: int | None = None,
@@ -678,32 +720,7 @@ def read_video(
     if target is not None and target.num_frames < 1:
         raise MediaError(f"target.num_frames must be at least 1, got {target.num_frames}")
     data, label = _load_source(src, "video")
-    failure = None
-    try:
-        clip = _read_video_streams(data, label, max_frames, max_pixels, truncate, target, fps)
-    except MediaError as error:
-        # Keep the message only: the traceback references the decoding frames (decoded pixels, the container
-        # and its decoder threads), which would otherwise stay alive for as long as anyone holds the exception.
-        failure = str(error)
-        _release_traceback(error)
-    except BaseException as error:  # MemoryError, KeyboardInterrupt, ...: propagate, without the decoded frames
-        for chained in (error.__cause__, error.__context__):
-            _release_traceback(chained)
-        traceback.clear_frames(error.__traceback__)
-        raise
-    if failure is not None:
-        raise MediaError(failure)
-    return clip
-
-
-def _release_traceback(error: BaseException) -> None:
-    """Clear the locals of every frame a failure (and its chained causes) went through."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+    return _read_video_streams(data, label, max_frames, max_pixels, truncate, target, fps)
 
 
 def _read_video_streams(
@@ -854,6 +871,7 @@ def _seconds(value, time_base) -> float | None:
     return float(value * time_base)
 
 
+@_releases_on_failure
 def probe(src: Source) -> dict[str, Any]:
     """Container facts from the headers only (no frame is decoded), for cheap validation.
 
