@@ -284,7 +284,7 @@ def test_sandbox_crash_costs_one_call_only():
     for thread in threads:
         thread.join(60)
     assert len(results) == 3 and len(errors) == 3 and all("signal 11" in error for error in errors)
-    for waveform, rate in results:
+    for waveform, _ in results:
         np.testing.assert_array_equal(waveform, media.read_audio(wav)[0])
 
 

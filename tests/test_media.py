@@ -319,7 +319,8 @@ def test_wav_44k_read_and_resample_keeps_frequencies(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "samples, rate", [(44101, 44100), (1000, 44100), (66157, 22050), (100, 48000), (7, 48000), (1, 48000), (24001, 8000)]
+    "samples, rate",
+    [(44101, 44100), (1000, 44100), (66157, 22050), (100, 48000), (7, 48000), (1, 48000), (24001, 8000)],
 )
 def test_resample_length_contract(samples, rate):
     waveform = RNG.standard_normal((2, samples)).astype(np.float32) * 0.1
