@@ -64,7 +64,8 @@ def default_memory_cap(fn_name: str, size: int, kwargs: dict[str, Any]) -> int:
     ``canvas_max_pixels`` with rounding slack) plus 48 decoded frames at ``max_pixels`` (decoder reference frames,
     frame threads, the RGB conversion, the resize). Without a target: ``max_frames`` frames at ``max_pixels``.
     Images: 16 bytes per ``max_pixels``. Audio: 8 channels x 384 kHz x ``max_seconds`` float32, three times
-    (chunks, joined, transposed). A missing cap stands for 4 GiB in its term.
+    (chunks, joined, transposed); a video's soundtrack counts as 16 s of that. A missing cap stands for 4 GiB in
+    its term.
     """
     unknown = 4 << 30
     max_pixels = kwargs.get("max_pixels")
@@ -78,7 +79,8 @@ def default_memory_cap(fn_name: str, size: int, kwargs: dict[str, Any]) -> int:
             frames = int(kwargs["max_frames"]) * frame
         else:
             frames = unknown
-        return _BASE_BYTES + min(frames, unknown) + 48 * frame + 3 * _audio_bytes(kwargs.get("max_seconds"))
+        # The soundtrack: the caller has checked its duration from the headers; 16 s of 7.1 at 384 kHz fits.
+        return _BASE_BYTES + min(frames, unknown) + 48 * frame + 3 * _audio_bytes(16.0)
     if fn_name == "read_image":
         return _BASE_BYTES + (16 * max_pixels if max_pixels else unknown)
     if fn_name == "read_audio":
