@@ -110,7 +110,7 @@ class _FrameStore:
     """
 
     def __init__(self, shape: tuple[int, int, int], expected: int | None, limit: int | None):
-        self.shape, self.limit = shape, limit
+        self.shape = shape
         self.block = max(1, expected) if expected else 16
         if limit is not None:
             self.block = min(self.block, limit)
@@ -125,8 +125,8 @@ class _FrameStore:
         self.count = max(self.count, stop)
 
     def finish(self) -> np.ndarray:
-        if len(self.blocks) == 1 and self.count == self.block:
-            return self.blocks.pop()
+        if len(self.blocks) == 1:  # a leading slice: contiguous, and the untouched tail was never resident
+            return self.blocks.pop()[: self.count]
         out = np.empty((self.count, *self.shape), dtype=np.uint8)
         for start in range(0, self.count, self.block):
             block = self.blocks.pop(0)
