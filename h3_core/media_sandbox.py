@@ -19,7 +19,8 @@ so it works however the parent imported the package (as ``h3_core`` or inside a 
 
 Nothing is pickled in either direction: the call goes to the host as JSON (plus the pipe's file descriptor),
 the media bytes and results go through files in a private directory (tmpfs where there is one), arrays as
-safetensors and everything else as JSON. Calls may run concurrently from threads.
+safetensors and everything else as JSON. Calls may run concurrently from threads. This isolates failures, not
+privileges: the worker runs as the same user with the same filesystem access.
 
 Usage::
 
