@@ -16,7 +16,9 @@ Public API::
 
     read_image(src, max_pixels=None)                      -> uint8 [H, W, 3]
     read_video(src, max_frames=None, max_pixels=None,
-               truncate=False)                            -> VideoClip(frames, fps, audio, sample_rate)
+               truncate=False, target=None, fps=None)     -> VideoClip(frames, fps, audio, sample_rate, ...)
+    VideoTarget(num_frames, canvas_short_edge, canvas_max_pixels)  what a reference video becomes in H3
+    canvas_size(width, height, short_edge, max_pixels)    -> the canvas an aspect ratio resolves to
     read_audio(src, max_seconds=None)                     -> (float32 [C, S], sample_rate)
     resample_audio(waveform, sample_rate, target_rate)    -> float32 [2, S']
     resampled_length(num_samples, sample_rate, target_rate) -> S' (torchaudio's length rule)
@@ -25,6 +27,10 @@ Public API::
     encode_mp4_bytes(frames, ...) / encode_wav_bytes(waveform, sample_rate) / encode_png_bytes(image) -> bytes
     probe(src)                                            -> dict read from the container headers
 
+The implementation is split by concern (``media_base``: sources, errors; ``media_audio``; ``media_video``: the
+frame-by-frame decoder); import everything from here. Untrusted bytes (a server's requests) should be decoded
+through :mod:`h3_core.media_sandbox`, which runs these same functions in a child process.
+
 A source (``src``) is a filesystem path (``str`` / ``os.PathLike``), the file's bytes (``bytes``, ``bytearray``,
 ``memoryview``) or a binary file object (read to its end). URLs are not fetched.
 """
@@ -32,24 +38,49 @@ A source (``src``) is a filesystem path (``str`` / ``os.PathLike``), the file's 
 from __future__ import annotations
 
 import io
-import math
 import os
-import struct
 import tempfile
 import warnings
-from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, BinaryIO, Union
+from typing import Any
 
 import av
 import numpy as np
 from PIL import Image, ImageOps
 
 from .facts import AUDIO_SAMPLE_RATE, FPS
+from .media_audio import (
+    MAX_AUDIO_CHANNELS,
+    MAX_SAMPLE_RATE,
+    MIN_SAMPLE_RATE,
+    _check_rate,
+    _to_stereo,
+    _waveform_to_numpy,
+    encode_wav_bytes,
+    read_audio,
+    resample_audio,
+    resampled_length,
+)
+from .media_base import (
+    MediaError,
+    Source,
+    _av_open,
+    _check_pixels,
+    _load_source,
+    _releases_on_failure,
+    _to_numpy,
+    _wrap_errors,
+)
+from .media_video import VideoClip, VideoTarget, canvas_size, read_video
 
 __all__ = [
     "MediaError",
+    "MAX_AUDIO_CHANNELS",
+    "MIN_SAMPLE_RATE",
+    "MAX_SAMPLE_RATE",
     "VideoClip",
+    "VideoTarget",
+    "canvas_size",
     "read_image",
     "read_video",
     "read_audio",
@@ -64,89 +95,9 @@ __all__ = [
     "probe",
 ]
 
-Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
-
-
-class MediaError(ValueError):
-    """Media that cannot be read, written or accepted; the message names the media kind and the constraint."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# sources and error mapping
-
-
-def _load_source(src: Source, kind: str) -> tuple[str | bytes, str]:
-    """``(path or bytes, label for messages)``; a file object is read to its end so it can be opened twice."""
-    if isinstance(src, (bytes, bytearray, memoryview)):
-        data = bytes(src)
-        if not data:
-            raise MediaError(f"{kind} input is zero-length (0 bytes)")
-        return data, f"<{len(data)} bytes>"
-    if hasattr(src, "read"):
-        data = src.read()
-        if not isinstance(data, (bytes, bytearray)):
-            raise MediaError(f"{kind} file object must be opened in binary mode")
-        if not data:
-            raise MediaError(f"{kind} input is zero-length (0 bytes)")
-        return bytes(data), f"<{len(data)} bytes from {getattr(src, 'name', 'a file object')!r}>"
-    try:
-        path = os.fspath(src)
-    except TypeError:
-        raise MediaError(
-            f"{kind} source must be a path, bytes or a binary file object, got {type(src).__name__}"
-        ) from None
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    if not os.path.isfile(path):
-        raise MediaError(f"{kind} file not found: {path!r}")
-    if os.path.getsize(path) == 0:
-        raise MediaError(f"{kind} file is zero-length (0 bytes): {path!r}")
-    return path, repr(path)
-
-
-def _av_open(data: str | bytes):
-    return av.open(data if isinstance(data, str) else io.BytesIO(data), mode="r")
-
-
-class _wrap_errors:
-    """Turn PyAV/Pillow/OS failures inside the block into :class:`MediaError` naming ``kind`` and ``label``."""
-
-    def __init__(self, kind: str, label: str, action: str = "decode"):
-        self.kind, self.label, self.action = kind, label, action
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None or isinstance(exc, MediaError):
-            return False
-        if isinstance(exc, (av.FFmpegError, OSError, EOFError, SyntaxError, ValueError, struct.error)):
-            what = "unreadable container or corrupt data" if self.action == "decode" else "encoder failure"
-            raise MediaError(f"could not {self.action} {self.kind} {self.label} ({what}): {exc}") from exc
-        return False
-
-
-def _check_pixels(kind: str, label: str, width: int, height: int, max_pixels: int | None) -> None:
-    if width <= 0 or height <= 0:
-        raise MediaError(f"{kind} {label} has no pixels ({width}x{height})")
-    if max_pixels is not None and width * height > max_pixels:
-        raise MediaError(
-            f"{kind} {label} is {width}x{height} = {width * height} pixels, over the limit of max_pixels={max_pixels}"
-        )
-
 
 # --------------------------------------------------------------------------------------------------------------
 # float <-> uint8
-
-
-def _to_numpy(x: Any) -> np.ndarray:
-    """numpy view of a numpy array or a torch tensor (any device; bfloat16 widened to float32, exactly)."""
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor, duck-typed so torch is never imported here
-        x = x.detach()
-        if str(x.dtype) == "torch.bfloat16":
-            x = x.float()
-        x = x.cpu().numpy()
-    return np.asarray(x)
 
 
 def _float_to_uint8(x: np.ndarray, kind: str) -> np.ndarray:
@@ -192,6 +143,7 @@ def image_to_uint8(image: Any) -> np.ndarray:
 # images
 
 
+@_releases_on_failure
 def read_image(src: Source, max_pixels: int | None = None) -> np.ndarray:
     """Decode an image file (PNG, JPEG, WEBP, ... whatever Pillow reads) to uint8 RGB ``[H, W, 3]``.
 
@@ -230,261 +182,7 @@ def encode_png_bytes(image: Any, compress_level: int = 6) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# audio
-
-
-def _waveform_to_numpy(waveform: Any, kind: str = "waveform") -> np.ndarray:
-    x = _to_numpy(waveform)
-    if x.ndim == 1:
-        x = x[None]
-    if x.ndim != 2 or x.shape[0] < 1:
-        raise MediaError(f"a {kind} must be [channels, samples] (or [samples] for mono), got shape {tuple(x.shape)}")
-    if x.dtype.kind != "f":
-        raise MediaError(f"a {kind} must be floating point (float32 over [-1, 1]), got dtype {x.dtype}")
-    return x.astype(np.float32, copy=False)
-
-
-def _to_stereo(x: np.ndarray) -> np.ndarray:
-    """Mono duplicated to both channels; channels beyond the first two dropped (the reference rule). A new array."""
-    if x.shape[0] == 1:
-        return np.repeat(x, 2, axis=0)
-    return np.array(x[:2], dtype=np.float32, copy=True, order="C")
-
-
-def _check_rate(sample_rate: Any, what: str) -> int:
-    if isinstance(sample_rate, bool) or not float(sample_rate).is_integer() or int(sample_rate) <= 0:
-        raise MediaError(f"{what} must be a positive whole number of Hz, got {sample_rate!r}")
-    return int(sample_rate)
-
-
-def resampled_length(num_samples: int, sample_rate: int, target_rate: int = AUDIO_SAMPLE_RATE) -> int:
-    """Length :func:`resample_audio` returns: ``ceil(S * target / rate)``, evaluated like ``torchaudio``'s
-    ``Resample`` (rates reduced by their gcd, the quotient rounded to float32 before the ceiling), so lengths
-    match what diffusers' torchaudio path would produce."""
-    g = math.gcd(sample_rate, target_rate)
-    quotient = np.float32((target_rate // g) * num_samples / (sample_rate // g))
-    return int(np.ceil(quotient))
-
-
-def resample_audio(waveform: Any, sample_rate: int, target_rate: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
-    """A waveform ``[C, S]`` (numpy or torch, float) -> float32 stereo ``[2, S']`` at ``target_rate``.
-
-    Mono is duplicated to both channels and channels beyond two are dropped (SPEC 1.3: the reference duplicates
-    mono and drops extra channels; it does not down-mix). At ``sample_rate == target_rate`` the samples are
-    returned untouched (a new array). Otherwise they go through FFmpeg's resampler (PyAV ``AudioResampler``,
-    FFmpeg's default windowed-sinc filter, deterministic) in one pass: the input is followed by zeros so the
-    filter's tail is fully flushed, and the output is cut to exactly :func:`resampled_length` =
-    ``ceil(S * target / rate)`` samples, time-aligned with the input (no leading delay). The values are not
-    torchaudio's (different filter), the length is.
-    """
-    x = _to_stereo(_waveform_to_numpy(waveform))
-    sample_rate = _check_rate(sample_rate, "sample_rate")
-    target_rate = _check_rate(target_rate, "target_rate")
-    if x.shape[1] == 0:
-        raise MediaError("cannot resample a zero-length waveform (0 samples)")
-    if sample_rate == target_rate:
-        return x
-    length = resampled_length(x.shape[1], sample_rate, target_rate)
-    # Generous zero tail: FFmpeg's filter spans 32 taps at the lower rate, plus its internal buffering.
-    tail = 1024 + 64 * math.ceil(sample_rate / target_rate)
-    padded = np.zeros((2, x.shape[1] + tail), dtype=np.float32)
-    padded[:, : x.shape[1]] = x
-    frame = av.AudioFrame.from_ndarray(padded, format="fltp", layout="stereo")
-    frame.sample_rate = sample_rate
-    frame.pts = 0
-    frame.time_base = Fraction(1, sample_rate)
-    resampler = av.AudioResampler(format="fltp", layout="stereo", rate=target_rate)
-    chunks = [out.to_ndarray() for out in resampler.resample(frame)]
-    chunks += [out.to_ndarray() for out in resampler.resample(None)]  # drain what the filter still holds
-    out = np.concatenate(chunks, axis=1) if chunks else np.zeros((2, 0), np.float32)
-    if out.shape[1] < length:  # not expected with the tail above; keep the length contract regardless
-        out = np.pad(out, ((0, 0), (0, length - out.shape[1])))
-    return np.ascontiguousarray(out[:, :length], dtype=np.float32)
-
-
-def _decode_audio_stream(container, stream, max_samples: int | None) -> np.ndarray:
-    """All samples of ``stream`` as float32 ``[C, S]`` at the stream's own rate and channel count (planar float
-    conversion only, as diffusers' reference decoder does), stopping once ``max_samples`` are in hand."""
-    rate = int(stream.codec_context.sample_rate)
-    converter = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
-    chunks, total = [], 0
-    for frame in container.decode(stream):
-        for converted in converter.resample(frame):
-            chunk = converted.to_ndarray()
-            chunks.append(chunk)
-            total += chunk.shape[1]
-        if max_samples is not None and total >= max_samples:
-            break
-    else:
-        chunks += [converted.to_ndarray() for converted in converter.resample(None)]
-    if not chunks:
-        return np.zeros((stream.codec_context.channels or 1, 0), dtype=np.float32)
-    waveform = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
-    if max_samples is not None:
-        waveform = waveform[:, :max_samples]
-    return np.ascontiguousarray(waveform)
-
-
-def read_audio(src: Source, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
-    """Decode the first audio stream of a file (WAV, FLAC, MP3, AAC/M4A, or a video's soundtrack) to
-    ``(float32 [C, S], sample_rate)`` at the file's own rate and channel count (pass it to :func:`resample_audio`
-    for H3).
-
-    ``max_seconds`` stops decoding after ``int(max_seconds * sample_rate)`` samples and cuts there (the cut
-    diffusers applies). Lossy codecs may carry up to one codec frame of encoder padding past the declared
-    duration; it is kept, as FFmpeg and diffusers keep it.
-    """
-    data, label = _load_source(src, "audio")
-    with _wrap_errors("audio", label), _av_open(data) as container:
-        if not container.streams.audio:
-            raise MediaError(f"audio {label} has no audio stream")
-        stream = container.streams.audio[0]
-        rate = int(stream.codec_context.sample_rate or 0)
-        if rate <= 0:
-            raise MediaError(f"audio {label} has no sample rate in its header")
-        max_samples = None if max_seconds is None else int(max_seconds * rate)
-        waveform = _decode_audio_stream(container, stream, max_samples)
-    if waveform.shape[1] == 0:
-        raise MediaError(f"audio {label} is zero-length (no samples decoded)")
-    return waveform, rate
-
-
-def encode_wav_bytes(waveform: Any, sample_rate: int, sample_format: str = "f32") -> bytes:
-    """WAV bytes of a waveform ``[C, S]`` (or ``[S]``). ``sample_format="f32"`` (IEEE float, lossless:
-    ``read_audio`` gives the same float32 samples back) or ``"s16"`` (16-bit PCM, ``round(x * 32768)`` clipped to the int16 range)."""
-    x = _waveform_to_numpy(waveform)
-    sample_rate = _check_rate(sample_rate, "sample_rate")
-    channels = x.shape[0]
-    if sample_format == "f32":
-        fmt_tag, width, payload = 3, 4, np.ascontiguousarray(x.T).astype("<f4").tobytes()
-    elif sample_format == "s16":
-        # FFmpeg's float -> s16 rule (x * 32768, rounded, clipped), so decoding (/ 32768) is its inverse.
-        ints = np.clip(np.round(x.astype(np.float64) * 32768.0), -32768, 32767).astype("<i2")
-        fmt_tag, width, payload = 1, 2, np.ascontiguousarray(ints.T).tobytes()
-    else:
-        raise MediaError(f"WAV sample_format must be 'f32' or 's16', got {sample_format!r}")
-    block = channels * width
-    fmt = struct.pack("<HHIIHH", fmt_tag, channels, sample_rate, sample_rate * block, block, 8 * width)
-    chunks = [b"fmt ", struct.pack("<I", len(fmt)), fmt]
-    if fmt_tag == 3:  # non-PCM WAV carries a fact chunk with the frame count
-        chunks += [b"fact", struct.pack("<II", 4, x.shape[1])]
-    chunks += [b"data", struct.pack("<I", len(payload)), payload]
-    body = b"WAVE" + b"".join(chunks)
-    return b"RIFF" + struct.pack("<I", len(body)) + body
-
-
-# --------------------------------------------------------------------------------------------------------------
 # video
-
-
-@dataclass
-class VideoClip:
-    """A decoded video: ``frames`` uint8 ``[F, H, W, 3]`` upright, the ``fps`` the container reports, and its
-    soundtrack (float32 ``[C, S]`` at ``sample_rate``, the stream's own) or ``None``/``None``."""
-
-    frames: np.ndarray
-    fps: float
-    audio: np.ndarray | None = None
-    sample_rate: int | None = None
-
-    @property
-    def num_frames(self) -> int:
-        return int(self.frames.shape[0])
-
-    @property
-    def height(self) -> int:
-        return int(self.frames.shape[1])
-
-    @property
-    def width(self) -> int:
-        return int(self.frames.shape[2])
-
-    @property
-    def duration(self) -> float:
-        """Seconds of video, ``num_frames / fps``."""
-        return self.num_frames / self.fps
-
-
-def _upright(frames: np.ndarray, rotation: float) -> np.ndarray:
-    """Apply a display-matrix rotation as FFmpeg's player/CLI autorotate does.
-
-    PyAV's ``VideoFrame.rotation`` is ``av_display_rotation_get``: the counter-clockwise angle the display
-    transform turns the coded picture by (an iPhone portrait clip reads -90 and needs a clockwise quarter turn).
-    Snapped to quarter turns; flips are not applied. NOTE: diffusers 0.42.1 ``_decode_video_file`` turns the other
-    way (``np.rot90(k=-turns)``), which agrees with this for 180 degrees only.
-    """
-    turns = round(rotation / 90.0) % 4
-    if not turns:
-        return frames
-    return np.ascontiguousarray(np.rot90(frames, k=turns, axes=(1, 2)))
-
-
-def read_video(
-    src: Source, max_frames: int | None = None, max_pixels: int | None = None, truncate: bool = False
-) -> VideoClip:
-    """Decode a video file (MP4/MOV/WEBM/..., H.264/H.265/VP9/...) to a :class:`VideoClip`.
-
-    Frames are the first video stream converted to ``rgb24`` by FFmpeg (the conversion diffusers uses), at the
-    frame rate the container reports (``average_rate``, else ``guessed_rate``), turned upright per the container's
-    display matrix. The first audio stream, if any, is decoded exactly as :func:`read_audio` does (its own rate and
-    channels; :func:`resample_audio` puts it on 32 kHz stereo).
-
-    ``max_pixels`` is checked against the stream header before decoding (and again on every decoded frame).
-    ``max_frames``: with ``truncate=False`` a clip with more frames is refused (:class:`MediaError`, also before
-    decoding when the header declares a count); with ``truncate=True`` decoding stops after ``max_frames`` and the
-    soundtrack is cut to the same duration, ``int(max_frames / fps * sample_rate)`` samples.
-    """
-    if max_frames is not None and max_frames < 1:
-        raise MediaError(f"max_frames must be at least 1, got {max_frames}")
-    data, label = _load_source(src, "video")
-    with _wrap_errors("video", label), _av_open(data) as container:
-        if not container.streams.video:
-            raise MediaError(f"video {label} has no video stream")
-        stream = container.streams.video[0]
-        width, height = stream.codec_context.width, stream.codec_context.height
-        _check_pixels("video", label, width, height, max_pixels)
-        if max_frames is not None and not truncate and (stream.frames or 0) > max_frames:
-            raise MediaError(f"video {label} has {stream.frames} frames, over the limit of max_frames={max_frames}")
-        rate = stream.average_rate or stream.guessed_rate
-        if not rate or rate <= 0:
-            raise MediaError(f"video {label} declares no frame rate")
-        fps = float(rate)
-        stream.thread_type = "AUTO"  # decoders are bit-exact whatever the threading
-        frames, rotation, size = [], 0.0, None
-        for frame in container.decode(stream):
-            if size is None:
-                size = (frame.width, frame.height)
-                _check_pixels("video", label, frame.width, frame.height, max_pixels)
-            elif (frame.width, frame.height) != size:
-                raise MediaError(
-                    f"video {label} changes size mid-stream ({size[0]}x{size[1]} -> {frame.width}x{frame.height})"
-                )
-            if max_frames is not None and len(frames) == max_frames:
-                if truncate:
-                    break
-                raise MediaError(f"video {label} has more than max_frames={max_frames} frames")
-            rotation = frame.rotation  # the stream's display matrix, surfaced on each frame
-            frames.append(frame.to_ndarray(format="rgb24"))
-        has_audio = bool(container.streams.audio)
-    if not frames:
-        raise MediaError(f"video {label} is zero-length (no video frames decoded)")
-    clip_frames = _upright(np.stack(frames), rotation)
-    del frames
-
-    audio, sample_rate = None, None
-    if has_audio:
-        # A fresh open rather than a seek: the soundtrack is then exactly what read_audio(src) decodes.
-        with _wrap_errors("video soundtrack", label), _av_open(data) as container:
-            astream = container.streams.audio[0]
-            sample_rate = int(astream.codec_context.sample_rate or 0)
-            if sample_rate > 0:
-                cut = None
-                if truncate and max_frames is not None and len(clip_frames) == max_frames:
-                    cut = int(max_frames / fps * sample_rate)
-                audio = _decode_audio_stream(container, astream, cut)
-        if audio is None or audio.shape[1] == 0:
-            audio, sample_rate = None, None
-    return VideoClip(frames=clip_frames, fps=fps, audio=audio, sample_rate=sample_rate)
 
 
 def _fps_fraction(fps: Any) -> Fraction:
@@ -610,6 +308,7 @@ def _seconds(value, time_base) -> float | None:
     return float(value * time_base)
 
 
+@_releases_on_failure
 def probe(src: Source) -> dict[str, Any]:
     """Container facts from the headers only (no frame is decoded), for cheap validation.
 

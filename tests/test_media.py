@@ -319,7 +319,8 @@ def test_wav_44k_read_and_resample_keeps_frequencies(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "samples, rate", [(44101, 44100), (1000, 44100), (66157, 22050), (100, 48000), (7, 48000), (1, 48000), (24001, 8000)]
+    "samples, rate",
+    [(44101, 44100), (1000, 44100), (66157, 22050), (100, 48000), (7, 48000), (1, 48000), (24001, 8000)],
 )
 def test_resample_length_contract(samples, rate):
     waveform = RNG.standard_normal((2, samples)).astype(np.float32) * 0.1
@@ -439,3 +440,74 @@ def test_decoding_matches_diffusers_reference(tmp_path, diffusers_h3):
         floats, 24.0, 3, 32, 64, 64 * 64, 24.0
     )
     np.testing.assert_array_equal(ours, theirs)
+
+
+# ---------------------------------------------------------------------------------------------------- targets
+
+
+def _encoded_clip(count: int, height: int, width: int, fps: float, rotation: int = 0) -> bytes:
+    """Noisy frames (every pixel matters to a resize) at ``fps``, optionally with a display rotation."""
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if rotation:
+            stream.set_display_rotation(rotation)
+        for index in range(count):
+            frame = av.VideoFrame.from_ndarray(RNG.integers(0, 256, (height, width, 3), dtype=np.uint8), "rgb24")
+            frame.pts = index
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "count, height, width, fps, rotation",
+    [(20, 48, 64, 9, 0), (30, 64, 64, 30, 0), (24, 72, 128, 24, 0), (50, 40, 96, 60, -90), (13, 64, 112, 23.976, 0),
+     (10, 32, 64, 24, 180), (40, 36, 64, 12.5, 90)],
+)
+def test_video_target_is_diffusers_normalisation_frame_by_frame(diffusers_h3, count, height, width, fps, rotation):
+    _, before_encoder = diffusers_h3
+    normalise = before_encoder.MiniMaxH3Ref2VASetupStep._normalize_video_condition
+    data = _encoded_clip(count, height, width, fps, rotation)
+    plain = media.read_video(data)
+    for num_frames, short_edge, max_pixels in [(22, 64, 64 * 112), (124, 64, 64 * 112), (5, 32, 32 * 64),
+                                               (39, 48, 48 * 80)]:
+        expected = normalise(plain.frames, float(plain.fps), num_frames, 32, short_edge, max_pixels, 24.0)
+        clip = media.read_video(data, target=media.VideoTarget(num_frames, short_edge, max_pixels))
+        np.testing.assert_array_equal(clip.frames, expected)
+        assert clip.fps == 24.0 and clip.source_frames == count and clip.source_fps == plain.fps
+        assert clip.source_seconds == plain.duration  # what the rules' 2-15 s check reads
+        # diffusers leaves a normalised clip untouched, so the conditioning is what it always was.
+        np.testing.assert_array_equal(normalise(clip.frames, clip.fps, num_frames, 32, short_edge, max_pixels, 24.0),
+                                      expected)
+        np.testing.assert_array_equal(clip.audio, plain.audio)
+    # An fps override (the protocol's per-reference fps) is the rate the frames are taken to run at.
+    clip = media.read_video(data, target=media.VideoTarget(124, 64, 64 * 112), fps=10.0)
+    np.testing.assert_array_equal(clip.frames, normalise(plain.frames, 10.0, 124, 32, 64, 64 * 112, 24.0))
+    assert clip.source_seconds == count / 10.0
+
+
+def test_canvas_size_is_diffusers_rule(diffusers_h3):
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
+
+    for short_edge, max_pixels in ((768, 768 * 1344), (64, 64 * 112), (48, 48 * 80)):
+        for width in range(60, 4000, 37):
+            for height in (width // 4, width // 3 + 1, width // 2, (width * 9) // 16, width - 7, width, 2 * width,
+                           4 * width):
+                if height <= 0 or not 0.25 <= width / height <= 4:
+                    continue
+                theirs = resolve_canvas_size(width, height, 32, short_edge, max_pixels)[::-1]
+                assert media.canvas_size(width, height, short_edge, max_pixels) == theirs, (width, height)
+    with pytest.raises(MediaError, match="within 1:4 and 4:1"):
+        media.canvas_size(500, 100, 768, 768 * 1344)
+
+
+def test_video_target_refusals_come_before_decoding():
+    data = _encoded_clip(3, 32, 160, 24)  # 5:1
+    with pytest.raises(MediaError, match="within 1:4 and 4:1, got 160x32"):
+        media.read_video(data, target=media.VideoTarget(124, 64, 64 * 112))
+    with pytest.raises(MediaError, match="num_frames must be at least 1"):
+        media.read_video(data, target=media.VideoTarget(0, 64, 64 * 112))
+    with pytest.raises(MediaError, match="fps must be positive"):
+        media.read_video(_encoded_clip(3, 32, 64, 24), fps=0.0)
