@@ -2,7 +2,7 @@
 
 Both stages run diffusers' own leaf blocks of the task's *resolved* workflow
 (`MiniMaxH3Blocks().get_workflow(task)`), never the auto blocks, which pick their branch from raw
-inputs a split stage does not have (shared/h3/STAGE_SPLIT.md, trap 1). Components are the modules
+inputs a split stage does not have (docs/ARCHITECTURE.md §2.1, trap 1). Components are the modules
 our loaders built, handed over with `update_components`, so every weight layout takes one path.
 """
 
@@ -27,7 +27,7 @@ def run_blocks(pipe, **inputs):
 
 
 def workflow_blocks(task: str, prefixes: tuple[str, ...]) -> dict:
-    """Leaf blocks of diffusers' *resolved* workflow for `task` (never the auto blocks: STAGE_SPLIT.md trap 1)."""
+    """Leaf blocks of diffusers' *resolved* workflow for `task` (never the auto blocks: ARCHITECTURE.md §2.1 trap 1)."""
     from diffusers.modular_pipelines import MiniMaxH3Blocks
 
     workflow = MiniMaxH3Blocks().get_workflow(task)

@@ -1,9 +1,8 @@
 """Model configurations of every H3 component: the released sizes and the embedded tiny H3.
 
 One source for both, so the tiny model is the release with smaller numbers and nothing else
-(same classes, same layer kinds, same shape couplings; see shared/h3/DIFFUSERS_NOTES.md,
-"A tiny, architecturally faithful H3"). Configs are plain dicts in the exact form diffusers'
-`from_config` / transformers' `Qwen3VLConfig(**...)` take.
+(same classes, same layer kinds, same shape couplings; docs/ARCHITECTURE.md §6). Configs are plain
+dicts in the exact form diffusers' `from_config` / transformers' `Qwen3VLConfig(**...)` take.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import copy
 # H3 facts the configs are built around; defined once in facts.py, re-exported for the config users.
 from .facts import AUDIO_SHIFT, TEXT_ENCODER_LAYER, VIDEO_SHIFT  # noqa: F401
 
-# --- DiT (diffusers MiniMaxH3Transformer3DModel); SPEC.md §1.1 ---------------------------------
+# --- DiT (diffusers MiniMaxH3Transformer3DModel): 50 blocks, hidden 5376, 56 heads x 128 ---------------------------------
 RELEASE_TRANSFORMER = {
     "num_attention_heads": 56,
     "attention_head_dim": 128,
@@ -50,7 +49,7 @@ TINY_TRANSFORMER = {
     "rope_freq_dim": 4,
 }
 
-# --- Video VAE (diffusers AutoencoderKLMiniMaxH3); SPEC.md §1.2 --------------------------------
+# --- Video VAE (diffusers AutoencoderKLMiniMaxH3): x16 spatial, x4 temporal, 24 latent channels --------------------------------
 RELEASE_VIDEO_VAE = {
     "in_channels": 3,
     "out_channels": 3,
@@ -87,7 +86,7 @@ TINY_VIDEO_VAE = {
     "decoder_attention_head_dim": 16,
 }
 
-# --- Audio VAE (diffusers AutoencoderKLMiniMaxH3Audio); SPEC.md §1.3 ---------------------------
+# --- Audio VAE (diffusers AutoencoderKLMiniMaxH3Audio): hop 800 at 32 kHz, 32 latent channels ---------------------------
 RELEASE_AUDIO_VAE = {
     "encoder_dim": 64,
     "encoder_rates": [2, 4, 4, 5, 5],
@@ -113,7 +112,7 @@ TINY_AUDIO_VAE = {
     "decoder_dim": 128,
 }
 
-# --- Text encoder (transformers Qwen3VLForConditionalGeneration); SPEC.md §1.4 -----------------
+# --- Text encoder (transformers Qwen3VLForConditionalGeneration): 64 layers x 5120, tap after 50 -----------------
 QWEN_TOKEN_IDS = {
     "image_token_id": 151655,
     "video_token_id": 151656,
@@ -141,7 +140,7 @@ RELEASE_TEXT_ENCODER = {
             "mrope_interleaved": True,
         },
     },
-    # Qwen3-VL's SigLIP-2 tower (SPEC.md §8 q1: only "3 DeepStack mergers" is confirmed by the
+    # Qwen3-VL's SigLIP-2 tower (only "3 DeepStack mergers" is confirmed by the
     # sources; these are the Qwen3-VL family values, out_hidden_size = the LM width).
     "vision_config": {
         "depth": 27,

@@ -73,7 +73,7 @@ def resampled_length(num_samples: int, sample_rate: int, target_rate: int = AUDI
 def resample_audio(waveform: Any, sample_rate: int, target_rate: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
     """A waveform ``[C, S]`` (numpy or torch, float) -> float32 stereo ``[2, S']`` at ``target_rate``.
 
-    Mono is duplicated to both channels and channels beyond two are dropped (SPEC 1.3: the reference duplicates
+    Mono is duplicated to both channels and channels beyond two are dropped (the reference implementation duplicates
     mono and drops extra channels; it does not down-mix). At ``sample_rate == target_rate`` the samples are
     returned untouched (a new array). Otherwise they go through FFmpeg's resampler (PyAV ``AudioResampler``,
     FFmpeg's default windowed-sinc filter, deterministic) in one pass: the input is followed by zeros so the

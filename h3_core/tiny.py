@@ -175,7 +175,7 @@ def write_diffusers_root(models: dict[str, torch.nn.Module], root: Path, *, tiny
 
 
 def write_comfy_models(models: dict[str, torch.nn.Module], models_dir: Path) -> None:
-    """Write the ComfyUI single files in the real Comfy-Org key layouts (SPEC.md §5.1)."""
+    """Write the ComfyUI single files in the real Comfy-Org key layouts (docs/ARCHITECTURE.md §6)."""
     from .weights import save_comfy_audio_vae, save_comfy_text_encoder, save_comfy_transformer, save_comfy_video_vae
 
     paths = {name: models_dir / rel for name, rel in COMFY_FILES.items()}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Bitwise parity between stages assumes one thread count in every process (DIFFUSERS_NOTES.md).
+# Bitwise parity between stages assumes one thread count in every process (docs/ARCHITECTURE.md §2.1, trap 5).
 torch.set_num_threads(int(os.environ.get("H3_THREADS", "2")))
 
 

@@ -1,7 +1,7 @@
 """Release-size checkpoints of every published layout, as data-free header-only files.
 
 Key names and shapes come from the meta-instantiated release models run through our writers'
-converters (so nothing is copied by hand), are cross-checked against SPEC.md §5.1, written as
+converters (so nothing is copied by hand), are cross-checked against the published key lists (docs/ARCHITECTURE.md §6), written as
 sparse safetensors files (valid headers, no data on disk) in the Comfy, diffusers and native
 containers, and then `check` must map every one onto its meta model with zero missing, zero
 unexpected keys and equal shapes.
@@ -136,7 +136,7 @@ def test_comfy_names_and_shapes_match_spec(release):
     assert dit["final_layer.audio_out.weight"] == (32, 5376)
     assert "token_refiner.final_norm.weight" in dit and "blocks.50.norm1.weight" not in dit
     assert sum(1 for k in dit if k.endswith(".attn.qkv_proj.weight")) == 52
-    assert release["sizes"]["transformer"] / 1e9 == pytest.approx(66.3, abs=0.3)  # SPEC: 66.3 GB bf16
+    assert release["sizes"]["transformer"] / 1e9 == pytest.approx(66.3, abs=0.3)  # published: 66.3 GB bf16
     vae = s["vae"]
     assert vae["encoder.down.5.block.0.conv1.weight"] == (1024, 512, 3, 3, 3)
     assert "decoder.transformer_blocks.0.scale1" in vae
@@ -145,14 +145,14 @@ def test_comfy_names_and_shapes_match_spec(release):
     assert vae["decoder.transformer_blocks.0.ff.w1.weight"] == (2 * 8192, 2048)
     assert vae["decoder.proj_out.weight"] == (3 * 4 * 16 * 16, 2048)
     assert vae["decoder.mask_token"] == (1, 1, 2048) and vae["latents_mean"] == (24,)
-    assert release["sizes"]["vae"] / 1e9 == pytest.approx(5.21, abs=0.05)  # SPEC: fp16 file 5.21 GB
+    assert release["sizes"]["vae"] / 1e9 == pytest.approx(5.21, abs=0.05)  # published: fp16 file 5.21 GB
     audio = s["audio_vae"]
     assert "pre_block.attn.zero_k_bias" in audio and audio["pre_block.attn.qkv.weight"] == (6144, 2048)
     assert audio["dec_in_proj.weight"] == (2048, 32, 1) and audio["decoder.conv_pre.weight"] == (1024, 2048, 7)
     assert audio["decoder.conv_post.weight"] == (1, 8, 7) and "decoder.conv_post.bias" not in audio
     assert audio["latents_mean"] == (32,) and not any(k.endswith(("weight_g", "weight_v")) for k in audio)
     assert sum(1 for k in audio if k.startswith("decoder.resblocks.") and k.endswith("convs1.0.weight")) == 21
-    assert release["sizes"]["audio_vae"] / 1e6 == pytest.approx(605, abs=5)  # SPEC: 605 MB
+    assert release["sizes"]["audio_vae"] / 1e6 == pytest.approx(605, abs=5)  # published: 605 MB
     te = s["text_encoder"]
     assert te["model.embed_tokens.weight"] == (151936, 5120)
     assert te["model.layers.49.self_attn.q_proj.weight"] == (8192, 5120)

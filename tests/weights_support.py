@@ -103,7 +103,7 @@ def dit_forward(model, seed: int = 0):
 
 class TokenTypes:
     """The one method of `Qwen3VLProcessor` that diffusers' `get_qwen3vl_prompt_embeds` calls
-    (the real processor needs torchvision, see DIFFUSERS_NOTES.md)."""
+    (the real Qwen3-VL processor needs torchvision even for images)."""
 
     def create_mm_token_type_ids(self, batch):
         return [[1 if t == QWEN_IMAGE_PAD else 0 for t in sequence] for sequence in batch]
@@ -209,7 +209,7 @@ def release_meta_model(component: str):
         return cls.from_config(configs.get(name, tiny=False))
 
 
-# The DiT's fp32 islands (SPEC.md §5.1); everything else ships in bf16.
+# The DiT's fp32 islands (patch projections, time embedder, output heads, rope); everything else ships in bf16.
 DIT_FP32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.", "final_layer.audio_out.", "rope.")
 
 

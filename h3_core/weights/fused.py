@@ -1,7 +1,7 @@
 """Fused-projection row layouts shared by the DiT and the video-VAE converters.
 
 Two layouts of a fused `[3 * heads * head_dim, ...]` QKV weight (or bias) appear in the
-published files (DIFFUSERS_NOTES / diffusers' `convert_minimax_h3_transformer_checkpoint_to_diffusers`):
+published files (docs/ARCHITECTURE.md §6 / diffusers' `convert_minimax_h3_transformer_checkpoint_to_diffusers`):
 - "stacked":     [q_all; k_all; v_all]                 Comfy-Org DiT single files
 - "interleaved": [h0: q k v, h1: q k v, ...]           native MiniMaxAI DiT shards, and the video
                                                        VAE decoder's `to_qkv` in every published file
