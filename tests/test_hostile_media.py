@@ -300,13 +300,13 @@ def test_sandbox_memory_cap_and_timeout():
 
 
 def test_sandbox_returns_what_the_decoders_return():
-    from h3_core import synthetic
+    from h3_core import testing
 
-    png = media.encode_png_bytes(synthetic.image(3, 48, 80))
+    png = media.encode_png_bytes(testing.image(3, 48, 80))
     np.testing.assert_array_equal(media_sandbox.decode_isolated("read_image", png), media.read_image(png))
     with pytest.raises(MediaError, match="pixels, over the limit of max_pixels=100"):
         media_sandbox.decode_isolated("read_image", png, max_pixels=100)
-    clip = synthetic.video(2.0, 64, 96)
+    clip = testing.video(2.0, 64, 96)
     mp4 = media.encode_mp4_bytes(clip.frames, clip.audio, fps=24)
     target = media.VideoTarget(124, 64, 64 * 112)
     for kwargs in ({}, {"target": target}, {"target": target, "fps": 12.0}, {"max_frames": 10, "truncate": True}):
