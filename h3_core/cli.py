@@ -39,28 +39,19 @@ def _cmd_tiny(args) -> int:
 
 
 def _build_request(args):
-    from . import media
-    from .request import AudioInput, EncodeRequest, VideoInput
+    from .request import EncodeRequest
 
-    def video_input(path: str) -> VideoInput:
-        clip = media.read_video(path)
-        return VideoInput(frames=clip.frames, fps=clip.fps, audio=clip.audio, sample_rate=clip.sample_rate)
-
-    def audio_input(path: str) -> AudioInput:
-        waveform, sample_rate = media.read_audio(path)
-        return AudioInput(waveform=waveform, sample_rate=sample_rate)
-
-    return EncodeRequest(
-        prompt=args.prompt,
+    return EncodeRequest.from_sources(
+        args.prompt,
         task=args.task,
         width=args.width,
         height=args.height,
         num_frames=args.frames,
-        first_frame=media.read_image(args.first_frame) if args.first_frame else None,
-        last_frame=media.read_image(args.last_frame) if args.last_frame else None,
-        ref_images=[media.read_image(path) for path in args.ref_image],
-        ref_videos=[video_input(path) for path in args.ref_video],
-        ref_audios=[audio_input(path) for path in args.ref_audio],
+        first_frame=args.first_frame or None,
+        last_frame=args.last_frame or None,
+        ref_images=args.ref_image,
+        ref_videos=args.ref_video,
+        ref_audios=args.ref_audio,
     )
 
 

@@ -23,7 +23,8 @@ from h3_core import media
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.progress import Cancelled
-from h3_core.remote import protocol, server as server_module
+from h3_core.remote import http as http_module
+from h3_core.remote import packing, protocol
 from h3_core.remote.client import (
     EncoderClient,
     ModelMismatchError,
@@ -133,9 +134,10 @@ def _raw(url, method, path, body=b"", headers=None, timeout=30.0):
 
 
 def _wire(request: EncodeRequest, **extra) -> tuple[str, bytes]:
-    body, parts = protocol.request_to_wire(request)
+    body, parts = packing.request_to_wire(request)
     body.update(extra)
-    return protocol.encode_multipart(body, parts)
+    content_type, buffers = packing.encode_multipart(body, parts)
+    return content_type, b"".join(buffers)
 
 
 # --- parity --------------------------------------------------------------------------------------
@@ -380,17 +382,17 @@ def test_token_required_when_configured(stage, monkeypatch):
 def test_handshake_rejects_protocol_and_model_mismatch(server, stage, monkeypatch):
     with pytest.raises(ModelMismatchError, match="pinned"):
         EncoderClient(server.url, expect_model="0123456789abcdef").encode(CASES["t2va"])
-    real = server_module.capabilities
+    real = http_module.capabilities
 
     def other_version(service):
         caps = real(service)
         caps["protocol"] = {"name": protocol.PROTOCOL_NAME, "version": 99, "versions": [99]}
         return caps
 
-    monkeypatch.setattr(server_module, "capabilities", other_version)
+    monkeypatch.setattr(http_module, "capabilities", other_version)
     with pytest.raises(ProtocolMismatchError, match="version"):
         EncoderClient(server.url).encode(CASES["t2va"])
-    monkeypatch.setattr(server_module, "capabilities", real)
+    monkeypatch.setattr(http_module, "capabilities", real)
     # The JSON request carries its version too: a server refuses a client of another version outright.
     status, _, data = _raw(server.url, "POST", protocol.ENCODE_PATH,
                            json.dumps({"protocol": 2, "prompt": "x"}).encode(), {"Content-Type": "application/json"})
