@@ -17,22 +17,35 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import json
 import logging
 import os
 import random
-import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
-from urllib.parse import urlsplit
 
 from ..contract import ContractError, H3Conditioning
 from ..progress import Cancelled, ProgressFn, check_cancel
 from ..request import EncodeRequest
 from . import packing, protocol
+from .transport import (
+    MAX_SMALL_RESPONSE_BYTES,
+    Endpoint,
+    ModelMismatchError,
+    ProtocolMismatchError,
+    RemoteAuthError,
+    RemoteEncodeError,
+    RemoteRequestError,
+    RemoteUnavailableError,
+    Reply,
+    Transient,
+    exchange,
+    loads,
+    parse_retry_after,
+    parse_url,
+    short,
+)
 
 log = logging.getLogger("h3_core.remote.client")
 
@@ -49,101 +62,11 @@ __all__ = [
 RETRYABLE_STATUS = {429, 502, 503}  # 504 is retried only when it is not this server's own deadline answer
 # Every answer is read with a cap on what it can legitimately be: a hostile or broken server cannot make the
 # client buffer more (a Content-Length over the cap is refused before reading; a chunked body is cut at the cap).
-MAX_SMALL_RESPONSE_BYTES = 1024 * 1024  # capabilities, health and error answers
-MAX_MESSAGE_CHARS = 300  # of a server's error message, as repeated in this client's exceptions
-MAX_JSON_DEPTH = 32
 HANDSHAKE_TTL_S = 300.0
 # Requests are re-validated here only to learn what they need; the server applies its own limits.
 _CLIENT_LIMITS = protocol.Limits(max_prompt_chars=1 << 30, max_fps=1e9, max_canvas_edge=1 << 30,
                                  max_canvas_pixels=1 << 60, max_parts=1 << 20)
 
-
-class RemoteEncodeError(RuntimeError):
-    """The remote encode failed; `status`, `code`, `field` and `message` come from the server when it answered."""
-
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
-                 field: str | None = None, url: str | None = None, request_id: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.code, self.field = message, status, code, field
-        self.url, self.request_id = url, request_id
-
-
-class RemoteRequestError(RemoteEncodeError, ValueError):
-    """The server refused the request itself (400/409/413/415/422): fix the inputs, retrying will not help."""
-
-
-class RemoteAuthError(RemoteEncodeError):
-    """401: no token, or the wrong one (set H3_ENCODER_TOKEN, or the variable the client was told to read)."""
-
-
-class RemoteUnavailableError(RemoteEncodeError):
-    """No endpoint answered usefully within the retries and timeouts (down, refusing, busy or timing out)."""
-
-
-class ProtocolMismatchError(RemoteEncodeError):
-    """The endpoint speaks another protocol version than this client."""
-
-
-class ModelMismatchError(RemoteEncodeError):
-    """The endpoint serves other weights than the ones pinned (by `expect_model` or the first handshake)."""
-
-
-@dataclass
-class _Endpoint:
-    url: str
-    scheme: str
-    host: str
-    port: int
-    prefix: str
-    capabilities: dict | None = None
-    checked_at: float = 0.0
-
-    def path(self, path: str) -> str:
-        return self.prefix + path
-
-
-@dataclass
-class _Reply:
-    status: int
-    headers: http.client.HTTPMessage
-    body: bytes
-
-    def error(self) -> dict[str, Any]:
-        try:
-            body = json.loads(self.body.decode("utf-8"))
-            error = body.get("error") if isinstance(body, dict) else None
-            if isinstance(error, dict):
-                return {key: _short(error.get(key)) for key in ("code", "message", "field", "request_id")}
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            pass
-        text = self.body[:200].decode("utf-8", "replace").strip()
-        return {"code": None, "message": text or http.client.responses.get(self.status, "error"), "field": None}
-
-
-class _Transient(Exception):
-    """One attempt failed in a way another attempt (or endpoint) may not."""
-
-    def __init__(self, message: str, retry_after: float | None = None, error: RemoteEncodeError | None = None):
-        super().__init__(message)
-        self.retry_after, self.error = retry_after, error
-
-
-def _parse_url(url: str) -> _Endpoint:
-    url = url.strip()
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"encoder URL must start with http:// or https://, got {url!r}")
-    if parts.username or parts.password:
-        raise ValueError("do not put credentials in the encoder URL; set the token in the environment "
-                         f"({protocol.DEFAULT_TOKEN_ENV})")
-    if parts.query or parts.fragment:
-        raise ValueError(f"encoder URL must not have a query or fragment: {url!r}")
-    if not parts.hostname:
-        raise ValueError(f"encoder URL has no host: {url!r}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    prefix = parts.path.rstrip("/")
-    return _Endpoint(url=f"{parts.scheme}://{parts.netloc}{prefix}", scheme=parts.scheme, host=parts.hostname,
-                     port=port, prefix=prefix)
 
 
 class EncoderClient:
@@ -182,7 +105,7 @@ class EncoderClient:
             urls = [u for u in urls.split(",") if u.strip()]
         if not urls:
             raise ValueError("EncoderClient needs at least one server URL")
-        self.endpoints = [_parse_url(u) for u in urls]
+        self.endpoints = [parse_url(u) for u in urls]
         self.token = token if token is not None else (os.environ.get(token_env) or None)
         self.connect_timeout, self.read_timeout = float(connect_timeout), float(read_timeout)
         self.retries = max(0, int(retries))
@@ -213,10 +136,10 @@ class EncoderClient:
         try:
             reply = self._call(endpoint, "GET", protocol.HEALTH_PATH, None, {}, cancel, self.connect_timeout + 5,
                                self._deadline(time.monotonic()), MAX_SMALL_RESPONSE_BYTES)
-        except _Transient as transient:
+        except Transient as transient:
             raise RemoteUnavailableError(f"{endpoint.url}: {transient}", url=endpoint.url) from None
         try:
-            return _loads(reply.body)
+            return loads(reply.body)
         except (UnicodeDecodeError, ValueError):
             raise RemoteEncodeError(f"{endpoint.url}: health answer is not JSON", status=reply.status,
                                     url=endpoint.url) from None
@@ -227,7 +150,7 @@ class EncoderClient:
         endpoint = self._endpoint(url)
         try:
             return self._handshake(endpoint, cancel, self._deadline(time.monotonic()), refresh=refresh)
-        except _Transient as transient:
+        except Transient as transient:
             raise transient.error or RemoteUnavailableError(f"{endpoint.url}: {transient}", url=endpoint.url) from None
 
     def encode(self, request: EncodeRequest, cancel: threading.Event | None = None,
@@ -266,7 +189,7 @@ class EncoderClient:
                     raise
                 tried.skipped[endpoint.url] = error
                 continue
-            except _Transient as transient:
+            except Transient as transient:
                 tried.failed(endpoint, transient)
                 endpoint.capabilities = None  # re-handshake: a restarted server may serve other weights
                 continue
@@ -315,16 +238,16 @@ class EncoderClient:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _endpoint(self, url: str | None) -> _Endpoint:
+    def _endpoint(self, url: str | None) -> Endpoint:
         if url is None:
             return self._order()[0]
-        wanted = _parse_url(url).url
+        wanted = parse_url(url).url
         for endpoint in self.endpoints:
             if endpoint.url == wanted:
                 return endpoint
-        return _parse_url(url)
+        return parse_url(url)
 
-    def _order(self) -> list[_Endpoint]:
+    def _order(self) -> list[Endpoint]:
         with self._lock:
             start = self._preferred
         return self.endpoints[start:] + self.endpoints[:start]
@@ -353,7 +276,7 @@ class EncoderClient:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
-    def _handshake(self, endpoint: _Endpoint, cancel: threading.Event | None, deadline: float,
+    def _handshake(self, endpoint: Endpoint, cancel: threading.Event | None, deadline: float,
                    refresh: bool = False) -> dict:
         if not refresh and endpoint.capabilities is not None and \
                 time.monotonic() - endpoint.checked_at < HANDSHAKE_TTL_S:
@@ -388,7 +311,7 @@ class EncoderClient:
         endpoint.capabilities, endpoint.checked_at = caps, time.monotonic()
         return caps
 
-    def _check_request_fits(self, endpoint: _Endpoint, caps: dict, needs: tuple[str, ...], size: int) -> None:
+    def _check_request_fits(self, endpoint: Endpoint, caps: dict, needs: tuple[str, ...], size: int) -> None:
         loaded = caps["model"]["components"]
         missing = [name for name in needs if name not in loaded]
         if missing:
@@ -403,7 +326,7 @@ class EncoderClient:
                 "--max-body-mb, send shorter or smaller reference videos, or use lossless_video=False)",
                 status=413, code="too_large", field="body", url=endpoint.url)
 
-    def _encode_once(self, endpoint: _Endpoint, caps: dict, body_json: dict, content_type: str,
+    def _encode_once(self, endpoint: Endpoint, caps: dict, body_json: dict, content_type: str,
                      buffers: list[bytes], cancel: threading.Event | None, report: ProgressFn, steps: int,
                      deadline: float, answer_cap: int) -> H3Conditioning:
         server_deadline = self.deadline_s or max(1.0, self.read_timeout - 1.0)
@@ -422,30 +345,30 @@ class EncoderClient:
         report(3, steps)
         digest = reply.headers.get(protocol.H_SHA256)
         if digest and hashlib.sha256(reply.body).hexdigest() != digest:
-            raise _Transient("the conditioning arrived corrupted (sha256 mismatch)")
+            raise Transient("the conditioning arrived corrupted (sha256 mismatch)")
         try:
             conditioning = H3Conditioning.from_bytes(reply.body)
         except ContractError as error:
-            raise RemoteEncodeError(f"{endpoint.url} sent an invalid conditioning: {_short(str(error))}",
+            raise RemoteEncodeError(f"{endpoint.url} sent an invalid conditioning: {short(str(error))}",
                                     status=200, url=endpoint.url) from None
         model = conditioning.metadata.get("model")
         if self._pinned is not None and model is not None and model != self._pinned:
-            raise ModelMismatchError(f"{endpoint.url} encoded with model {_short(str(model))}, expected "
+            raise ModelMismatchError(f"{endpoint.url} encoded with model {short(str(model))}, expected "
                                      f"{self._pinned}", url=endpoint.url)
         return conditioning
 
-    def _status_error(self, endpoint: _Endpoint, reply: _Reply) -> Exception:
+    def _status_error(self, endpoint: Endpoint, reply: Reply) -> Exception:
         error = reply.error()
         message = str(error.get("message") or "")
         code, field, rid = error.get("code"), error.get("field"), error.get("request_id")
         text = f"{endpoint.url} answered {reply.status}" + (f" {code}" if code else "") + f": {message}"
         kwargs = dict(status=reply.status, code=code, field=field, url=endpoint.url, request_id=rid)
-        retry_after = _retry_after(reply.headers.get("Retry-After"))
+        retry_after = parse_retry_after(reply.headers.get("Retry-After"))
         if reply.status == 401:
             return RemoteAuthError(text + f" (set the token in {protocol.DEFAULT_TOKEN_ENV})", **kwargs)
         if reply.status in RETRYABLE_STATUS or (reply.status == 504 and code != "deadline_exceeded") or \
                 (reply.status == 503 and code == "abandoned"):
-            return _Transient(f"{reply.status} {code or ''} {message}".strip(), retry_after,
+            return Transient(f"{reply.status} {code or ''} {message}".strip(), retry_after,
                               RemoteUnavailableError(text, **kwargs))
         if code == "protocol_mismatch":
             return ProtocolMismatchError(text, **kwargs)
@@ -454,172 +377,22 @@ class EncoderClient:
         if 400 <= reply.status < 500 and reply.status not in (404, 405, 408):
             return RemoteRequestError(text, **kwargs)
         if reply.status == 408:
-            return _Transient(text, None, RemoteUnavailableError(text, **kwargs))
+            return Transient(text, None, RemoteUnavailableError(text, **kwargs))
         return RemoteEncodeError(text, **kwargs)
 
-    def _connection(self, endpoint: _Endpoint) -> http.client.HTTPConnection:
+    def _connection(self, endpoint: Endpoint) -> http.client.HTTPConnection:
         if endpoint.scheme == "https":
             context = self.ssl_context or ssl.create_default_context()
             return http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=self.connect_timeout,
                                                context=context)
         return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=self.connect_timeout)
-
-    def _call(self, endpoint: _Endpoint, method: str, path: str, body: list | None, headers: dict[str, str],
+    def _call(self, endpoint: Endpoint, method: str, path: str, body: list | None, headers: dict[str, str],
               cancel: threading.Event | None, read_timeout: float, deadline: float, max_bytes: int,
-              on_sent: Callable[[], None] | None = None) -> _Reply:
-        """One HTTP exchange in a helper thread; the calling thread closes the socket when `cancel` is set or
-        the monotonic `deadline` passes (whatever phase: connect, send, headers, body). A 200 answer may be at
-        most `max_bytes`, any other at most MAX_SMALL_RESPONSE_BYTES."""
-        if deadline - time.monotonic() <= 0:
-            raise _Transient("deadline passed before the call")
-        conn = self._connection(endpoint)
-        conn.timeout = min(self.connect_timeout, max(0.01, deadline - time.monotonic()))
-        outcome: dict[str, Any] = {"phase": "connect"}
-        aborted = threading.Event()
-        buffers = [memoryview(b) for b in body] if body is not None else None
+              on_sent: Callable[[], None] | None = None) -> Reply:
+        """One HTTP exchange (`transport.exchange`) with this client's connection, headers and connect timeout."""
+        return exchange(self._connection(endpoint), endpoint, method, path, body, {**self._headers(), **headers},
+                        cancel, self.connect_timeout, read_timeout, deadline, max_bytes, on_sent)
 
-        def run() -> None:
-            try:
-                conn.connect()
-                if aborted.is_set():
-                    return
-                outcome["phase"] = "send"
-                conn.sock.settimeout(read_timeout)
-                all_headers = {**self._headers(), **headers}
-                if buffers is not None:
-                    all_headers["Content-Length"] = str(sum(b.nbytes for b in buffers))
-                conn.putrequest(method, endpoint.path(path), skip_accept_encoding=True)
-                for key, value in all_headers.items():
-                    conn.putheader(key, value)
-                conn.endheaders()
-                send_error = None
-                try:
-                    for buffer in buffers or ():
-                        for offset in range(0, buffer.nbytes, 1 << 20):
-                            if aborted.is_set():
-                                return
-                            conn.sock.sendall(buffer[offset:offset + (1 << 20)])
-                except (BrokenPipeError, ConnectionResetError) as error:
-                    send_error = error  # the server may have answered early (401, 413, 429): read that answer
-                outcome["sent"] = send_error is None  # reported by the calling thread, not this one
-                outcome["phase"] = "read"
-                try:
-                    response = conn.getresponse()
-                except (http.client.HTTPException, OSError):
-                    if send_error is not None:
-                        raise send_error from None
-                    raise
-                cap = max_bytes if response.status == 200 else MAX_SMALL_RESPONSE_BYTES
-                length = response.getheader("Content-Length")
-                if length is not None and length.strip().isdigit() and int(length) > cap:
-                    raise RemoteEncodeError(f"{endpoint.url}: the answer declares {_short(length, 24)} bytes, over "
-                                            f"the client's limit of {cap} bytes for it", url=endpoint.url)
-                data = bytearray()
-                while True:
-                    chunk = response.read(min(1 << 20, cap + 1 - len(data)))
-                    if not chunk:
-                        break
-                    data += chunk
-                    if len(data) > cap:
-                        raise RemoteEncodeError(f"{endpoint.url}: the answer is over the client's limit of {cap} "
-                                                "bytes for it", url=endpoint.url)
-                    if aborted.is_set():
-                        return
-                data = bytes(data)
-                outcome["reply"] = _Reply(response.status, response.headers, data)
-            except BaseException as error:  # noqa: BLE001 - handed to the calling thread
-                outcome["error"] = error
-            finally:
-                conn.close()
-
-        worker = threading.Thread(target=run, name="h3-encoder-client", daemon=True)
-        worker.start()
-        while worker.is_alive():
-            worker.join(0.05)
-            if on_sent is not None and outcome.get("sent"):
-                on_sent()
-                on_sent = None
-            if cancel is not None and cancel.is_set() and worker.is_alive():
-                aborted.set()
-                _abort(conn)
-                worker.join(2.0)
-                raise Cancelled(f"cancelled; the connection to {endpoint.url} was closed so the server abandons "
-                                "the work")
-            if time.monotonic() >= deadline and worker.is_alive():
-                aborted.set()
-                _abort(conn)
-                worker.join(2.0)
-                raise _Transient(f"the call's deadline passed during {outcome['phase']} (connect + send + read are "
-                                 "bounded together by total_timeout)")
-        if on_sent is not None and outcome.get("sent"):
-            on_sent()
-        if "reply" in outcome:
-            return outcome["reply"]
-        error = outcome.get("error")
-        if cancel is not None and cancel.is_set():
-            raise Cancelled("cancelled")
-        if isinstance(error, RemoteEncodeError):
-            raise error
-        if isinstance(error, ssl.SSLCertVerificationError):
-            raise RemoteEncodeError(f"{endpoint.url}: TLS certificate not trusted: {error}", url=endpoint.url)
-        if isinstance(error, (socket.timeout, TimeoutError)):
-            phase = outcome["phase"]
-            limit = self.connect_timeout if phase == "connect" else read_timeout
-            raise _Transient(f"{phase} timeout after {limit:g} s")
-        if isinstance(error, ConnectionRefusedError):
-            raise _Transient("connection refused (server down or not listening)")
-        if isinstance(error, (http.client.RemoteDisconnected, http.client.IncompleteRead, ConnectionError,
-                              http.client.BadStatusLine)):
-            raise _Transient(f"connection lost mid-request ({type(error).__name__}: {error})")
-        if isinstance(error, OSError):
-            raise _Transient(f"network error ({type(error).__name__}: {error})")
-        if isinstance(error, http.client.HTTPException):
-            raise _Transient(f"malformed HTTP answer ({type(error).__name__}: {error})")
-        raise error  # type: ignore[misc]
-
-
-def _abort(conn: http.client.HTTPConnection) -> None:
-    sock = conn.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            sock.close()
-        except OSError:
-            pass
-
-
-def _retry_after(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
-
-
-def _short(value: Any, limit: int = MAX_MESSAGE_CHARS) -> Any:
-    """A server-supplied string cut to `limit` characters (non-strings pass through, None stays None)."""
-    if isinstance(value, str) and len(value) > limit:
-        return value[:limit] + "..."
-    return value
-
-
-def _loads(data: bytes) -> Any:
-    """JSON from a server, with nesting bounded before parsing (a deep document would raise RecursionError)."""
-    text = data.decode("utf-8")
-    depth = deepest = 0
-    for char in text:  # brackets inside strings count too: a bound, not a parser
-        if char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > MAX_JSON_DEPTH:
-                raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
-        elif char in "]}":
-            depth -= 1
-    return json.loads(text)
 
 
 def _checked_capabilities(body: bytes, url: str) -> dict:
@@ -629,9 +402,9 @@ def _checked_capabilities(body: bytes, url: str) -> dict:
                                      f"{protocol.PROTOCOL_NAME} JSON: {why})", url=url)
 
     try:
-        caps = _loads(body)
+        caps = loads(body)
     except (UnicodeDecodeError, ValueError) as error:
-        raise fail(_short(str(error), 120)) from None
+        raise fail(short(str(error), 120)) from None
     if not isinstance(caps, dict):
         raise fail("not an object")
     for key in ("protocol", "model"):
@@ -669,16 +442,16 @@ class _AttemptLog:
         self.last_error: RemoteEncodeError | None = None
         self.retry_after: float | None = None
 
-    def failed(self, endpoint: _Endpoint, transient: _Transient) -> None:
-        self.failures.append(f"{endpoint.url}: {_short(str(transient))}")
+    def failed(self, endpoint: Endpoint, transient: Transient) -> None:
+        self.failures.append(f"{endpoint.url}: {short(str(transient))}")
         self.last_error, self.retry_after = transient.error, transient.retry_after
-        log.info("encode attempt %d on %s failed: %s", len(self.failures), endpoint.url, _short(str(transient)))
+        log.info("encode attempt %d on %s failed: %s", len(self.failures), endpoint.url, short(str(transient)))
 
 
 def _no_endpoint(skipped: dict[str, RemoteEncodeError]) -> RemoteEncodeError:
     first = next(iter(skipped.values()))
     if len(skipped) == 1:
         return first
-    reasons = "; ".join(_short(str(error), 200) for error in list(skipped.values())[:4])
+    reasons = "; ".join(short(str(error), 200) for error in list(skipped.values())[:4])
     return type(first)(f"no endpoint can serve this request ({len(skipped)}): {reasons}", status=first.status,
                        code=first.code)
