@@ -61,7 +61,7 @@ def _cmd_encode(args) -> int:
     if args.server:
         from .remote.client import EncoderClient
 
-        cond = EncoderClient(args.server).encode(request)
+        cond = EncoderClient(args.server, read_timeout=args.timeout).encode(request)
     else:
         from .encoder import EncoderStage
         from .models import ModelSource
@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--ref-image", action="append", default=[], help="reference image (ref2va, <= 9)")
     encode.add_argument("--ref-video", action="append", default=[], help="reference video, soundtrack kept (<= 3)")
     encode.add_argument("--ref-audio", action="append", default=[], help="reference audio (<= 3)")
+    encode.add_argument("--timeout", type=float, default=300.0,
+                        help="with --server: seconds for the whole remote call, retries included (default 300)")
     encode.add_argument("--server", help="encode on a remote H3 encoder endpoint instead of locally "
                         "(comma-separated URLs fail over; token from H3_ENCODER_TOKEN)")
     encode.set_defaults(func=_cmd_encode)
@@ -188,7 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                        help="text encoder dtype (VAEs stay float32); match the local path for bit-identical results")
     serve.add_argument("--queue-size", type=int, help="requests waiting for or in the model (default 32)")
-    serve.add_argument("--deadline", type=float, help="default per-request deadline in seconds (default 300)")
+    serve.add_argument("--deadline", type=float,
+                       help="per-request deadline in seconds, default and maximum a client may ask for (default 300)")
+    serve.add_argument("--max-decoded-mb", type=float,
+                       help="decoded media per request in MiB, counted from the headers (default 3072)")
     serve.add_argument("--max-body-mb", type=float, help="largest request body in MiB (default 512)")
     serve.add_argument("--cache-mb", type=float, help="conditioning cache size in MiB (default 512; 0 disables)")
     serve.set_defaults(func=_cmd_serve)

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -21,6 +22,7 @@ from functools import partial
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .. import __version__, rules
 from ..progress import Cancelled
@@ -262,7 +264,7 @@ async def _read_body(request: web.Request, service: EncoderService, slot: Admiss
             parts[name] = part
     except ProtocolError:
         raise
-    except (asyncio.CancelledError, ConnectionError, asyncio.TimeoutError):
+    except (asyncio.CancelledError, ConnectionError, asyncio.TimeoutError, HttpProcessingError):
         raise
     except Exception as error:  # noqa: BLE001 - aiohttp raises assorted errors on hostile multipart framing
         raise ProtocolError(400, "bad_multipart", f"malformed multipart body ({type(error).__name__}: "
@@ -291,6 +293,10 @@ async def handle_encode(request: web.Request) -> web.StreamResponse:
         try:
             async with asyncio.timeout(service.config.upload_timeout_s):
                 spec, parts = await _read_body(request, service, slot)
+        except HttpProcessingError as error:  # e.g. a corrupt gzip body (Content-Encoding), found while reading
+            first_line = (str(error).splitlines() or [""])[0][:200]
+            raise ProtocolError(400, "bad_encoding", f"the request body could not be decoded: {first_line}",
+                                "Content-Encoding") from None
         except TimeoutError:
             return _error(408, "upload_timeout", f"the request body did not arrive within "
                                                  f"upload_timeout_s={service.config.upload_timeout_s:g}", "body", rid)
@@ -393,14 +399,70 @@ def _job_error(error: BaseException, rid: str, service: EncoderService) -> web.R
                                          f"(request id {rid}; see the server log)", None, rid)
 
 
+class ConnectionReaper:
+    """Closes connections that hold a slot without sending a request: slow headers (slowloris) or idle.
+
+    A connection must deliver complete request headers within `header_timeout_s` of opening or of its previous
+    answer being sent; aiohttp itself has no such deadline (it waits for headers forever and keeps idle
+    connections an hour). Connections with a request in progress are left to the request's own deadlines.
+    """
+
+    def __init__(self, server: web.Server, service: EncoderService, interval_s: float = 0.25):
+        self.server, self.service, self.interval_s = server, service, interval_s
+        self.timeout_s = service.config.header_timeout_s
+
+    async def run(self) -> None:
+        idle_since: dict[Any, float] = {}
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = time.monotonic()
+            live = self.server.connections
+            for handler in live:
+                # aiohttp sets `_request_in_progress` from a request's headers until its answer is written;
+                # if a future version drops it, nothing is reaped (the default True).
+                if getattr(handler, "_request_in_progress", True):
+                    idle_since.pop(handler, None)
+                    continue
+                since = idle_since.setdefault(handler, now)
+                if now - since > self.timeout_s:
+                    handler.force_close()
+                    idle_since.pop(handler, None)
+                    self.service.counters["connections_reaped"] += 1
+            for handler in set(idle_since) - set(live):
+                del idle_since[handler]
+
+
+class AcceptErrorLimiter:
+    """The event loop's exception handler, with accept() failures (EMFILE, ENFILE, ENOBUFS storms) logged at most
+    once per `every_s` seconds, with the count of the ones not logged. asyncio retries the accept by itself."""
+
+    def __init__(self, previous=None, every_s: float = 30.0):
+        self.previous, self.every_s = previous, every_s
+        self.last, self.suppressed = -math.inf, 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        if not str(context.get("message", "")).startswith("socket.accept()"):
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.suppressed += 1
+            return
+        error = context.get("exception")
+        log.error("accepting connections fails: %s (%d more since the last report); raise the file-descriptor limit "
+                  "(LimitNOFILE, docs/DEPLOY.md) or lower the load", error, self.suppressed)
+        self.last, self.suppressed = now, 0
+
+
 class _QuietBadRequests(logging.Filter):
     """aiohttp logs every malformed HTTP message (bad request line, Content-Length, ...) with a traceback at
     ERROR; its parser has already answered 400. Keep one debug line instead, so hostile traffic cannot flood the
     log. Handler errors are logged by this module's own logger and are not affected."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from aiohttp.http_exceptions import HttpProcessingError
-
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
             log.debug("malformed HTTP request refused by the parser: %s", str(exc).splitlines()[0][:200])

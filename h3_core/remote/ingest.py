@@ -329,6 +329,12 @@ def build_request(
             raise bad(f"{where}: part {name!r} is missing from the request body", where)
         check_cancel(cancel, f"before reading the header of {where}")
         plans[name] = _PLANNERS[kind](parts[name].data, where, limits)
+    total = sum(plan.decoded_bytes for plan in plans.values())
+    if total > limits.max_request_decoded_bytes:
+        largest = max(plans.values(), key=lambda plan: plan.decoded_bytes)
+        raise too_large(f"the request's media would decode to {total} bytes (largest: {largest.where}, "
+                        f"{largest.decoded_bytes} bytes), over the limit of max_request_decoded_bytes="
+                        f"{limits.max_request_decoded_bytes}", largest.where, "too_large_decoded")
 
     def image(ref: MediaRef) -> np.ndarray:
         check_cancel(cancel, f"before decoding {ref.field}")

@@ -98,6 +98,9 @@ class Limits:
     max_video_pixels: int = 3840 * 2160  # per frame
     max_video_frames: int = 1800  # decoded frames per reference video (15 s at 120 fps)
     max_video_decoded_bytes: int = 3 * 1024 * MiB  # frames x H x W x 3, per reference video
+    # All decoded media of ONE request (frames x H x W x 3 + samples x channels x 4 over every part), counted from
+    # the headers before decoding: with max_body_bytes it bounds the memory a request can make the server take.
+    max_request_decoded_bytes: int = 3 * 1024 * MiB
     max_media_seconds: float = rules.MAX_AUDIO_CLIP_S  # videos and audio clips (H3 refuses longer ones anyway)
     decode_slack_seconds: float = 1.0  # decoded past max_media_seconds before refusing, so H3's message wins
     max_sample_rate: int = 192_000

@@ -33,7 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from . import protocol
-from .http import SERVICE_KEY, capabilities, create_app
+from .http import SERVICE_KEY, AcceptErrorLimiter, ConnectionReaper, capabilities, create_app
 from .protocol import Limits, is_loopback
 from .service import EncoderService, ServerConfig, ServerConfigError, check_bind, check_token
 
@@ -48,9 +48,14 @@ log = logging.getLogger("h3_core.remote.server")
 
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, web.TCPSite, int]:
+    service = app[SERVICE_KEY]
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=5.0)
+                           shutdown_timeout=5.0, keepalive_timeout=service.config.keepalive_timeout_s)
     await runner.setup()
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(AcceptErrorLimiter(loop.get_exception_handler()))
+    service.background.append(loop.create_task(
+        ConnectionReaper(runner.server, service).run(), name="h3-connection-reaper"))
     site = web.TCPSite(runner, host, port, reuse_address=True, backlog=128)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
@@ -161,12 +166,13 @@ def config_from_args(args, token: str | None) -> ServerConfig:
     limits = Limits()
     if getattr(args, "max_body_mb", None):
         limits = replace(limits, max_body_bytes=int(args.max_body_mb * protocol.MiB))
+    if getattr(args, "max_decoded_mb", None):
+        limits = replace(limits, max_request_decoded_bytes=int(args.max_decoded_mb * protocol.MiB))
     kwargs: dict[str, Any] = {"limits": limits, "token": token}
     if getattr(args, "queue_size", None):
         kwargs["queue_size"] = args.queue_size
-    if getattr(args, "deadline", None):
-        kwargs["default_deadline_s"] = float(args.deadline)
-        kwargs["max_deadline_s"] = max(float(args.deadline), ServerConfig.max_deadline_s)
+    if getattr(args, "deadline", None):  # the operator's deadline is also the most a client may ask for
+        kwargs["default_deadline_s"] = kwargs["max_deadline_s"] = float(args.deadline)
     if getattr(args, "cache_mb", None) is not None:
         kwargs["cache_bytes"] = int(args.cache_mb * protocol.MiB)
     return ServerConfig(**kwargs)
@@ -239,10 +245,12 @@ async def _serve(stage, config: ServerConfig, host: str, port: int, model_info: 
     forced = asyncio.ensure_future(force.wait())
     await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
     if not drain.done():
+        # Stop now: the running encode is in a model thread nothing can interrupt, and a normal interpreter exit
+        # would wait for it (and for aiohttp's shutdown timeout). Its client sees the connection drop.
         log.warning("second signal: stopping now, abandoning %d request(s)", service.active_requests)
-        drain.cancel()
-        await runner.cleanup()
-        return 1
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
     forced.cancel()
     finished = drain.result()
     log.info("stopped (%s)", "all accepted requests answered" if finished else "drain timed out")

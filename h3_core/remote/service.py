@@ -252,6 +252,7 @@ class EncoderService:
         self._idle: asyncio.Event | None = None
         self.buffered_bytes = 0  # request bytes in memory, all clients
         self.client_bytes: collections.Counter[str] = collections.Counter()  # the same, per client
+        self.background: list[asyncio.Task] = []  # helpers of the transport (connection reaper), stopped with us
         self.job_seconds = 1.0  # moving average of model-thread time per job, for Retry-After
         self.counters = collections.Counter()
         self.started_at = time.time()
@@ -265,6 +266,8 @@ class EncoderService:
         self._worker = asyncio.get_running_loop().create_task(self._work_loop(), name="h3-model-queue")
 
     async def stop(self) -> None:
+        for task in self.background:
+            task.cancel()
         if self._worker is not None:
             self._worker.cancel()
             try:
