@@ -264,7 +264,8 @@ async def _read_body(request: web.Request, service: EncoderService, slot: Admiss
             parts[name] = part
     except ProtocolError:
         raise
-    except (asyncio.CancelledError, ConnectionError, asyncio.TimeoutError, HttpProcessingError):
+    except (asyncio.CancelledError, ConnectionError, asyncio.TimeoutError, HttpProcessingError,
+            web.RequestPayloadError):
         raise
     except Exception as error:  # noqa: BLE001 - aiohttp raises assorted errors on hostile multipart framing
         raise ProtocolError(400, "bad_multipart", f"malformed multipart body ({type(error).__name__}: "
@@ -293,7 +294,7 @@ async def handle_encode(request: web.Request) -> web.StreamResponse:
         try:
             async with asyncio.timeout(service.config.upload_timeout_s):
                 spec, parts = await _read_body(request, service, slot)
-        except HttpProcessingError as error:  # e.g. a corrupt gzip body (Content-Encoding), found while reading
+        except (HttpProcessingError, web.RequestPayloadError) as error:  # e.g. a corrupt gzip body (Content-Encoding), found while reading
             first_line = (str(error).splitlines() or [""])[0][:200]
             raise ProtocolError(400, "bad_encoding", f"the request body could not be decoded: {first_line}",
                                 "Content-Encoding") from None
