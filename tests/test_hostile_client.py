@@ -173,7 +173,8 @@ def test_chunked_answer_is_cut_at_the_bound(hostile):
 def test_capabilities_are_capped_at_1_mib(hostile, chunked):
     def caps_writer(server, conn):
         if chunked:
-            server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n")
         else:
             server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                         % (200 * MiB))

@@ -294,7 +294,7 @@ async def handle_encode(request: web.Request) -> web.StreamResponse:
         try:
             async with asyncio.timeout(service.config.upload_timeout_s):
                 spec, parts = await _read_body(request, service, slot)
-        except (HttpProcessingError, web.RequestPayloadError) as error:  # e.g. a corrupt gzip body (Content-Encoding), found while reading
+        except (HttpProcessingError, web.RequestPayloadError) as error:  # e.g. corrupt gzip (Content-Encoding)
             first_line = (str(error).splitlines() or [""])[0][:200]
             raise ProtocolError(400, "bad_encoding", f"the request body could not be decoded: {first_line}",
                                 "Content-Encoding") from None

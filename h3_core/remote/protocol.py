@@ -28,25 +28,9 @@ from typing import Any, Mapping
 
 from .. import media, rules
 
-__all__ = [
-    "PROTOCOL_NAME",
-    "PROTOCOL_VERSION",
-    "HEALTH_PATH",
-    "CAPABILITIES_PATH",
-    "ENCODE_PATH",
-    "DEFAULT_TOKEN_ENV",
-    "CONDITIONING_CONTENT_TYPE",
-    "Limits",
-    "ProtocolError",
-    "MediaRef",
-    "RequestSpec",
-    "parse_request_json",
-    "parse_request",
-    "cache_key",
-    "is_loopback",
-    "error_body",
-    "error_from_exception",
-]
+__all__ = ["PROTOCOL_NAME", "PROTOCOL_VERSION", "HEALTH_PATH", "CAPABILITIES_PATH", "ENCODE_PATH", "DEFAULT_TOKEN_ENV",
+           "CONDITIONING_CONTENT_TYPE", "Limits", "ProtocolError", "MediaRef", "RequestSpec", "parse_request_json",
+           "parse_request", "cache_key", "is_loopback", "error_body", "error_from_exception"]
 
 
 PROTOCOL_NAME = "h3-encoder"
@@ -180,23 +164,8 @@ def error_from_exception(error: BaseException) -> ProtocolError | None:
 # request schema
 
 _PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-_TOP_KEYS = frozenset(
-    {
-        "protocol",
-        "prompt",
-        "task",
-        "width",
-        "height",
-        "num_frames",
-        "first_frame",
-        "last_frame",
-        "ref_images",
-        "ref_videos",
-        "ref_audios",
-        "model",
-        "deadline_s",
-    }
-)
+_TOP_KEYS = frozenset({"protocol", "prompt", "task", "width", "height", "num_frames", "first_frame", "last_frame",
+                       "ref_images", "ref_videos", "ref_audios", "model", "deadline_s"})
 _MEDIA_KEYS = frozenset({"part"})
 _VIDEO_KEYS = frozenset({"part", "fps", "soundtrack"})
 _MAX_LIST = 16  # absolute cap on any media list before H3's own counts are checked
