@@ -4,7 +4,7 @@ Every entry point (CLI, ComfyUI nodes, encoder server) builds an `EncodeRequest`
 frames and float waveforms (`h3_core.media` does the decoding and the float->uint8 quantisation),
 so the encoder stage sees the same arrays whichever path the media came in by.
 
-Reference order is fixed, as ComfyUI core and vLLM-Omni present it (SPEC.md §1.4): all images,
+Reference order is fixed, as ComfyUI core and vLLM-Omni present it: all images,
 then each video (its soundtrack labelled right before it), then standalone audios. The prompt's
 `<Picture i>` / `<Video k>` / `<Audio j>` tags refer to that order.
 """
@@ -54,7 +54,7 @@ class AudioInput:
 @dataclass
 class EncodeRequest:
     prompt: str
-    task: str | None = None  # None: inferred from the media (SPEC.md §3)
+    task: str | None = None  # None: inferred from the media (h3_core.rules.infer_task)
     width: int | None = None  # None: H3's canvas rule picks it (16:9, or the first keyframe's aspect)
     height: int | None = None
     num_frames: int = rules.MIN_FRAMES
@@ -162,8 +162,8 @@ def _read_audio(source: Any) -> AudioInput:
 
 def _check_rgb(image: np.ndarray, label: str) -> None:
     if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
-        shape = getattr(image, "shape", None)
-        raise rules.H3InputError(f"{label} must be uint8 RGB pixels [H, W, 3], got {getattr(image, 'dtype', type(image))} {shape}")
+        shape, dtype = getattr(image, "shape", None), getattr(image, "dtype", type(image))
+        raise rules.H3InputError(f"{label} must be uint8 RGB pixels [H, W, 3], got {dtype} {shape}")
     height, width = image.shape[:2]
     if min(height, width) < 1 or max(width / height, height / width) > rules.MAX_ASPECT:
         raise rules.H3InputError(f"{label} must have an aspect ratio within 1:4 and 4:1, got {width}x{height}")

@@ -3,7 +3,7 @@
 Every server here is real (aiohttp on 127.0.0.1, a free port) around the tiny model's real `EncoderStage`;
 a few tests wrap the stage to make it slow, so queueing, deadlines and cancellation are deterministic.
 The model thread and the local reference both run torch with one thread: bitwise equality between the two
-holds at equal thread counts (DIFFUSERS_NOTES.md), and one thread is also the fastest on shared CI cores.
+holds at equal thread counts (torch reductions depend on it), and one thread is also the fastest on shared CI cores.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_remote_protocol import png_bomb
 
 from h3_core import media
 from h3_core.encoder import EncoderStage
@@ -36,7 +37,6 @@ from h3_core.remote.client import (
 )
 from h3_core.remote.server import ServerConfig, ServerThread
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
-from test_remote_protocol import png_bomb
 
 THREADS = 1
 TOKEN = "test-token-" + "x" * 24
