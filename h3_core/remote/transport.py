@@ -81,7 +81,9 @@ class Reply:
             body = json.loads(self.body.decode("utf-8"))
             error = body.get("error") if isinstance(body, dict) else None
             if isinstance(error, dict):
-                return {key: short(error.get(key)) for key in ("code", "message", "field", "request_id")}
+                # Only strings, each cut short: a hostile server cannot make the caller's messages huge.
+                return {key: short(value) if isinstance(value := error.get(key), str) else None
+                        for key in ("code", "message", "field", "request_id")}
         except (UnicodeDecodeError, ValueError, RecursionError):
             pass
         text = self.body[:200].decode("utf-8", "replace").strip()
