@@ -109,7 +109,7 @@ def remote_vs_local(server_url: str, models: Path, reps: dict[str, int], warmup:
     """Runs in a fresh worker process (see `run`), so the local arm's process is as fresh as the server's."""
     from h3_core.encoder import EncoderStage
     from h3_core.models import ModelSource
-    from h3_core.remote import protocol
+    from h3_core.remote import packing
     from h3_core.remote.client import EncoderClient
 
     stage = EncoderStage(ModelSource.from_path(models))
@@ -130,7 +130,7 @@ def remote_vs_local(server_url: str, models: Path, reps: dict[str, int], warmup:
         common.log(f"remote: {kind}: {reps[kind]} interleaved pairs (local EncoderStage vs server)")
         runs = common.interleaved({"local": local, "remote": remote}, reps[kind], warmup=warmup)
         same = all(results[("local", i)] == results[("remote", i)] for i in range(reps[kind]))
-        _, parts = protocol.request_to_wire(requests[0])
+        _, parts = packing.request_to_wire(requests[0])
         req = requests[0]
         decoded = sum(x.nbytes for x in req.ref_images) + sum(
             v.frames.nbytes + (v.audio.nbytes if v.audio is not None else 0) for v in req.ref_videos)

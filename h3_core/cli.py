@@ -41,28 +41,19 @@ def _cmd_tiny(args) -> int:
 
 
 def _build_request(args):
-    from . import media
-    from .request import AudioInput, EncodeRequest, VideoInput
+    from .request import EncodeRequest
 
-    def video_input(path: str) -> VideoInput:
-        clip = media.read_video(path)
-        return VideoInput(frames=clip.frames, fps=clip.fps, audio=clip.audio, sample_rate=clip.sample_rate)
-
-    def audio_input(path: str) -> AudioInput:
-        waveform, sample_rate = media.read_audio(path)
-        return AudioInput(waveform=waveform, sample_rate=sample_rate)
-
-    return EncodeRequest(
-        prompt=args.prompt,
+    return EncodeRequest.from_sources(
+        args.prompt,
         task=args.task,
         width=args.width,
         height=args.height,
         num_frames=args.frames,
-        first_frame=media.read_image(args.first_frame) if args.first_frame else None,
-        last_frame=media.read_image(args.last_frame) if args.last_frame else None,
-        ref_images=[media.read_image(path) for path in args.ref_image],
-        ref_videos=[video_input(path) for path in args.ref_video],
-        ref_audios=[audio_input(path) for path in args.ref_audio],
+        first_frame=args.first_frame or None,
+        last_frame=args.last_frame or None,
+        ref_images=args.ref_image,
+        ref_videos=args.ref_video,
+        ref_audios=args.ref_audio,
     )
 
 
@@ -72,7 +63,7 @@ def _cmd_encode(args) -> int:
     if args.server:
         from .remote.client import EncoderClient
 
-        cond = EncoderClient(args.server).encode(request)
+        cond = EncoderClient(args.server, read_timeout=args.timeout).encode(request)
     else:
         from .encoder import EncoderStage
         from .models import ModelSource
@@ -169,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--ref-image", action="append", default=[], help="reference image (ref2va, <= 9)")
     encode.add_argument("--ref-video", action="append", default=[], help="reference video, soundtrack kept (<= 3)")
     encode.add_argument("--ref-audio", action="append", default=[], help="reference audio (<= 3)")
+    encode.add_argument("--timeout", type=float, default=300.0,
+                        help="with --server: seconds for the whole remote call, retries included (default 300)")
     encode.add_argument("--server", help="encode on a remote H3 encoder endpoint instead of locally "
                         "(comma-separated URLs fail over; token from H3_ENCODER_TOKEN)")
     encode.set_defaults(func=_cmd_encode)
@@ -201,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                        help="text encoder dtype (VAEs stay float32); match the local path for bit-identical results")
     serve.add_argument("--queue-size", type=int, help="requests waiting for or in the model (default 32)")
-    serve.add_argument("--deadline", type=float, help="default per-request deadline in seconds (default 300)")
+    serve.add_argument("--deadline", type=float,
+                       help="per-request deadline in seconds, default and maximum a client may ask for (default 300)")
+    serve.add_argument("--max-decoded-mb", type=float,
+                       help="decoded media per request in MiB, counted from the headers (default 3072)")
     serve.add_argument("--max-body-mb", type=float, help="largest request body in MiB (default 512)")
     serve.add_argument("--cache-mb", type=float, help="conditioning cache size in MiB (default 512; 0 disables)")
     serve.set_defaults(func=_cmd_serve)

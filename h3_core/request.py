@@ -4,7 +4,7 @@ Every entry point (CLI, ComfyUI nodes, encoder server) builds an `EncodeRequest`
 frames and float waveforms (`h3_core.media` does the decoding and the float->uint8 quantisation),
 so the encoder stage sees the same arrays whichever path the media came in by.
 
-Reference order is fixed, as ComfyUI core and vLLM-Omni present it (SPEC.md §1.4): all images,
+Reference order is fixed, as ComfyUI core and vLLM-Omni present it: all images,
 then each video (its soundtrack labelled right before it), then standalone audios. The prompt's
 `<Picture i>` / `<Video k>` / `<Audio j>` tags refer to that order.
 """
@@ -12,6 +12,7 @@ then each video (its soundtrack labelled right before it), then standalone audio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class AudioInput:
 @dataclass
 class EncodeRequest:
     prompt: str
-    task: str | None = None  # None: inferred from the media (SPEC.md §3)
+    task: str | None = None  # None: inferred from the media (h3_core.rules.infer_task)
     width: int | None = None  # None: H3's canvas rule picks it (16:9, or the first keyframe's aspect)
     height: int | None = None
     num_frames: int = rules.MIN_FRAMES
@@ -62,6 +63,46 @@ class EncodeRequest:
     ref_images: list[np.ndarray] = field(default_factory=list)
     ref_videos: list[VideoInput] = field(default_factory=list)
     ref_audios: list[AudioInput] = field(default_factory=list)
+
+    @classmethod
+    def from_sources(
+        cls,
+        prompt: str,
+        *,
+        task: str | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        num_frames: int = rules.MIN_FRAMES,
+        first_frame: Any = None,
+        last_frame: Any = None,
+        ref_images: Iterable[Any] = (),
+        ref_videos: Iterable[Any] = (),
+        ref_audios: Iterable[Any] = (),
+        read_image: Callable[[Any], np.ndarray] | None = None,
+        read_video: Callable[[Any], VideoInput] | None = None,
+        read_audio: Callable[[Any], AudioInput] | None = None,
+    ) -> "EncodeRequest":
+        """The request for media sources (paths or bytes by default), decoded in slot order.
+
+        The CLI passes file paths and the default readers (`h3_core.media.read_*`); the encoder server passes
+        its received parts and readers that check size caps from the headers first. Both build the same arrays
+        from the same bytes, so a remote encode equals a local one.
+        """
+        read_image = read_image or _read_image
+        read_video = read_video or _read_video
+        read_audio = read_audio or _read_audio
+        return cls(
+            prompt=prompt,
+            task=task,
+            width=width,
+            height=height,
+            num_frames=num_frames,
+            first_frame=None if first_frame is None else read_image(first_frame),
+            last_frame=None if last_frame is None else read_image(last_frame),
+            ref_images=[read_image(source) for source in ref_images],
+            ref_videos=[read_video(source) for source in ref_videos],
+            ref_audios=[read_audio(source) for source in ref_audios],
+        )
 
     def summary(self) -> rules.MediaSummary:
         return rules.MediaSummary(
@@ -99,10 +140,30 @@ class EncodeRequest:
         return task
 
 
+def _read_image(source: Any) -> np.ndarray:
+    from . import media
+
+    return media.read_image(source)
+
+
+def _read_video(source: Any) -> VideoInput:
+    from . import media
+
+    clip = media.read_video(source)
+    return VideoInput(frames=clip.frames, fps=clip.fps, audio=clip.audio, sample_rate=clip.sample_rate)
+
+
+def _read_audio(source: Any) -> AudioInput:
+    from . import media
+
+    waveform, sample_rate = media.read_audio(source)
+    return AudioInput(waveform=waveform, sample_rate=sample_rate)
+
+
 def _check_rgb(image: np.ndarray, label: str) -> None:
     if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
-        shape = getattr(image, "shape", None)
-        raise rules.H3InputError(f"{label} must be uint8 RGB pixels [H, W, 3], got {getattr(image, 'dtype', type(image))} {shape}")
+        shape, dtype = getattr(image, "shape", None), getattr(image, "dtype", type(image))
+        raise rules.H3InputError(f"{label} must be uint8 RGB pixels [H, W, 3], got {dtype} {shape}")
     height, width = image.shape[:2]
     if min(height, width) < 1 or max(width / height, height / width) > rules.MAX_ASPECT:
         raise rules.H3InputError(f"{label} must have an aspect ratio within 1:4 and 4:1, got {width}x{height}")

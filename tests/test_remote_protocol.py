@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from h3_core import media, rules
-from h3_core.remote import protocol
-from h3_core.remote.protocol import Limits, Part, ProtocolError
+from h3_core.remote import ingest, packing, protocol
+from h3_core.remote.ingest import Part
+from h3_core.remote.protocol import Limits, ProtocolError
 from h3_core.remote.server import ServerConfigError, check_bind, is_loopback
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
 
@@ -93,8 +94,8 @@ def test_strict_json():
 def test_part_checks_and_sniffing():
     png = media.encode_png_bytes(_image(0, 8, 8))
     wav = media.encode_wav_bytes(_tone(0.1), 32000)
-    assert protocol.sniff(png) == "png" and protocol.sniff(wav) == "wav"
-    protocol.check_part(Part("a", "image/png", png, ""), "image", "first_frame")
+    assert ingest.sniff(png) == "png" and ingest.sniff(wav) == "wav"
+    ingest.check_part(Part("a", "image/png", png, ""), "image", "first_frame")
     for content_type, data, status in (
         ("image/jpeg", png, 415),  # declared type disagrees with the bytes
         ("text/plain", png, 415),
@@ -103,16 +104,16 @@ def test_part_checks_and_sniffing():
         ("audio/wav", png, 415),
     ):
         with pytest.raises(ProtocolError) as info:
-            protocol.check_part(Part("a", content_type, data, ""), "audio" if "audio" in content_type else "image",
+            ingest.check_part(Part("a", content_type, data, ""), "audio" if "audio" in content_type else "image",
                                 "x")
         assert info.value.status == status
     with pytest.raises(ProtocolError) as info:
-        protocol.check_part(Part("a", "image/png", png, ""), "image", "x", Limits(max_image_bytes=10))
+        ingest.check_part(Part("a", "image/png", png, ""), "image", "x", Limits(max_image_bytes=10))
     assert info.value.status == 413
     for name in ("../x.png", "a/b.png", "a\\b", "x\x00.png", "..", ".hidden", "a" * 300):
         with pytest.raises(ProtocolError):
-            protocol.check_filename(name, "x")
-    protocol.check_filename("image0.png", "x")
+            ingest.check_filename(name, "x")
+    ingest.check_filename("image0.png", "x")
 
 
 def png_bomb(width: int, height: int) -> bytes:
@@ -135,7 +136,7 @@ def test_decompression_bomb_refused_before_decoding(size):
     data = png_bomb(*size)
     assert len(data) < 100_000
     with pytest.raises(ProtocolError) as info:
-        protocol.build_request(spec, {"k": Part("k", "image/png", data, "")}, Limits(max_image_pixels=4096 * 4096))
+        ingest.build_request(spec, {"k": Part("k", "image/png", data, "")}, Limits(max_image_pixels=4096 * 4096))
     assert info.value.status == 413 and info.value.code == "too_many_pixels"
 
 
@@ -146,20 +147,21 @@ def test_audio_over_the_cap_refused():
         "a": Part("a", "audio/wav", media.encode_wav_bytes(_tone(40.0, 8000), 8000), ""),
     }
     with pytest.raises(ProtocolError) as info:
-        protocol.build_request(spec, parts)
+        ingest.build_request(spec, parts)
     assert info.value.status == 413 and info.value.code == "too_long"
 
 
 def _wire_round_trip(request: EncodeRequest) -> EncodeRequest:
-    body, raw_parts = protocol.request_to_wire(request)
-    content_type, payload = protocol.encode_multipart(body, raw_parts)
+    body, raw_parts = packing.request_to_wire(request)
+    content_type, buffers = packing.encode_multipart(body, raw_parts)
+    payload = b"".join(buffers)
     assert content_type.startswith("multipart/form-data; boundary=") and payload.startswith(b"--")
     body = protocol.parse_request_json(json.dumps(body).encode())
     spec = protocol.parse_request(body)
     parts = {name: Part(name, ct, data, "") for name, ct, _, data in raw_parts}
     for name, (kind, where) in spec.part_kinds().items():
-        protocol.check_part(parts[name], kind, where)
-    return protocol.build_request(spec, parts)
+        ingest.check_part(parts[name], kind, where)
+    return ingest.build_request(spec, parts)
 
 
 def test_wire_round_trip_is_lossless():

@@ -3,7 +3,7 @@
 Every server here is real (aiohttp on 127.0.0.1, a free port) around the tiny model's real `EncoderStage`;
 a few tests wrap the stage to make it slow, so queueing, deadlines and cancellation are deterministic.
 The model thread and the local reference both run torch with one thread: bitwise equality between the two
-holds at equal thread counts (DIFFUSERS_NOTES.md), and one thread is also the fastest on shared CI cores.
+holds at equal thread counts (torch reductions depend on it), and one thread is also the fastest on shared CI cores.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_remote_protocol import png_bomb
 
 from h3_core import media
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.progress import Cancelled
-from h3_core.remote import protocol, server as server_module
+from h3_core.remote import http as http_module
+from h3_core.remote import packing, protocol
 from h3_core.remote.client import (
     EncoderClient,
     ModelMismatchError,
@@ -35,7 +37,6 @@ from h3_core.remote.client import (
 )
 from h3_core.remote.server import ServerConfig, ServerThread
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
-from test_remote_protocol import png_bomb
 
 THREADS = 1
 TOKEN = "test-token-" + "x" * 24
@@ -133,9 +134,10 @@ def _raw(url, method, path, body=b"", headers=None, timeout=30.0):
 
 
 def _wire(request: EncodeRequest, **extra) -> tuple[str, bytes]:
-    body, parts = protocol.request_to_wire(request)
+    body, parts = packing.request_to_wire(request)
     body.update(extra)
-    return protocol.encode_multipart(body, parts)
+    content_type, buffers = packing.encode_multipart(body, parts)
+    return content_type, b"".join(buffers)
 
 
 # --- parity --------------------------------------------------------------------------------------
@@ -380,17 +382,17 @@ def test_token_required_when_configured(stage, monkeypatch):
 def test_handshake_rejects_protocol_and_model_mismatch(server, stage, monkeypatch):
     with pytest.raises(ModelMismatchError, match="pinned"):
         EncoderClient(server.url, expect_model="0123456789abcdef").encode(CASES["t2va"])
-    real = server_module.capabilities
+    real = http_module.capabilities
 
     def other_version(service):
         caps = real(service)
         caps["protocol"] = {"name": protocol.PROTOCOL_NAME, "version": 99, "versions": [99]}
         return caps
 
-    monkeypatch.setattr(server_module, "capabilities", other_version)
+    monkeypatch.setattr(http_module, "capabilities", other_version)
     with pytest.raises(ProtocolMismatchError, match="version"):
         EncoderClient(server.url).encode(CASES["t2va"])
-    monkeypatch.setattr(server_module, "capabilities", real)
+    monkeypatch.setattr(http_module, "capabilities", real)
     # The JSON request carries its version too: a server refuses a client of another version outright.
     status, _, data = _raw(server.url, "POST", protocol.ENCODE_PATH,
                            json.dumps({"protocol": 2, "prompt": "x"}).encode(), {"Content-Type": "application/json"})

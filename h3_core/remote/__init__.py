@@ -1,8 +1,12 @@
 """The disaggregated encoder endpoint: run H3's encoders on another machine, shared by several ComfyUIs.
 
-    protocol.py  versioned request/response schema, limits, error model, EncodeRequest <-> wire (no pickle)
-    server.py    aiohttp app: one model thread behind a bounded queue, deadlines, cache, auth, graceful drain
-    client.py    EncoderClient: handshake, timeouts, retries with backoff, failover, cancel forwarding
+    protocol.py  the versioned schema: constants, limits, error model, RequestSpec and its parser, cache key
+    ingest.py    server side: received parts -> EncodeRequest (content types, header caps, the decoding seam)
+    packing.py   client side: EncodeRequest -> multipart body (lossless media, no pickle)
+    service.py   the service without HTTP: admission, bounded queue, one model thread, cache (pure asyncio)
+    http.py      aiohttp transport: middleware, capped body reading, handlers, create_app
+    server.py    running it: ServerThread (tests, embedding), main (CLI, signals, graceful drain)
+    client.py    EncoderClient: handshake, one deadline per call, retries with backoff, failover, cancel
 
 `python -m h3_core serve --models DIR` starts the server; `python -m h3_core encode --server URL ...` and the
 ComfyUI remote-encode node use the client. The protocol is documented in docs/PROTOCOL.md, deployment (two

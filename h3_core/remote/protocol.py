@@ -1,4 +1,4 @@
-"""The H3 encoder protocol, version 1: one schema shared by the server and the client.
+"""The H3 encoder protocol, version 1: the schema shared by the server and the client.
 
 Wire (docs/PROTOCOL.md has the full text):
 
@@ -11,58 +11,27 @@ Everything a request can get wrong is a `ProtocolError` carrying the HTTP status
 offending `field` and a message that names the constraint; the server sends it as
 ``{"error": {"code", "message", "field", "request_id"}}``.
 
-Media conversion is the CLI's (h3_core/cli.py `_build_request`): bytes -> `h3_core.media.read_*` ->
-`EncodeRequest`, so the server builds exactly the arrays a local run builds from the same files. The client
-sends the arrays of an `EncodeRequest` losslessly (PNG, lossless H.264 RGB in mp4 with the exact frame rate in
-the JSON, float32 WAV), so a remote encode is bit-identical to a local one.
-
-Nothing here unpickles, evaluates or writes to the filesystem; part and file names are never used as paths.
+This module is the schema only: constants, `Limits`, the error model, `RequestSpec` and its parser, the cache
+key. Turning received bytes into arrays is `ingest.py` (server side); turning an `EncodeRequest` into a
+multipart body is `packing.py` (client side).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
+import ipaddress
 import json
 import math
 import re
-import secrets
-import threading
-import warnings
 from dataclasses import dataclass, fields
-from fractions import Fraction
-from typing import Any, Iterable, Mapping
-
-import numpy as np
+from typing import Any, Mapping
 
 from .. import media, rules
-from ..progress import check_cancel
-from ..request import AudioInput, EncodeRequest, VideoInput
 
-__all__ = [
-    "PROTOCOL_NAME",
-    "PROTOCOL_VERSION",
-    "HEALTH_PATH",
-    "CAPABILITIES_PATH",
-    "ENCODE_PATH",
-    "DEFAULT_TOKEN_ENV",
-    "CONDITIONING_CONTENT_TYPE",
-    "Limits",
-    "ProtocolError",
-    "MediaRef",
-    "RequestSpec",
-    "Part",
-    "parse_request_json",
-    "parse_request",
-    "check_part",
-    "sniff",
-    "build_request",
-    "cache_key",
-    "request_to_wire",
-    "encode_multipart",
-    "error_body",
-    "error_from_exception",
-]
+__all__ = ["PROTOCOL_NAME", "PROTOCOL_VERSION", "HEALTH_PATH", "CAPABILITIES_PATH", "ENCODE_PATH", "DEFAULT_TOKEN_ENV",
+           "CONDITIONING_CONTENT_TYPE", "Limits", "ProtocolError", "MediaRef", "RequestSpec", "parse_request_json",
+           "parse_request", "cache_key", "is_loopback", "error_body", "error_from_exception"]
+
 
 PROTOCOL_NAME = "h3-encoder"
 PROTOCOL_VERSION = 1
@@ -113,6 +82,9 @@ class Limits:
     max_video_pixels: int = 3840 * 2160  # per frame
     max_video_frames: int = 1800  # decoded frames per reference video (15 s at 120 fps)
     max_video_decoded_bytes: int = 3 * 1024 * MiB  # frames x H x W x 3, per reference video
+    # All decoded media of ONE request (frames x H x W x 3 + samples x channels x 4 over every part), counted from
+    # the headers before decoding: with max_body_bytes it bounds the memory a request can make the server take.
+    max_request_decoded_bytes: int = 3 * 1024 * MiB
     max_media_seconds: float = rules.MAX_AUDIO_CLIP_S  # videos and audio clips (H3 refuses longer ones anyway)
     decode_slack_seconds: float = 1.0  # decoded past max_media_seconds before refusing, so H3's message wins
     max_sample_rate: int = 192_000
@@ -192,23 +164,8 @@ def error_from_exception(error: BaseException) -> ProtocolError | None:
 # request schema
 
 _PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-_TOP_KEYS = frozenset(
-    {
-        "protocol",
-        "prompt",
-        "task",
-        "width",
-        "height",
-        "num_frames",
-        "first_frame",
-        "last_frame",
-        "ref_images",
-        "ref_videos",
-        "ref_audios",
-        "model",
-        "deadline_s",
-    }
-)
+_TOP_KEYS = frozenset({"protocol", "prompt", "task", "width", "height", "num_frames", "first_frame", "last_frame",
+                       "ref_images", "ref_videos", "ref_audios", "model", "deadline_s"})
 _MEDIA_KEYS = frozenset({"part"})
 _VIDEO_KEYS = frozenset({"part", "fps", "soundtrack"})
 _MAX_LIST = 16  # absolute cap on any media list before H3's own counts are checked
@@ -257,6 +214,12 @@ class RequestSpec:
         return out
 
     def needed_components(self) -> tuple[str, ...]:
+        """The encoders this request needs, known before any media is read.
+
+        The client checks it against an endpoint's capabilities before uploading; the server checks it before
+        reading the media or queueing the job (422 ``component_not_loaded``). A video whose soundtrack is
+        null (the container's own audio) counts as needing the audio encoder: only decoding could tell.
+        """
         needs = ["text"]
         if self.first_frame or self.last_frame or self.ref_images or self.ref_videos:
             needs.append("video")
@@ -324,7 +287,8 @@ def parse_request_json(data: bytes | str, limits: Limits = Limits()) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise _bad(f"the JSON request is not valid UTF-8 ({error.reason} at byte {error.start})", REQUEST_PART)
+        raise _bad(f"the JSON request is not valid UTF-8 ({error.reason} at byte {error.start})",
+                   REQUEST_PART) from None
     try:
         return json.loads(
             text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
@@ -534,272 +498,6 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
     return spec
 
 
-# --------------------------------------------------------------------------------------------------------------
-# parts: content types, magic bytes, sizes
-
-# Declared content type -> the container formats its bytes may sniff as.
-_CONTENT_TYPES: dict[str, dict[str, tuple[str, ...]]] = {
-    "image": {
-        "image/png": ("png",),
-        "image/jpeg": ("jpeg",),
-        "image/jpg": ("jpeg",),
-        "image/webp": ("webp",),
-    },
-    "video": {
-        "video/mp4": ("isobmff",),
-        "video/quicktime": ("isobmff",),
-        "video/webm": ("ebml",),
-        "video/x-matroska": ("ebml",),
-    },
-    "audio": {
-        "audio/wav": ("wav",),
-        "audio/x-wav": ("wav",),
-        "audio/wave": ("wav",),
-        "audio/vnd.wave": ("wav",),
-        "audio/flac": ("flac",),
-        "audio/x-flac": ("flac",),
-        "audio/mpeg": ("mp3",),
-        "audio/mp3": ("mp3",),
-        "audio/ogg": ("ogg",),
-    },
-}
-
-
-def sniff(data: bytes) -> str | None:
-    """The container format from the first bytes, or None."""
-    head = bytes(data[:16])
-    if head.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "png"
-    if head.startswith(b"\xff\xd8\xff"):
-        return "jpeg"
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "webp"
-    if head[:4] in (b"RIFF", b"RF64") and head[8:12] == b"WAVE":
-        return "wav"
-    if head.startswith(b"fLaC"):
-        return "flac"
-    if head.startswith(b"OggS"):
-        return "ogg"
-    if head.startswith(b"ID3") or (len(head) >= 2 and head[0] == 0xFF and (head[1] & 0xE0) == 0xE0):
-        return "mp3"
-    if head[4:8] == b"ftyp":
-        return "isobmff"
-    if head.startswith(b"\x1a\x45\xdf\xa3"):
-        return "ebml"
-    return None
-
-
-def allowed_content_types(kind: str) -> list[str]:
-    return sorted(_CONTENT_TYPES[kind])
-
-
-def max_part_bytes(kind: str, limits: Limits) -> int:
-    return {"image": limits.max_image_bytes, "video": limits.max_video_bytes, "audio": limits.max_audio_bytes}[kind]
-
-
-_UNSAFE_FILENAME = re.compile(r"[\x00-\x1f\x7f/\\:]")
-
-
-def check_filename(filename: str | None, where: str) -> None:
-    """File names in Content-Disposition are never used, but a hostile one is refused rather than ignored."""
-    if filename is None:
-        return
-    if (len(filename) > 255 or _UNSAFE_FILENAME.search(filename) or filename in (".", "..")
-            or filename.startswith(".") or ".." in filename):
-        raise _bad(f"{where}: unsafe file name {filename[:80]!r} (no path separators, '..', leading dots or control "
-                   "characters; file names are never used as paths)", where)
-
-
-def content_type_family(content_type: str | None, kind: str, where: str) -> tuple[str, ...]:
-    """The sniff formats a declared content type allows for a media kind; 415 for anything else."""
-    declared = (content_type or "").split(";", 1)[0].strip().lower()
-    allowed = _CONTENT_TYPES[kind]
-    if declared not in allowed:
-        raise ProtocolError(415, "unsupported_media_type",
-                            f"{where}: content type {declared[:64] or '(none)'!r} is not accepted for a {kind}; "
-                            f"use one of {', '.join(sorted(allowed))}", where)
-    return allowed[declared]
-
-
-@dataclass
-class Part:
-    """A received media part: its bytes, declared content type and digest."""
-
-    name: str
-    content_type: str
-    data: bytes
-    sha256: str
-
-
-def check_part(part: Part, kind: str, where: str, limits: Limits = Limits()) -> None:
-    """Content type allowed for the slot, bytes of that format (magic number), size within the cap."""
-    family = content_type_family(part.content_type, kind, where)
-    cap = max_part_bytes(kind, limits)
-    if len(part.data) > cap:
-        raise _too_large(f"{where}: {len(part.data)} bytes, over the limit of max_{kind}_bytes={cap}", where)
-    if not part.data:
-        raise _invalid(f"{where}: the part is empty (0 bytes)", where, "invalid_media")
-    found = sniff(part.data)
-    if found not in family:
-        raise ProtocolError(415, "unsupported_media_type",
-                            f"{where}: declared {part.content_type.split(';')[0]!r} but the bytes are "
-                            f"{found or 'not a recognised media format'}", where)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# bytes -> EncodeRequest (the server side; the CLI's conversion plus caps read from the headers first)
-
-
-def _probe(data: bytes, where: str, kind: str) -> dict[str, Any]:
-    try:
-        return media.probe(data)
-    except media.MediaError as error:
-        raise _invalid(f"{where}: {error}", where, "invalid_media") from None
-
-
-def _check_audio_header(info: dict[str, Any], where: str, limits: Limits, what: str) -> None:
-    rate, channels = info.get("sample_rate"), info.get("channels")
-    if rate is not None and rate > limits.max_sample_rate:
-        raise _too_large(f"{where}: {what} sample rate {rate} Hz is over the limit of "
-                         f"max_sample_rate={limits.max_sample_rate}", where)
-    if channels is not None and channels > limits.max_audio_channels:
-        raise _too_large(f"{where}: {what} has {channels} channels, over the limit of "
-                         f"max_audio_channels={limits.max_audio_channels}", where)
-
-
-def _audio_duration(info: dict[str, Any]) -> float | None:
-    stream = next((s for s in info["streams"] if s["type"] == "audio"), None)
-    if stream is not None and stream.get("duration"):
-        return stream["duration"]
-    return info.get("duration")
-
-
-def _read_image(part: Part, where: str, limits: Limits) -> np.ndarray:
-    from PIL import Image
-
-    try:  # header only: Pillow reads the size without decoding pixels
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(part.data)) as image:
-                width, height = image.size
-    except Image.DecompressionBombError as error:
-        raise _too_large(f"{where}: {error}", where, "too_many_pixels") from None
-    except Exception as error:  # noqa: BLE001 - any Pillow failure on hostile bytes is a media error
-        raise _invalid(f"{where}: could not read the image header ({type(error).__name__}: {str(error)[:200]})",
-                       where, "invalid_media") from None
-    if width * height > limits.max_image_pixels:
-        raise _too_large(f"{where}: image is {width}x{height} = {width * height} pixels, over the limit of "
-                         f"max_image_pixels={limits.max_image_pixels}", where, "too_many_pixels")
-    return media.read_image(part.data, max_pixels=limits.max_image_pixels)
-
-
-def _read_audio(part: Part, where: str, limits: Limits) -> tuple[np.ndarray, int]:
-    info = _probe(part.data, where, "audio")
-    if not any(s["type"] == "audio" for s in info["streams"]):
-        raise _invalid(f"{where}: no audio stream", where, "invalid_media")
-    _check_audio_header(info, where, limits, "audio")
-    cap = limits.max_media_seconds + limits.decode_slack_seconds
-    seconds = _audio_duration(info)
-    if seconds is not None and seconds > cap:
-        raise _too_large(f"{where}: audio is {seconds:.2f} s long, over the limit of "
-                         f"max_media_seconds={limits.max_media_seconds:g}", where, "too_long")
-    waveform, rate = media.read_audio(part.data, max_seconds=cap)
-    if waveform.shape[1] >= int(cap * rate):
-        raise _too_large(f"{where}: audio is longer than max_media_seconds={limits.max_media_seconds:g}",
-                         where, "too_long")
-    return waveform, rate
-
-
-def _read_video(part: Part, where: str, limits: Limits) -> media.VideoClip:
-    info = _probe(part.data, where, "video")
-    if not any(s["type"] == "video" for s in info["streams"]):
-        raise _invalid(f"{where}: no video stream", where, "invalid_media")
-    width, height = info.get("width") or 0, info.get("height") or 0
-    if width * height > limits.max_video_pixels:
-        raise _too_large(f"{where}: video frames are {width}x{height} = {width * height} pixels, over the limit "
-                         f"of max_video_pixels={limits.max_video_pixels}", where, "too_many_pixels")
-    cap_s = limits.max_media_seconds + limits.decode_slack_seconds
-    if info.get("duration") is not None and info["duration"] > cap_s:
-        raise _too_large(f"{where}: video is {info['duration']:.2f} s long, over the limit of "
-                         f"max_media_seconds={limits.max_media_seconds:g}", where, "too_long")
-    if any(s["type"] == "audio" for s in info["streams"]):
-        _check_audio_header(info, where, limits, "soundtrack")
-        seconds = _audio_duration(info)
-        if seconds is not None and seconds > cap_s:
-            raise _too_large(f"{where}: soundtrack is {seconds:.2f} s long, over the limit of "
-                             f"max_media_seconds={limits.max_media_seconds:g}", where, "too_long")
-    max_frames = limits.max_video_frames
-    if width and height:
-        max_frames = max(1, min(max_frames, limits.max_video_decoded_bytes // (width * height * 3)))
-    declared = info.get("frames")
-    if declared and declared > max_frames:
-        raise _too_large(f"{where}: video declares {declared} frames, over the limit of {max_frames} decoded frames "
-                         f"(max_video_frames={limits.max_video_frames}, "
-                         f"max_video_decoded_bytes={limits.max_video_decoded_bytes})", where, "too_many_frames")
-    try:
-        return media.read_video(part.data, max_frames=max_frames, max_pixels=limits.max_video_pixels)
-    except media.MediaError as error:
-        if "max_frames" in str(error):
-            raise _too_large(f"{where}: {error}", where, "too_many_frames") from None
-        raise
-
-
-def build_request(
-    spec: RequestSpec,
-    parts: Mapping[str, Part],
-    limits: Limits = Limits(),
-    cancel: threading.Event | None = None,
-) -> EncodeRequest:
-    """Decode the parts exactly as the CLI decodes files (h3_core.media.read_*) and assemble the `EncodeRequest`.
-
-    Header-level caps (pixels, seconds, sample rates, declared frames) are checked before any pixel or sample is
-    decoded; decoding itself runs with caps that only a refused input can reach, so an accepted input decodes to
-    the same arrays as an uncapped local read.
-    """
-
-    def part(name: str, where: str) -> Part:
-        if name not in parts:  # the server checks this while reading; kept for in-process callers
-            raise _bad(f"{where}: part {name!r} is missing from the request body", where)
-        return parts[name]
-
-    def image(ref: MediaRef | None) -> np.ndarray | None:
-        if ref is None:
-            return None
-        check_cancel(cancel, f"before decoding {ref.field}")
-        return _read_image(part(ref.part, ref.field), ref.field, limits)
-
-    first, last = image(spec.first_frame), image(spec.last_frame)
-    images = [image(ref) for ref in spec.ref_images]
-    videos = []
-    for ref in spec.ref_videos:
-        check_cancel(cancel, f"before decoding {ref.field}")
-        clip = _read_video(part(ref.part, ref.field), ref.field, limits)
-        audio, rate = clip.audio, clip.sample_rate
-        if ref.soundtrack is False:
-            audio, rate = None, None
-        elif isinstance(ref.soundtrack, str):
-            where = f"{ref.field}.soundtrack"
-            audio, rate = _read_audio(part(ref.soundtrack, where), where, limits)
-        videos.append(VideoInput(frames=clip.frames, fps=clip.fps if ref.fps is None else ref.fps,
-                                 audio=audio, sample_rate=rate))
-    audios = []
-    for ref in spec.ref_audios:
-        check_cancel(cancel, f"before decoding {ref.field}")
-        waveform, rate = _read_audio(part(ref.part, ref.field), ref.field, limits)
-        audios.append(AudioInput(waveform=waveform, sample_rate=rate))
-    return EncodeRequest(
-        prompt=spec.prompt,
-        task=spec.task,
-        width=spec.width,
-        height=spec.height,
-        num_frames=spec.num_frames,
-        first_frame=first,
-        last_frame=last,
-        ref_images=images,
-        ref_videos=videos,
-        ref_audios=audios,
-    )
-
 
 def cache_key(spec: RequestSpec, digests: Mapping[str, str], model_fingerprint: str) -> str:
     """Content address of a request: protocol, model, media conversion, numbers, prompt and media digests."""
@@ -813,118 +511,15 @@ def cache_key(spec: RequestSpec, digests: Mapping[str, str], model_fingerprint: 
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-# --------------------------------------------------------------------------------------------------------------
-# EncodeRequest -> wire (the client side)
+def is_loopback(host: str) -> bool:
+    """Only IP literals in 127.0.0.0/8 or ::1 (bracketed or not), and the name `localhost`, count as loopback.
 
-
-def _lossless_mp4(frames: np.ndarray, fps: float) -> bytes:
-    """uint8 RGB frames -> an mp4 that `media.read_video` decodes to the same bytes.
-
-    H.264 High 4:4:4 in RGB at qp 0 (libx264rgb) where FFmpeg has it, else PNG frames in the mp4 container;
-    both are lossless for rgb24.
+    No DNS lookups: a name that resolves to 127.0.0.1 today may not tomorrow. Used by the server (may it bind
+    without a token?) and by the client (may it send a token over plain HTTP without a warning?).
     """
-    import av
-
-    count, height, width = frames.shape[:3]
-    rate = Fraction(float(fps)).limit_denominator(1_000_000)
-    if rate <= 0:
-        raise media.MediaError(f"reference video fps must be positive, got {fps!r}")
-    codec = "libx264rgb" if "libx264rgb" in av.codecs_available else "png"
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "rgb24"
-        if codec == "libx264rgb":
-            stream.options = {"qp": "0", "preset": "veryfast"}
-        for index in range(count):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[index]), format="rgb24")
-            frame.pts = index
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))
-    return buffer.getvalue()
-
-
-def _lossy_mp4(frames: np.ndarray, fps: float) -> bytes:
-    if frames.shape[1] % 2 or frames.shape[2] % 2:  # yuv420p needs even sizes
-        return _lossless_mp4(frames, fps)
-    return media.encode_mp4_bytes(frames, None, fps=fps)
-
-
-def request_to_wire(
-    request: EncodeRequest,
-    *,
-    lossless_video: bool = True,
-    cancel: threading.Event | None = None,
-) -> tuple[dict[str, Any], list[tuple[str, str, str, bytes]]]:
-    """The JSON request and the media parts ``(name, content_type, filename, bytes)`` for an `EncodeRequest`.
-
-    Images go as PNG and waveforms as float32 WAV (both lossless); videos as lossless mp4 with the exact frame
-    rate in the JSON and their soundtrack as a separate float32 WAV part, so the server rebuilds the same arrays.
-    ``lossless_video=False`` sends H.264 yuv420p at CRF 18 instead (far smaller, no longer bit-identical).
-    """
-    parts: list[tuple[str, str, str, bytes]] = []
-
-    def add(name: str, content_type: str, extension: str, data: bytes) -> dict[str, str]:
-        parts.append((name, content_type, f"{name}.{extension}", data))
-        return {"part": name}
-
-    def png(name: str, image: np.ndarray) -> dict[str, str]:
-        check_cancel(cancel, "while packing the request media")
-        return add(name, "image/png", "png", media.encode_png_bytes(image, compress_level=1))
-
-    def wav(name: str, waveform: np.ndarray, rate: int) -> dict[str, str]:
-        check_cancel(cancel, "while packing the request media")
-        return add(name, "audio/wav", "wav", media.encode_wav_bytes(waveform, int(rate), sample_format="f32"))
-
-    body: dict[str, Any] = {
-        "protocol": PROTOCOL_VERSION,
-        "prompt": request.prompt,
-        "task": request.task,
-        "num_frames": int(request.num_frames),
-    }
-    if request.width is not None or request.height is not None:
-        body["width"], body["height"] = request.width, request.height
-    if request.first_frame is not None:
-        body["first_frame"] = png("first_frame", request.first_frame)
-    if request.last_frame is not None:
-        body["last_frame"] = png("last_frame", request.last_frame)
-    body["ref_images"] = [png(f"image{index}", image) for index, image in enumerate(request.ref_images)]
-    videos = []
-    for index, video in enumerate(request.ref_videos):
-        check_cancel(cancel, "while packing the request media")
-        frames = np.ascontiguousarray(video.frames)
-        data = _lossless_mp4(frames, video.fps) if lossless_video else _lossy_mp4(frames, video.fps)
-        entry: dict[str, Any] = add(f"video{index}", "video/mp4", "mp4", data)
-        entry["fps"] = float(video.fps)
-        if video.audio is not None:
-            entry["soundtrack"] = wav(f"soundtrack{index}", video.audio, video.sample_rate)["part"]
-        else:
-            entry["soundtrack"] = False
-        videos.append(entry)
-    body["ref_videos"] = videos
-    body["ref_audios"] = [wav(f"audio{index}", audio.waveform, audio.sample_rate)
-                          for index, audio in enumerate(request.ref_audios)]
-    return body, parts
-
-
-def encode_multipart(request_json: Mapping[str, Any], parts: Iterable[tuple[str, str, str, bytes]]
-                     ) -> tuple[str, bytes]:
-    """``(content_type, body)`` of a multipart/form-data request: the JSON part first, then the media parts."""
-    boundary = "h3-" + secrets.token_hex(16)
-    chunks = []
-
-    def part(name: str, content_type: str, data: bytes, filename: str | None = None) -> None:
-        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
-        chunks.append(
-            f"--{boundary}\r\nContent-Disposition: {disposition}\r\nContent-Type: {content_type}\r\n\r\n"
-            .encode("ascii")
-        )
-        chunks.append(data)
-        chunks.append(b"\r\n")
-
-    part(REQUEST_PART, "application/json",
-         json.dumps(request_json, ensure_ascii=True, separators=(",", ":")).encode("ascii"))
-    for name, content_type, filename, data in parts:
-        part(name, content_type, data, filename)
-    chunks.append(f"--{boundary}--\r\n".encode("ascii"))
-    return f"multipart/form-data; boundary={boundary}", b"".join(chunks)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

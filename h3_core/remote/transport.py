@@ -1,0 +1,273 @@
+"""The client's side of one HTTP exchange, and the errors a remote encode can end in.
+
+`exchange` runs one request in a helper thread while the calling thread watches `cancel` and a monotonic
+deadline: whichever comes first closes the socket, in any phase (connect, send, status line, headers, body), so
+a server trickling one byte at a time cannot hold the caller past its deadline. Every answer is read with a
+cap on what it can legitimately be; a Content-Length over the cap is refused before reading.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from ..progress import Cancelled
+from . import protocol
+
+MAX_SMALL_RESPONSE_BYTES = 1024 * 1024  # capabilities, health and error answers
+MAX_MESSAGE_CHARS = 300  # of a server's error message, as repeated in this client's exceptions
+MAX_JSON_DEPTH = 32
+
+
+class RemoteEncodeError(RuntimeError):
+    """The remote encode failed; `status`, `code`, `field` and `message` come from the server when it answered."""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
+                 field: str | None = None, url: str | None = None, request_id: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.code, self.field = message, status, code, field
+        self.url, self.request_id = url, request_id
+
+
+class RemoteRequestError(RemoteEncodeError, ValueError):
+    """The server refused the request itself (400/409/413/415/422): fix the inputs, retrying will not help."""
+
+
+class RemoteAuthError(RemoteEncodeError):
+    """401: no token, or the wrong one (set H3_ENCODER_TOKEN, or the variable the client was told to read)."""
+
+
+class RemoteUnavailableError(RemoteEncodeError):
+    """No endpoint answered usefully within the retries and timeouts (down, refusing, busy or timing out)."""
+
+
+class ProtocolMismatchError(RemoteEncodeError):
+    """The endpoint speaks another protocol version than this client."""
+
+
+class ModelMismatchError(RemoteEncodeError):
+    """The endpoint serves other weights than the ones pinned (by `expect_model` or the first handshake)."""
+
+
+@dataclass
+class Endpoint:
+    url: str
+    scheme: str
+    host: str
+    port: int
+    prefix: str
+    capabilities: dict | None = None
+    checked_at: float = 0.0
+
+    def path(self, path: str) -> str:
+        return self.prefix + path
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: http.client.HTTPMessage
+    body: bytes
+
+    def error(self) -> dict[str, Any]:
+        try:
+            body = json.loads(self.body.decode("utf-8"))
+            error = body.get("error") if isinstance(body, dict) else None
+            if isinstance(error, dict):
+                # Only strings, each cut short: a hostile server cannot make the caller's messages huge.
+                return {key: short(value) if isinstance(value := error.get(key), str) else None
+                        for key in ("code", "message", "field", "request_id")}
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            pass
+        text = self.body[:200].decode("utf-8", "replace").strip()
+        return {"code": None, "message": text or http.client.responses.get(self.status, "error"), "field": None}
+
+
+class Transient(Exception):
+    """One attempt failed in a way another attempt (or endpoint) may not."""
+
+    def __init__(self, message: str, retry_after: float | None = None, error: RemoteEncodeError | None = None):
+        super().__init__(message)
+        self.retry_after, self.error = retry_after, error
+
+
+def parse_url(url: str) -> Endpoint:
+    url = url.strip()
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"encoder URL must start with http:// or https://, got {url!r}")
+    if parts.username or parts.password:
+        raise ValueError("do not put credentials in the encoder URL; set the token in the environment "
+                         f"({protocol.DEFAULT_TOKEN_ENV})")
+    if parts.query or parts.fragment:
+        raise ValueError(f"encoder URL must not have a query or fragment: {url!r}")
+    if not parts.hostname:
+        raise ValueError(f"encoder URL has no host: {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    prefix = parts.path.rstrip("/")
+    return Endpoint(url=f"{parts.scheme}://{parts.netloc}{prefix}", scheme=parts.scheme, host=parts.hostname,
+                     port=port, prefix=prefix)
+
+
+
+def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, path: str, body: list | None,
+             headers: dict[str, str], cancel: threading.Event | None, connect_timeout: float, read_timeout: float,
+             deadline: float, max_bytes: int, on_sent: Callable[[], None] | None = None) -> Reply:
+    """One HTTP exchange in a helper thread; the calling thread closes the socket when `cancel` is set or
+    the monotonic `deadline` passes (whatever phase: connect, send, headers, body). A 200 answer may be at
+    most `max_bytes`, any other at most MAX_SMALL_RESPONSE_BYTES."""
+    if deadline - time.monotonic() <= 0:
+        raise Transient("deadline passed before the call")
+    conn.timeout = min(connect_timeout, max(0.01, deadline - time.monotonic()))
+    outcome: dict[str, Any] = {"phase": "connect"}
+    aborted = threading.Event()
+    buffers = [memoryview(b) for b in body] if body is not None else None
+
+    def run() -> None:
+        try:
+            conn.connect()
+            if aborted.is_set():
+                return
+            outcome["phase"] = "send"
+            conn.sock.settimeout(read_timeout)
+            all_headers = dict(headers)
+            if buffers is not None:
+                all_headers["Content-Length"] = str(sum(b.nbytes for b in buffers))
+            conn.putrequest(method, endpoint.path(path), skip_accept_encoding=True)
+            for key, value in all_headers.items():
+                conn.putheader(key, value)
+            conn.endheaders()
+            send_error = None
+            try:
+                for buffer in buffers or ():
+                    for offset in range(0, buffer.nbytes, 1 << 20):
+                        if aborted.is_set():
+                            return
+                        conn.sock.sendall(buffer[offset:offset + (1 << 20)])
+            except (BrokenPipeError, ConnectionResetError) as error:
+                send_error = error  # the server may have answered early (401, 413, 429): read that answer
+            outcome["sent"] = send_error is None  # reported by the calling thread, not this one
+            outcome["phase"] = "read"
+            try:
+                response = conn.getresponse()
+            except (http.client.HTTPException, OSError):
+                if send_error is not None:
+                    raise send_error from None
+                raise
+            cap = max_bytes if response.status == 200 else MAX_SMALL_RESPONSE_BYTES
+            length = response.getheader("Content-Length")
+            if length is not None and length.strip().isdigit() and int(length) > cap:
+                raise RemoteEncodeError(f"{endpoint.url}: the answer declares {short(length, 24)} bytes, over "
+                                        f"the client's limit of {cap} bytes for it", url=endpoint.url)
+            data = bytearray()
+            while True:
+                chunk = response.read(min(1 << 20, cap + 1 - len(data)))
+                if not chunk:
+                    break
+                data += chunk
+                if len(data) > cap:
+                    raise RemoteEncodeError(f"{endpoint.url}: the answer is over the client's limit of {cap} "
+                                            "bytes for it", url=endpoint.url)
+                if aborted.is_set():
+                    return
+            data = bytes(data)
+            outcome["reply"] = Reply(response.status, response.headers, data)
+        except BaseException as error:  # noqa: BLE001 - handed to the calling thread
+            outcome["error"] = error
+        finally:
+            conn.close()
+
+    worker = threading.Thread(target=run, name="h3-encoder-client", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+        if on_sent is not None and outcome.get("sent"):
+            on_sent()
+            on_sent = None
+        if cancel is not None and cancel.is_set() and worker.is_alive():
+            aborted.set()
+            abort(conn)
+            worker.join(2.0)
+            raise Cancelled(f"cancelled; the connection to {endpoint.url} was closed so the server abandons "
+                            "the work")
+        if time.monotonic() >= deadline and worker.is_alive():
+            aborted.set()
+            abort(conn)
+            worker.join(2.0)
+            raise Transient(f"the call's deadline passed during {outcome['phase']} (connect + send + read are "
+                             "bounded together by total_timeout)")
+    if on_sent is not None and outcome.get("sent"):
+        on_sent()
+    if "reply" in outcome:
+        return outcome["reply"]
+    error = outcome.get("error")
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("cancelled")
+    if isinstance(error, RemoteEncodeError):
+        raise error
+    if isinstance(error, ssl.SSLCertVerificationError):
+        raise RemoteEncodeError(f"{endpoint.url}: TLS certificate not trusted: {error}", url=endpoint.url)
+    if isinstance(error, (socket.timeout, TimeoutError)):
+        phase = outcome["phase"]
+        limit = connect_timeout if phase == "connect" else read_timeout
+        raise Transient(f"{phase} timeout after {limit:g} s")
+    if isinstance(error, ConnectionRefusedError):
+        raise Transient("connection refused (server down or not listening)")
+    if isinstance(error, (http.client.RemoteDisconnected, http.client.IncompleteRead, ConnectionError,
+                          http.client.BadStatusLine)):
+        raise Transient(f"connection lost mid-request ({type(error).__name__}: {error})")
+    if isinstance(error, OSError):
+        raise Transient(f"network error ({type(error).__name__}: {error})")
+    if isinstance(error, http.client.HTTPException):
+        raise Transient(f"malformed HTTP answer ({type(error).__name__}: {error})")
+    raise error  # type: ignore[misc]
+
+def abort(conn: http.client.HTTPConnection) -> None:
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def short(value: Any, limit: int = MAX_MESSAGE_CHARS) -> Any:
+    """A server-supplied string cut to `limit` characters (non-strings pass through, None stays None)."""
+    if isinstance(value, str) and len(value) > limit:
+        return value[:limit] + "..."
+    return value
+
+
+def loads(data: bytes) -> Any:
+    """JSON from a server, with nesting bounded before parsing (a deep document would raise RecursionError)."""
+    text = data.decode("utf-8")
+    depth = deepest = 0
+    for char in text:  # brackets inside strings count too: a bound, not a parser
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_JSON_DEPTH:
+                raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        elif char in "]}":
+            depth -= 1
+    return json.loads(text)

@@ -1,0 +1,258 @@
+"""The client against hostile servers (issue 13, item 6): bounded answers, one deadline, checked capabilities.
+
+Each server here is a real TCP server on 127.0.0.1 that speaks just enough HTTP to be hostile: a Content-Length
+of gigabytes, an endless chunked body, one byte every second, capabilities nested 100 000 deep or of the wrong
+shapes, an error message of 100 KB. The client must stop reading at what the answer can legitimately be, give up
+at its deadline whatever the server trickles, and fail with its documented errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from h3_core.remote import packing
+from h3_core.remote.client import EncoderClient, ProtocolMismatchError, RemoteEncodeError, RemoteRequestError
+from h3_core.request import EncodeRequest
+
+REPO = Path(__file__).resolve().parents[1]
+REQUEST = EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, num_frames=124)
+CAPS = {
+    "protocol": {"name": "h3-encoder", "version": 1, "versions": [1]},
+    "model": {"fingerprint": "abc123", "components": ["text", "video", "audio"], "dtype": "float32"},
+    "limits": {"max_body_bytes": 1 << 30},
+    "deadline_s": {"default": 300, "max": 1800},
+}
+MiB = 1 << 20
+
+
+class HostileServer:
+    """Answers GET /v1/capabilities with `caps` (bytes) and POST /v1/encode with `encode(conn)`; counts bytes sent."""
+
+    def __init__(self, encode=None, caps: bytes | None = None, caps_writer=None):
+        self.encode, self.caps, self.caps_writer = encode, caps, caps_writer
+        self.sent = 0
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket):
+        try:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, _, rest = data.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            path = lines[0].split(" ")[1]
+            length = next((int(line.split(":", 1)[1]) for line in lines[1:] if line.lower().startswith(
+                "content-length:")), 0)
+            left = length - len(rest)
+            while left > 0:
+                chunk = conn.recv(min(left, 1 << 20))
+                if not chunk:
+                    return
+                left -= len(chunk)
+            if path.endswith("/v1/capabilities"):
+                if self.caps_writer is not None:
+                    self.caps_writer(self, conn)
+                else:
+                    body = self.caps if self.caps is not None else json.dumps(CAPS).encode()
+                    self.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                              + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            elif self.encode is not None:
+                self.encode(self, conn)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def send(self, conn: socket.socket, data: bytes) -> None:
+        conn.sendall(data)
+        self.sent += len(data)
+
+    def stream(self, conn: socket.socket, total: int, chunked: bool = False) -> None:
+        """Send up to `total` bytes of zeros as fast as the client reads them (stops when it hangs up)."""
+        block = bytes(MiB)
+        for _ in range(total // MiB):
+            if self.stop.is_set():
+                return
+            self.send(conn, (b"%x\r\n" % MiB + block + b"\r\n") if chunked else block)
+
+    def trickle(self, conn: socket.socket, data: bytes, every_s: float) -> None:
+        for byte in data:
+            if self.stop.is_set():
+                return
+            self.send(conn, bytes([byte]))
+            time.sleep(every_s)
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def hostile():
+    servers = []
+
+    def make(**kwargs):
+        servers.append(HostileServer(**kwargs))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def test_answer_bound_follows_the_request():
+    small = packing.conditioning_bound(REQUEST)
+    assert small < 64 * MiB  # a t2va answer is a few MB at most; 1 GiB would not be a bound
+    frames = np.zeros((48, 64, 64, 3), np.uint8)
+    from h3_core.request import VideoInput
+
+    bigger = EncodeRequest(prompt="<Video 1> moves.", width=64, height=64,
+                           ref_videos=[VideoInput(frames=frames, fps=24.0)])
+    assert packing.conditioning_bound(bigger) > small
+
+
+def test_content_length_over_the_bound_is_refused_before_reading(hostile):
+    def encode(server, conn):
+        server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                          b"Content-Length: 3500000000\r\n\r\n")
+        server.stream(conn, 300 * MiB)
+
+    server = hostile(encode=encode)
+    started = time.monotonic()
+    with pytest.raises(RemoteEncodeError) as info:
+        EncoderClient(server.url, retries=0, read_timeout=30).encode(REQUEST)
+    assert "3500000000" in str(info.value) and "limit" in str(info.value)
+    time.sleep(0.2)
+    assert server.sent < 16 * MiB, f"the client read {server.sent} bytes of an answer it should have refused"
+    assert time.monotonic() - started < 10
+
+
+def test_chunked_answer_is_cut_at_the_bound(hostile):
+    def encode(server, conn):
+        server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                          b"Transfer-Encoding: chunked\r\n\r\n")
+        server.stream(conn, 400 * MiB, chunked=True)
+
+    server = hostile(encode=encode)
+    bound = packing.conditioning_bound(REQUEST)
+    with pytest.raises(RemoteEncodeError) as info:
+        EncoderClient(server.url, retries=0, read_timeout=30).encode(REQUEST)
+    assert "over the client's limit" in str(info.value)
+    time.sleep(0.2)
+    assert server.sent < bound + 16 * MiB, f"sent {server.sent} bytes past a bound of {bound}"
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_capabilities_are_capped_at_1_mib(hostile, chunked):
+    def caps_writer(server, conn):
+        if chunked:
+            server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n")
+        else:
+            server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                        % (200 * MiB))
+        server.stream(conn, 200 * MiB, chunked=chunked)
+
+    server = hostile(caps_writer=caps_writer)
+    with pytest.raises(RemoteEncodeError):
+        EncoderClient(server.url, retries=0, read_timeout=30).capabilities()
+    time.sleep(0.2)
+    assert server.sent < 16 * MiB
+
+
+def _trickling_headers(server, conn):
+    server.trickle(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: 10\r\n\r\n",
+                   1.0)
+
+
+def test_one_deadline_for_a_server_trickling_bytes(hostile):
+    """One byte per second never trips a 4 s socket timeout; the call's single deadline (5 s) still ends it."""
+    server = hostile(encode=_trickling_headers)
+    client = EncoderClient(server.url, retries=0, connect_timeout=1, read_timeout=4)
+    started = time.monotonic()
+    with pytest.raises(RemoteEncodeError) as info:
+        client.encode(REQUEST)
+    elapsed = time.monotonic() - started
+    print(f"slow-byte server: encode gave up after {elapsed:.1f} s (deadline 5 s)")
+    assert elapsed < 8 and "deadline" in str(info.value)
+
+
+def test_handshake_with_a_trickling_server_ends_at_the_deadline(hostile):
+    server = hostile(caps_writer=_trickling_headers)
+    started = time.monotonic()
+    with pytest.raises(RemoteEncodeError):
+        EncoderClient(server.url, retries=0, connect_timeout=1, read_timeout=3).capabilities()
+    elapsed = time.monotonic() - started
+    print(f"slow-byte server: handshake gave up after {elapsed:.1f} s (deadline 4 s)")
+    assert elapsed < 7
+
+
+def test_cli_encode_with_a_trickling_server_ends_at_its_timeout(hostile, tmp_path):
+    server = hostile(encode=_trickling_headers)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "h3_core", "encode", "--server", server.url, "--timeout", "4",
+                           "--prompt", "A red fox.", "--width", "64", "--height", "64", "--out",
+                           str(tmp_path / "c.safetensors")], cwd=REPO, env=env, capture_output=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0 and b"deadline" in done.stderr, done.stderr[-2000:]
+    print(f"slow-byte server: CLI exited after {elapsed:.1f} s (timeout 4 s, including start-up)")
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("caps", [
+    DEEP,
+    json.dumps(dict(CAPS, protocol={"version": 1, "versions": 5})).encode(),
+    json.dumps(dict(CAPS, model={"fingerprint": "abc", "components": 7})).encode(),
+    json.dumps(dict(CAPS, limits=[1, 2])).encode(),
+    json.dumps(dict(CAPS, deadline_s="soon")).encode(),
+    json.dumps(dict(CAPS, model=["abc"])).encode(),
+    json.dumps({"protocol": {"version": 1}, "model": {"fingerprint": {"nested": 1}}}).encode(),
+], ids=["deep", "versions-int", "components-int", "limits-list", "deadline-str", "model-list", "fingerprint-dict"])
+def test_malformed_capabilities_give_the_documented_error(hostile, caps):
+    server = hostile(caps=caps)
+    with pytest.raises(ProtocolMismatchError):
+        EncoderClient(server.url, retries=0, read_timeout=10).capabilities()
+    with pytest.raises(ProtocolMismatchError):
+        EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST)
+
+
+def test_error_messages_are_truncated(hostile):
+    def encode(server, conn):
+        body = json.dumps({"error": {"code": "invalid_request", "message": "x" * 100_000, "field": "y" * 5000}})
+        server.send(conn, b"HTTP/1.1 422 Unprocessable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                          b"Connection: close\r\n\r\n%s" % (len(body), body.encode()))
+
+    server = hostile(encode=encode)
+    with pytest.raises(RemoteRequestError) as info:
+        EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST)
+    assert len(str(info.value)) < 1000 and len(str(info.value.field)) < 1000

@@ -1,0 +1,236 @@
+"""The server against hostile clients (issue 13, items 7, 8, 9 and 3): a real server on 127.0.0.1.
+
+* Slow uploads: body bytes are counted as they arrive (four uploads declaring 512 MiB each lock nobody out), a
+  client's bytes in flight are capped, and an upload under the minimum rate is dropped with 408.
+* Connections: headers sent one byte at a time, or nothing at all, or an idle keep-alive: closed after the
+  header timeout.
+* A corrupt gzip body answers 400; the operator's --deadline caps what a client may ask for; the decoded
+  media of one request is bounded from the headers (413 naming the bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from h3_core import media
+from h3_core.encoder import EncoderStage
+from h3_core.models import ModelSource
+from h3_core.remote import protocol
+from h3_core.remote.client import EncoderClient
+from h3_core.remote.protocol import Limits
+from h3_core.remote.server import ServerConfig, ServerThread, config_from_args
+from h3_core.request import EncodeRequest
+
+MiB = 1 << 20
+REQUEST = EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, num_frames=124)
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_dir):
+    torch.set_num_threads(1)
+    return EncoderStage(ModelSource.from_path(tiny_dir))
+
+
+def _connect(url: str, timeout: float = 20.0) -> socket.socket:
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    return sock
+
+
+def _start_upload(url: str, declared: int, first: bytes = b"") -> socket.socket:
+    """A multipart POST that declares `declared` bytes and sends only its start."""
+    sock = _connect(url)
+    boundary = "b0undary"
+    head = (f"POST {protocol.ENCODE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+            f"boundary={boundary}\r\nContent-Length: {declared}\r\n\r\n").encode()
+    part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"request\"\r\nContent-Type: application/json"
+            "\r\n\r\n").encode()
+    body = json.dumps({"protocol": 1, "prompt": "<Picture 1> waves.", "ref_images": [{"part": "i"}]}).encode()
+    image = (f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"i\"; filename=\"i.png\"\r\n"
+             "Content-Type: image/png\r\n\r\n").encode()
+    sock.sendall(head + part + body + image + first)
+    return sock
+
+
+def _status(sock: socket.socket) -> int | None:
+    data = b""
+    try:
+        while b"\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        return None
+    return int(data.split(b" ")[1]) if data.startswith(b"HTTP/1.1") else None
+
+
+def _closed_after(sock: socket.socket, limit: float) -> float | None:
+    """Seconds until the server closes `sock` (recv gives b"" or an error), or None within `limit`."""
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - started < limit:
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - started
+        except socket.timeout:
+            continue
+        except OSError:
+            return time.monotonic() - started
+    return None
+
+
+def test_slow_uploads_do_not_lock_out_other_clients(stage):
+    config = ServerConfig(threads=1, upload_grace_s=60)
+    with ServerThread(stage, config) as srv:
+        slow = [_start_upload(srv.url, 512 * MiB, b"\x89PNG\r\n\x1a\n") for _ in range(4)]
+        try:
+            time.sleep(0.5)
+            assert srv.call(lambda: srv.service.active_requests) == 4
+            started = time.monotonic()
+            result = EncoderClient(srv.url, retries=0).encode(REQUEST)
+            assert result.task == "t2va"
+            print(f"4 uploads declaring 512 MiB each: another client encoded in {time.monotonic() - started:.1f} s; "
+                  f"bytes held {srv.call(lambda: srv.service.buffered_bytes)}")
+        finally:
+            for sock in slow:
+                sock.close()
+
+
+def test_upload_under_the_minimum_rate_gets_408(stage):
+    config = ServerConfig(threads=1, upload_grace_s=1.0, min_upload_bytes_per_s=64 * 1024)
+    with ServerThread(stage, config) as srv:
+        sock = _start_upload(srv.url, 4 * MiB, b"\x89PNG\r\n\x1a\n")
+        started = time.monotonic()
+        sock.settimeout(0.2)
+        status = None
+        while time.monotonic() - started < 15 and status is None:
+            try:
+                sock.sendall(b"x" * 100)  # 500 B/s
+            except OSError:
+                pass
+            try:
+                data = sock.recv(4096)
+                status = int(data.split(b" ")[1]) if data.startswith(b"HTTP/1.1") else -1
+            except socket.timeout:
+                pass
+        sock.close()
+        elapsed = time.monotonic() - started
+        print(f"500 B/s upload: answered {status} after {elapsed:.1f} s (grace 1 s)")
+        assert status == 408 and elapsed < 5
+        assert srv.call(lambda: srv.service.buffered_bytes) == 0
+
+
+def test_bytes_in_flight_are_capped_per_client(stage):
+    config = ServerConfig(threads=1, upload_grace_s=60, max_client_bytes=2 * MiB)
+    with ServerThread(stage, config) as srv:
+        first = _start_upload(srv.url, int(1.9 * MiB), b"\x89PNG\r\n\x1a\n" + bytes(int(1.5 * MiB)))
+        try:
+            deadline = time.monotonic() + 10
+            while srv.call(lambda: srv.service.buffered_bytes) < MiB and time.monotonic() < deadline:
+                time.sleep(0.05)
+            held = srv.call(lambda: srv.service.client_bytes["127.0.0.1"])
+            second = _start_upload(srv.url, MiB)
+            assert _status(second) == 429  # 1.5 MiB arrived + 1 MiB declared > max_client_bytes
+            second.close()
+            print(f"per-client cap 2 MiB: {held} bytes held by the slow upload; a 1 MiB request refused with 429")
+        finally:
+            first.close()
+        time.sleep(0.5)
+        assert srv.call(lambda: srv.service.client_bytes.get("127.0.0.1", 0)) == 0
+
+
+def test_slowloris_and_idle_connections_are_closed(stage):
+    config = ServerConfig(threads=1, header_timeout_s=2.0)
+    with ServerThread(stage, config) as srv:
+        slowloris = _connect(srv.url)
+        slowloris.sendall(b"POST /v1/encode HTTP/1.1\r\n")
+        started = time.monotonic()
+        closed = None
+        for byte in b"X-Padding: " + b"a" * 200:
+            try:
+                slowloris.sendall(bytes([byte]))
+            except OSError:
+                closed = time.monotonic() - started
+                break
+            if _closed_after(slowloris, 0.3) is not None:
+                closed = time.monotonic() - started
+                break
+        idle = _connect(srv.url)
+        idle_closed = _closed_after(idle, 10)
+        keepalive = _connect(srv.url)
+        keepalive.sendall(f"GET {protocol.HEALTH_PATH} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        keepalive_closed = _closed_after(keepalive, 10)
+        for sock in (slowloris, idle, keepalive):
+            sock.close()
+        print(f"slowloris closed after {closed:.1f} s; silent connection after {idle_closed:.1f} s; idle keep-alive "
+              f"after {keepalive_closed:.1f} s (header timeout 2 s)")
+        assert closed is not None and closed < 4
+        assert idle_closed is not None and idle_closed < 4
+        assert keepalive_closed is not None and keepalive_closed < 4
+        assert srv.call(lambda: srv.service.counters["connections_reaped"]) >= 3
+        assert EncoderClient(srv.url).health()["status"] == "ok"
+
+
+def _post_json(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    import http.client
+
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", protocol.ENCODE_PATH, body=body, headers={"Content-Type": "application/json", **headers})
+    reply = conn.getresponse()
+    data = reply.read()
+    conn.close()
+    return reply.status, (json.loads(data) if reply.status != 200 else {})
+
+
+def test_corrupt_gzip_body_is_a_400(stage):
+    with ServerThread(stage, ServerConfig(threads=1)) as srv:
+        good = gzip.compress(json.dumps({"protocol": 1, "prompt": "A fox.", "width": 64, "height": 64}).encode())
+        status, body = _post_json(srv.url, good[:12] + b"\x00garbage" * 8, {"Content-Encoding": "gzip"})
+        assert status == 400 and body["error"]["code"] == "bad_encoding", body
+        status, _ = _post_json(srv.url, good, {"Content-Encoding": "gzip"})
+        assert status == 200
+
+
+def test_operator_deadline_caps_client_deadlines(stage):
+    args = argparse.Namespace(deadline=30.0, max_body_mb=None, queue_size=None, cache_mb=None, max_decoded_mb=None)
+    config = config_from_args(args, None)
+    assert config.max_deadline_s == 30.0
+    with ServerThread(stage, ServerConfig(threads=1, default_deadline_s=30.0, max_deadline_s=30.0)) as srv:
+        body = json.dumps({"protocol": 1, "prompt": "A fox.", "width": 64, "height": 64, "deadline_s": 100}).encode()
+        status, reply = _post_json(srv.url, body, {})
+        assert status == 422 and reply["error"]["field"] == "deadline_s" and "30" in reply["error"]["message"]
+        assert EncoderClient(srv.url).capabilities()["deadline_s"]["max"] == 30.0
+
+
+def test_decoded_bytes_are_bounded_per_request(stage):
+    """Two videos each under the per-video cap, together over the per-request one: 413 before decoding."""
+    frames = np.zeros((72, 256, 256, 3), np.uint8)  # 3 s at 24 fps: 14 MB decoded each
+    video = media.encode_mp4_bytes(frames, None, fps=24.0)
+    limits = Limits(max_request_decoded_bytes=20 * MiB)
+    with ServerThread(stage, ServerConfig(threads=1, limits=limits)) as srv:
+        import http.client
+
+        from h3_core.remote import packing
+
+        body = {"protocol": 1, "prompt": "<Video 1> and <Video 2> move.", "num_frames": 124,
+                "ref_videos": [{"part": "v0", "soundtrack": False}, {"part": "v1", "soundtrack": False}]}
+        content_type, buffers = packing.encode_multipart(
+            body, [("v0", "video/mp4", "v0.mp4", video), ("v1", "video/mp4", "v1.mp4", video)])
+        host, port = srv.url.split("//", 1)[1].rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", protocol.ENCODE_PATH, body=b"".join(buffers), headers={"Content-Type": content_type})
+        reply = conn.getresponse()
+        error = json.loads(reply.read())["error"]
+        conn.close()
+        assert reply.status == 413 and "max_request_decoded_bytes" in error["message"], error
+        assert srv.call(lambda: srv.service.counters["computed"]) == 0

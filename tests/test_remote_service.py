@@ -1,0 +1,136 @@
+"""The encoder service without HTTP: admission, body budget, component check, queue, join, traceback-free errors.
+
+Drives `h3_core.remote.service.EncoderService` directly on an asyncio loop around the tiny model's real
+`EncoderStage`; no aiohttp, no sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+import torch
+
+from h3_core.encoder import EncoderStage
+from h3_core.models import ModelSource
+from h3_core.remote import protocol
+from h3_core.remote.protocol import ProtocolError
+from h3_core.remote.service import EncoderService, ServerConfig
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_dir):
+    return EncoderStage(ModelSource.from_path(tiny_dir))
+
+
+def _spec(**fields):
+    body = {"protocol": protocol.PROTOCOL_VERSION, "prompt": "A red fox in the snow.", "width": 64, "height": 64,
+            "num_frames": 124, **fields}
+    return protocol.parse_request(body)
+
+
+async def _with_service(stage, config, body):
+    service = EncoderService(stage, config)
+    await service.start()
+    try:
+        return await body(service)
+    finally:
+        await service.stop()
+
+
+def test_service_encodes_joins_and_caches_without_http(stage):
+    torch.set_num_threads(1)
+
+    async def body(service: EncoderService):
+        spec = _spec()
+        key = protocol.cache_key(spec, {}, service.fingerprint)
+        async with service.admit(0, client="a") as slot:
+            assert service.active_requests == 1
+            slot.budget.take(10)
+            assert service.buffered_bytes == 10 and service.client_bytes["a"] == 10
+            job, joined = service.submit(key, spec, {})
+            twin, twin_joined = service.submit(key, spec, {})
+            assert not joined and twin_joined and twin is job
+            data, digest = await job.future
+        assert service.active_requests == 0 and service.buffered_bytes == 0 and not service.client_bytes
+        assert service.cache.get(key) == (data, digest)
+        assert service.counters["computed"] == 1
+        return data
+
+    data = asyncio.run(_with_service(stage, ServerConfig(threads=1), body))
+    assert data == stage.encode(protocol_request()).to_bytes()
+
+
+def protocol_request():
+    from h3_core.request import EncodeRequest
+
+    return EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, num_frames=124)
+
+
+def test_admission_budget_and_draining(stage):
+    config = ServerConfig(threads=1, max_client_bytes=100, max_buffered_bytes=150)
+
+    async def body(service: EncoderService):
+        async with service.admit(50, client="a") as first:
+            first.budget.take(60)
+            with pytest.raises(ProtocolError) as info:
+                first.budget.take(41)  # client "a" over 100
+            assert info.value.status == 429 and info.value.code == "client_busy"
+            async with service.admit(10, client="b") as second:
+                with pytest.raises(ProtocolError) as info:
+                    second.budget.take(60)  # all clients over 150
+                assert info.value.code == "busy"
+        assert service.buffered_bytes == 0 and not service.client_bytes
+        with pytest.raises(ProtocolError) as info:
+            async with service.admit(200, client="c"):
+                pass
+        assert info.value.status == 429  # declared bytes that cannot fit are refused up front
+        service.draining = True
+        with pytest.raises(ProtocolError) as info:
+            async with service.admit(0, client="a"):
+                pass
+        assert info.value.status == 503 and service.active_requests == 0
+
+    asyncio.run(_with_service(stage, config, body))
+
+
+def test_missing_component_refused_before_queueing(stage):
+    class TextOnly:
+        fingerprint, components = stage.fingerprint, ("text",)
+
+        def encode(self, request, cancel=None, metadata=None, progress=None):  # never reached
+            raise AssertionError("queued a request this server cannot serve")
+
+    async def body(service: EncoderService):
+        service.check_components(_spec())
+        with pytest.raises(ProtocolError) as info:
+            service.check_components(_spec(ref_images=[{"part": "i"}], ref_audios=[{"part": "a"}],
+                                           prompt="<Picture 1> hums <Audio 2>."))
+        assert info.value.status == 422 and info.value.code == "component_not_loaded"
+        assert "['video', 'audio']" in info.value.message and service.queued == 0
+
+    asyncio.run(_with_service(TextOnly(), ServerConfig(threads=1), body))
+
+
+def test_failed_job_keeps_no_traceback(stage):
+    """A refused job's exception reaches its waiter without frames (they would pin the decoded media)."""
+
+    class Refusing:
+        fingerprint, components = stage.fingerprint, stage.components
+
+        def encode(self, request, cancel=None, metadata=None, progress=None):
+            big = bytearray(64 << 20)  # noqa: F841 - a local the traceback would keep alive
+            raise protocol.ProtocolError(422, "invalid_request", "refused")
+
+    async def body(service: EncoderService):
+        spec = _spec()
+        job, _ = service.submit(protocol.cache_key(spec, {}, service.fingerprint), spec, {})
+        await asyncio.wait({job.future})
+        error = job.future.exception()
+        assert isinstance(error, ProtocolError) and error.__traceback__ is None
+        assert job.parts is None and not service._inflight and not service._pending
+        return error.status
+
+    assert asyncio.run(_with_service(Refusing(), ServerConfig(threads=1), body)) == 422
+    gc.collect()
