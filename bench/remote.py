@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from bench import common
-from h3_core import synthetic
+from h3_core import testing
 
 
 class EncoderServer:
@@ -80,15 +80,10 @@ def text_request(i: int, tag: str = "take"):
 
 
 def ref_request(i: int):
-    from h3_core.request import AudioInput, EncodeRequest
-
-    return EncodeRequest(
-        prompt=f"<Picture 1> walks in, <Video 1> moves, <Audio 2> plays. Take {i:05d}.",
-        ref_images=[synthetic.image(3, 64, 96)],
-        ref_videos=[synthetic.video(2.0)],
-        ref_audios=[AudioInput(synthetic.tone(3.0), 32000)],
-        num_frames=124,
-    )
+    """The canonical ref2va request (h3_core.testing), its prompt made unique per `i` (distinct cache keys)."""
+    request = testing.ref2va_request()
+    request.prompt = f"{request.prompt} Take {i:05d}."
+    return request
 
 
 def cache_state(url: str, prompt: str) -> str | None:

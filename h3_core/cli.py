@@ -61,9 +61,13 @@ def _cmd_encode(args) -> int:
     request = _build_request(args)
     start = time.perf_counter()
     if args.server:
+        from .remote import credentials
         from .remote.client import EncoderClient
 
-        cond = EncoderClient(args.server, read_timeout=args.timeout).encode(request)
+        # The token goes only where the environment binds it (H3_ENCODER_URLS / H3_ENCODER_TOKENS); "" (not None)
+        # keeps the client from reading H3_ENCODER_TOKEN behind the policy's back.
+        token = credentials.token_for(args.server) or ""
+        cond = EncoderClient(args.server, token=token, read_timeout=args.timeout).encode(request)
     else:
         from .encoder import EncoderStage
         from .models import ModelSource
@@ -163,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--timeout", type=float, default=300.0,
                         help="with --server: seconds for the whole remote call, retries included (default 300)")
     encode.add_argument("--server", help="encode on a remote H3 encoder endpoint instead of locally "
-                        "(comma-separated URLs fail over; token from H3_ENCODER_TOKEN)")
+                        "(comma-separated URLs fail over; the token from H3_ENCODER_TOKEN goes only to the URLs "
+                        "listed in H3_ENCODER_URLS, docs/DEPLOY.md)")
     encode.set_defaults(func=_cmd_encode)
 
     generate = sub.add_parser("generate", help="stage 1: conditioning -> mp4")
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.command == "encode" and args.server):
             print("error: --models is required", file=sys.stderr)
             return 2
-    # Bitwise reproducibility across processes needs a fixed thread count (DIFFUSERS_NOTES.md).
+    # Bitwise reproducibility across processes needs a fixed thread count (docs/ARCHITECTURE.md §2.1, trap 5).
     if "H3_THREADS" in os.environ:
         import torch
 

@@ -8,6 +8,9 @@ nothing here is downloaded or read from disk.
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import numpy as np
 
 from .facts import AUDIO_SAMPLE_RATE
@@ -46,6 +49,10 @@ def ref2va_request(num_frames: int = 124) -> EncodeRequest:
     )
 
 
+#: Torch threads of the encoder-server tests and benchmarks: the servers they start run with H3_THREADS=1, and
+#: local reference encodes must use the same count for bitwise equality (docs/ARCHITECTURE.md §2.1, trap 5).
+SERVER_THREADS = 1
+
 #: Sigma points of the parity cases (3 DiT forwards: fast, and enough to exercise the scheduler).
 STEPS = 4
 
@@ -64,3 +71,14 @@ CASES = {
     ),
     "ref2va-image-video-audio-seed2": (ref2va_request(), "ref2va", 2),
 }
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid PNG header declaring width x height grey pixels, followed by a few rows of data: tiny on the wire,
+    gigabytes once decoded."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    rows = zlib.compress(b"\x00" * (width + 1) * 4)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3_core.testing import SERVER_THREADS
+
 # Bitwise parity between stages assumes one thread count in every process (docs/ARCHITECTURE.md §2.1, trap 5).
 torch.set_num_threads(int(os.environ.get("H3_THREADS", "2")))
 
@@ -21,3 +23,12 @@ def tiny_dir(tmp_path_factory) -> Path:
     from h3_core import tiny
 
     return tiny.build(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's local encodes on SERVER_THREADS torch threads (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(SERVER_THREADS)
+    yield
+    torch.set_num_threads(before)

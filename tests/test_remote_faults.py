@@ -20,24 +20,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import protocol
 from h3_core.remote.client import EncoderClient, RemoteUnavailableError
 from h3_core.request import EncodeRequest, VideoInput
+from h3_core.testing import SERVER_THREADS
 
 REPO = Path(__file__).resolve().parents[1]
-THREADS = 1  # the server processes run with H3_THREADS=1; the local reference too (bitwise parity)
+THREADS = SERVER_THREADS  # the server processes run with H3_THREADS=1; the local reference too
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here compares with local encodes at the servers' thread count (conftest.one_thread)."""
 
 
 def _env(**extra):

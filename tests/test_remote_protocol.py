@@ -11,6 +11,7 @@ from h3_core.remote.ingest import Part
 from h3_core.remote.protocol import Limits, ProtocolError
 from h3_core.remote.server import ServerConfigError, check_bind, is_loopback
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
+from h3_core.testing import png_bomb
 
 
 def _image(seed, height, width):
@@ -114,20 +115,6 @@ def test_part_checks_and_sniffing():
         with pytest.raises(ProtocolError):
             ingest.check_filename(name, "x")
     ingest.check_filename("image0.png", "x")
-
-
-def png_bomb(width: int, height: int) -> bytes:
-    """A valid PNG header declaring width x height grey pixels, followed by a few rows of data: tiny on the wire,
-    gigabytes once decoded."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    rows = zlib.compress(b"\x00" * (width + 1) * 4)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
 
 
 @pytest.mark.parametrize("size", [(20000, 20000), (60000, 60000), (5000, 4000)])

@@ -17,8 +17,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
-from test_remote_protocol import png_bomb
 
 from h3_core import media
 from h3_core.encoder import EncoderStage
@@ -37,17 +35,15 @@ from h3_core.remote.client import (
 )
 from h3_core.remote.server import ServerConfig, ServerThread
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
+from h3_core.testing import SERVER_THREADS, png_bomb
 
-THREADS = 1
+THREADS = SERVER_THREADS  # the server processes run with H3_THREADS=1; the local reference too
 TOKEN = "test-token-" + "x" * 24
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here compares with local encodes at the servers' thread count (conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +370,10 @@ def test_token_required_when_configured(stage, monkeypatch):
             assert json.loads(data)["error"]["code"] == "unauthorized"
         assert _raw(srv.url, "GET", protocol.CAPABILITIES_PATH)[0] == 401
         assert _raw(srv.url, "GET", protocol.HEALTH_PATH)[0] == 200  # liveness stays open, reveals nothing
-        monkeypatch.setenv(protocol.DEFAULT_TOKEN_ENV, TOKEN)  # the client reads the token from the environment
+        monkeypatch.setenv(protocol.DEFAULT_TOKEN_ENV, TOKEN)  # the client reads the token from the environment,
+        with pytest.raises(ValueError, match="H3_ENCODER_URLS"):  # but sends it only where the environment binds it
+            EncoderClient(srv.url)
+        monkeypatch.setenv("H3_ENCODER_URLS", srv.url)
         assert EncoderClient(srv.url).encode(CASES["t2va"]).to_bytes() == stage.encode(CASES["t2va"]).to_bytes()
         assert srv.service.counters["unauthorized"] >= 7
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from ..contract import ContractError, H3Conditioning
 from ..progress import Cancelled, ProgressFn, check_cancel
 from ..request import EncodeRequest
-from . import packing, protocol
+from . import credentials, packing, protocol
 from .transport import (
     MAX_SMALL_RESPONSE_BYTES,
     Endpoint,
@@ -106,7 +106,14 @@ class EncoderClient:
         if not urls:
             raise ValueError("EncoderClient needs at least one server URL")
         self.endpoints = [parse_url(u) for u in urls]
-        self.token = token if token is not None else (os.environ.get(token_env) or None)
+        if token is None:
+            # A token from the environment goes only to the endpoints the environment binds it to
+            # (H3_ENCODER_URLS / H3_ENCODER_TOKENS, remote/credentials.py): a URL from elsewhere never collects it.
+            env = dict(os.environ)
+            if token_env != credentials.TOKEN_ENV:
+                env[credentials.TOKEN_ENV] = os.environ.get(token_env, "")
+            token = credentials.token_for(urls, env)
+        self.token = token or None
         self.connect_timeout, self.read_timeout = float(connect_timeout), float(read_timeout)
         self.retries = max(0, int(retries))
         self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)

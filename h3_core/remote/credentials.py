@@ -25,11 +25,12 @@ would make it read H3_ENCODER_TOKEN itself).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from .protocol import is_loopback
 
 TOKEN_ENV = "H3_ENCODER_TOKEN"
 URLS_ENV = "H3_ENCODER_URLS"
@@ -73,16 +74,6 @@ def origin(url: str) -> str:
     port = port or (443 if scheme == "https" else 80)
     shown = f"[{host}]" if ":" in host else host
     return f"{scheme}://{shown}:{port}"
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

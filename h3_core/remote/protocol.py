@@ -517,9 +517,10 @@ def is_loopback(host: str) -> bool:
     No DNS lookups: a name that resolves to 127.0.0.1 today may not tomorrow. Used by the server (may it bind
     without a token?) and by the client (may it send a token over plain HTTP without a warning?).
     """
+    host = host.strip("[]").lower()
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
