@@ -3,15 +3,23 @@
 No ComfyUI imports anywhere in this package: the CLI, the encoder server and the ComfyUI nodes
 all call the same functions.
 
-    rules.py      request rules (17k+5 frames, 32-px canvas, durations, reference counts)
-    media.py      av: decode images/video/audio, resample to 32 kHz stereo, write mp4
-    request.py    EncodeRequest: decoded media + numbers, fixed reference order
-    encoder.py    stage 0: EncoderStage (Qwen3-VL text, video VAE, audio VAE)  -> H3Conditioning
-    contract.py   H3Conditioning: fields, validation, safetensors wire form, core/vLLM conversions
-    diffusion.py  stage 1: DiffusionStage (DiT loop, decode)                    <- H3Conditioning
-    models.py     ModelSource: which file holds which component, load only what a stage needs
-    weights/      layout detection, key conversions, `check`
-    tiny.py       the embedded tiny H3
+    facts.py        every H3 number (fps, sample rates, frame grid, limits, shifts), pinned against diffusers
+    rules.py        request rules built on the facts (canvas, frames, task, reference counts and durations)
+    media.py        decode images/video/audio (media_audio, media_video), resample to 32 kHz stereo, write mp4
+    media_sandbox   decode untrusted media in a forked, memory-capped worker (a crash costs one request)
+    request.py      EncodeRequest: decoded media + numbers, fixed reference order
+    encoder.py      STAGE 0: EncoderStage (Qwen3-VL text, video VAE, audio VAE)  -> H3Conditioning
+    contract/       THE CONTRACT: H3Conditioning, its validation, file/bytes, core and vLLM conversions
+    diffusion.py    STAGE 1: DiffusionStage, SamplingOptions (DiT loop, decode)   <- H3Conditioning
+    assembly.py     encoding in parts, node by node, bit-identical to the one-call stage
+    models.py       ModelSource: which file holds which component (built on weights.scan)
+    weights/        per-component handlers (keys, configs, formats), detection, loading, `check`
+    remote/         THE WIRE: encoder server (service, http, ingest) and client (packing, transport)
+    diffusers_adapter.py  the only imports of diffusers private helpers
+    testing.py      synthetic media and the canonical requests shared by tests and benchmarks
+    tiny.py         the embedded tiny H3
+
+docs/ARCHITECTURE.md is the map.
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """Stage 1 of the split: the DiT flow-matching loop and the decode-only VAEs.
 
-STAGE BOUNDARY: input is an `H3Conditioning` (h3_core/contract.py), nothing else from stage 0.
+STAGE BOUNDARY: input is an `H3Conditioning` (h3_core/contract/), nothing else from stage 0.
 Built from diffusers' *resolved* workflow for the task (`denoise.*` + `decode.*` leaf blocks,
 see docs/ARCHITECTURE.md), so stage 1 never loads the text encoder, tokenizer or processor and
 never lets an auto block pick a branch from inputs it does not have.

@@ -1,6 +1,6 @@
 """Stage 0 of the split: the three H3 encoders (Qwen3-VL text encoder, video VAE, audio VAE).
 
-STAGE BOUNDARY: this module ends at `H3Conditioning` (h3_core/contract.py); `diffusion.py` starts
+STAGE BOUNDARY: this module ends at `H3Conditioning` (h3_core/contract/); `diffusion.py` starts
 there. The cut is the one described in docs/ARCHITECTURE.md §2: stage 0 = diffusers' resolved
 `before_encode` + `text_encoder` + `vae_encoder` blocks of the task's workflow.
 
