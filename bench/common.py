@@ -21,14 +21,23 @@ MiB = 1 << 20
 
 # --- statistics ------------------------------------------------------------------------------------
 
+
 def summary(samples: Sequence[float]) -> dict[str, float]:
     """n, median, p99 (linear interpolation), quartiles, min, max, mean of `samples`."""
     a = np.asarray(list(samples), dtype=float)
     if a.size == 0:
         return {"n": 0}
     q = np.percentile(a, [25, 50, 75, 99])
-    return {"n": int(a.size), "median": float(q[1]), "p99": float(q[3]), "q1": float(q[0]), "q3": float(q[2]),
-            "min": float(a.min()), "max": float(a.max()), "mean": float(a.mean())}
+    return {
+        "n": int(a.size),
+        "median": float(q[1]),
+        "p99": float(q[3]),
+        "q1": float(q[0]),
+        "q3": float(q[2]),
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "mean": float(a.mean()),
+    }
 
 
 def bootstrap_median_ci(samples: Sequence[float], iters: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -47,12 +56,21 @@ def paired(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
     ratios = [y / x for x, y in zip(a, b)]
     lo, hi = bootstrap_median_ci(ratios)
     s = summary(ratios)
-    return {"ratios": ratios, "median_ratio": s["median"], "ci95": [lo, hi], "iqr": [s["q1"], s["q3"]],
-            "ratio_of_medians": float(np.median(b) / np.median(a))}
+    return {
+        "ratios": ratios,
+        "median_ratio": s["median"],
+        "ci95": [lo, hi],
+        "iqr": [s["q1"], s["q3"]],
+        "ratio_of_medians": float(np.median(b) / np.median(a)),
+    }
 
 
-def interleaved(arms: dict[str, Callable[[int], Any]], pairs: int, warmup: int = 1,
-                on_sample: Callable[[str, int, float, float, Any], None] | None = None) -> dict[str, dict[str, list]]:
+def interleaved(
+    arms: dict[str, Callable[[int], Any]],
+    pairs: int,
+    warmup: int = 1,
+    on_sample: Callable[[str, int, float, float, Any], None] | None = None,
+) -> dict[str, dict[str, list]]:
     """Run the arms alternately, ABBA-ordered (A B, B A, A B, ...), so drift and machine noise hit every arm alike.
 
     Each arm is `fn(i) -> anything`; returns per arm the wall seconds, process CPU seconds and return values.
@@ -78,6 +96,7 @@ def interleaved(arms: dict[str, Callable[[int], Any]], pairs: int, warmup: int =
 
 
 # --- memory ----------------------------------------------------------------------------------------
+
 
 def proc_status() -> dict[str, int]:
     """VmRSS / VmHWM of this process in bytes (Linux)."""
@@ -128,6 +147,7 @@ def param_bytes(module) -> int:
 
 # --- environment -----------------------------------------------------------------------------------
 
+
 def environment(threads: int) -> dict[str, Any]:
     import torch
 
@@ -150,9 +170,16 @@ def environment(threads: int) -> dict[str, Any]:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count()
-    return {"cpu": cpu, "usable_cores": cores, "cpu_count": os.cpu_count(), "torch_threads": threads,
-            "loadavg_start": list(os.getloadavg()), "platform": platform.platform(), "versions": versions,
-            "peak_reset_supported": reset_peak()}
+    return {
+        "cpu": cpu,
+        "usable_cores": cores,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": threads,
+        "loadavg_start": list(os.getloadavg()),
+        "platform": platform.platform(),
+        "versions": versions,
+        "peak_reset_supported": reset_peak(),
+    }
 
 
 def loadavg() -> list[float]:
@@ -160,6 +187,7 @@ def loadavg() -> list[float]:
 
 
 # --- subprocess workers ----------------------------------------------------------------------------
+
 
 def worker_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
@@ -179,7 +207,9 @@ def run_worker(module: str, args: dict[str, Any], threads: int, timeout: float =
         raise RuntimeError(f"bench worker {module} {args} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
-        raise RuntimeError(f"bench worker {module} {args} printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"bench worker {module} {args} printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        )
     return json.loads(lines[-1])
 
 
@@ -191,5 +221,3 @@ def set_threads(threads: int) -> None:
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-

@@ -29,10 +29,22 @@ class EncoderServer:
 
     def __init__(self, models: Path, threads: int, extra: list[str] | None = None, timeout: float = 180):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="h3-bench-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "h3_core", "serve", "--models", str(models), "--host", "127.0.0.1",
-               "--port", "0", *(extra or [])]
-        self.proc = subprocess.Popen(cmd, cwd=common.REPO, env=common.worker_env(threads), stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "h3_core",
+            "serve",
+            "--models",
+            str(models),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            *(extra or []),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=common.REPO, env=common.worker_env(threads), stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
         self.url = None
         found: dict = {}
 
@@ -75,8 +87,9 @@ class EncoderServer:
 def text_request(i: int, tag: str = "take"):
     from h3_core.request import EncodeRequest
 
-    return EncodeRequest(prompt=f"A red fox trots through fresh snow at dawn, {tag} {i:05d}.", width=64, height=64,
-                         num_frames=124)
+    return EncodeRequest(
+        prompt=f"A red fox trots through fresh snow at dawn, {tag} {i:05d}.", width=64, height=64, num_frames=124
+    )
 
 
 def ref_request(i: int):
@@ -99,6 +112,7 @@ def cache_state(url: str, prompt: str) -> str | None:
 
 
 # --- section 3 -------------------------------------------------------------------------------------
+
 
 def remote_vs_local(server_url: str, models: Path, reps: dict[str, int], warmup: int = 2) -> dict:
     """Runs in a fresh worker process (see `run`), so the local arm's process is as fresh as the server's."""
@@ -128,26 +142,34 @@ def remote_vs_local(server_url: str, models: Path, reps: dict[str, int], warmup:
         _, parts = packing.request_to_wire(requests[0])
         req = requests[0]
         decoded = sum(x.nbytes for x in req.ref_images) + sum(
-            v.frames.nbytes + (v.audio.nbytes if v.audio is not None else 0) for v in req.ref_videos)
+            v.frames.nbytes + (v.audio.nbytes if v.audio is not None else 0) for v in req.ref_videos
+        )
         decoded += sum(a.waveform.nbytes for a in req.ref_audios)
         ratio = common.paired(runs["local"]["wall"], runs["remote"]["wall"])
         out[kind] = {
-            "local_s": common.summary(runs["local"]["wall"]), "remote_s": common.summary(runs["remote"]["wall"]),
-            "local_samples": runs["local"]["wall"], "remote_samples": runs["remote"]["wall"],
-            "remote_over_local": ratio["median_ratio"], "remote_over_local_ci95": ratio["ci95"],
-            "added_ms_median": 1000 * (common.summary(runs["remote"]["wall"])["median"]
-                                       - common.summary(runs["local"]["wall"])["median"]),
+            "local_s": common.summary(runs["local"]["wall"]),
+            "remote_s": common.summary(runs["remote"]["wall"]),
+            "local_samples": runs["local"]["wall"],
+            "remote_samples": runs["remote"]["wall"],
+            "remote_over_local": ratio["median_ratio"],
+            "remote_over_local_ci95": ratio["ci95"],
+            "added_ms_median": 1000
+            * (common.summary(runs["remote"]["wall"])["median"] - common.summary(runs["local"]["wall"])["median"]),
             "bit_identical": bool(same),
-            "request_media_bytes": sum(len(p[3]) for p in parts), "decoded_media_bytes": decoded,
+            "request_media_bytes": sum(len(p[3]) for p in parts),
+            "decoded_media_bytes": decoded,
             "contract_bytes": len(results[("local", 0)].to_bytes()),
         }
         s = out[kind]
-        common.log(f"remote: {kind}: local {s['local_s']['median'] * 1000:.0f} ms, remote "
-                   f"{s['remote_s']['median'] * 1000:.0f} ms (x{s['remote_over_local']:.2f}), identical={same}")
+        common.log(
+            f"remote: {kind}: local {s['local_s']['median'] * 1000:.0f} ms, remote "
+            f"{s['remote_s']['median'] * 1000:.0f} ms (x{s['remote_over_local']:.2f}), identical={same}"
+        )
     return out
 
 
 # --- section 4 -------------------------------------------------------------------------------------
+
 
 def _recording_client(url: str, server_times: list, lock: threading.Lock):
     """An EncoderClient that also records the server's X-H3-Queue-Seconds / X-H3-Encode-Seconds per answer."""
@@ -159,7 +181,10 @@ def _recording_client(url: str, server_times: list, lock: threading.Lock):
             reply = super()._call(endpoint, method, path, *args, **kwargs)
             if path == protocol.ENCODE_PATH and reply.status == 200:
                 try:
-                    times = (float(reply.headers.get(protocol.H_QUEUE_S)), float(reply.headers.get(protocol.H_ENCODE_S)))
+                    times = (
+                        float(reply.headers.get(protocol.H_QUEUE_S)),
+                        float(reply.headers.get(protocol.H_ENCODE_S)),
+                    )
                 except (TypeError, ValueError):
                     times = None
                 if times is not None:
@@ -203,18 +228,26 @@ def _drive(url: str, clients: int, per_client: int, make, start_index: int) -> d
     for t in threads:
         t.join()
     wall = (max(b for _, b in spans) - min(a for a, _ in spans)) if spans else float("nan")
-    return {"latencies": latencies, "wall": wall, "done": len(latencies), "errors": errors,
-            "server_times": server_times, "client_means": [sum(v) / len(v) for v in by_client.values() if v]}
+    return {
+        "latencies": latencies,
+        "wall": wall,
+        "done": len(latencies),
+        "errors": errors,
+        "server_times": server_times,
+        "client_means": [sum(v) / len(v) for v in by_client.values() if v],
+    }
 
 
 def load_test(server_url: str, plan: dict[int, int], passes: int, hits: dict[str, int]) -> dict:
     """plan: clients -> requests per client per pass. Passes alternate the order (1,4,16 then 16,4,1)."""
     levels = sorted(plan)
-    runs = {c: {"latencies": [], "wall": 0.0, "done": 0, "errors": [], "server_times": [], "client_spread": []}
-            for c in levels}
+    runs = {
+        c: {"latencies": [], "wall": 0.0, "done": 0, "errors": [], "server_times": [], "client_spread": []}
+        for c in levels
+    }
     index = 200_000
     for p in range(passes):
-        for c in (levels if p % 2 == 0 else levels[::-1]):
+        for c in levels if p % 2 == 0 else levels[::-1]:
             common.log(f"load: {c} client(s) x {plan[c]} distinct requests (pass {p + 1}/{passes})")
             r = _drive(server_url, c, plan[c], lambda i: text_request(i, "load"), index)
             index += c * plan[c]
@@ -228,8 +261,12 @@ def load_test(server_url: str, plan: dict[int, int], passes: int, hits: dict[str
     for c in levels:
         r = runs[c]
         out["levels"][str(c)] = {
-            "clients": c, "requests": r["done"], "errors": r["errors"][:5], "error_count": len(r["errors"]),
-            "throughput_rps": r["done"] / r["wall"], "latency_s": common.summary(r["latencies"]),
+            "clients": c,
+            "requests": r["done"],
+            "errors": r["errors"][:5],
+            "error_count": len(r["errors"]),
+            "throughput_rps": r["done"] / r["wall"],
+            "latency_s": common.summary(r["latencies"]),
             "latencies": r["latencies"],
             # model-thread time per job and time queued, as the server reports them (X-H3-*-Seconds)
             "server_encode_s": common.summary([e for _, e in r["server_times"]]),
@@ -258,24 +295,34 @@ def load_test(server_url: str, plan: dict[int, int], passes: int, hits: dict[str
     conc = _drive(server_url, 16, hits["concurrent"], lambda i: warm, 0)
     common.log(f"load: cache hits while 4 clients keep the model busy ({hits['under_load']} hits)")
     busy_result: dict = {}
-    busy = threading.Thread(target=lambda: busy_result.update(
-        _drive(server_url, 4, hits["busy_per_client"], lambda i: text_request(i, "busy"), 500_000)))
+    busy = threading.Thread(
+        target=lambda: busy_result.update(
+            _drive(server_url, 4, hits["busy_per_client"], lambda i: text_request(i, "busy"), 500_000)
+        )
+    )
     busy.start()
     time.sleep(0.3)
     under = _drive(server_url, 1, hits["under_load"], lambda i: warm, 0)
     busy.join()
     out["cache_hits"] = {
         "sequential": {"latency_s": common.summary(seq["latencies"]), "errors": len(seq["errors"])},
-        "concurrent_16": {"latency_s": common.summary(conc["latencies"]), "errors": len(conc["errors"]),
-                          "throughput_rps": conc["done"] / conc["wall"]},
-        "under_load": {"latency_s": common.summary(under["latencies"]), "errors": len(under["errors"]),
-                       "busy_misses_done": busy_result.get("done", 0)},
+        "concurrent_16": {
+            "latency_s": common.summary(conc["latencies"]),
+            "errors": len(conc["errors"]),
+            "throughput_rps": conc["done"] / conc["wall"],
+        },
+        "under_load": {
+            "latency_s": common.summary(under["latencies"]),
+            "errors": len(under["errors"]),
+            "busy_misses_done": busy_result.get("done", 0),
+        },
     }
     return out
 
 
-def run(models: Path, *, reps: dict[str, int], plan: dict[int, int], passes: int, hits: dict[str, int],
-        threads: int) -> dict:
+def run(
+    models: Path, *, reps: dict[str, int], plan: dict[int, int], passes: int, hits: dict[str, int], threads: int
+) -> dict:
     out = {"loadavg_before": common.loadavg()}
     common.log("remote: starting `python -m h3_core serve` (loopback)")
     t0 = time.perf_counter()
@@ -283,11 +330,14 @@ def run(models: Path, *, reps: dict[str, int], plan: dict[int, int], passes: int
         out["server_start_s"] = time.perf_counter() - t0
         common.log(f"remote: local vs remote encode in a fresh worker process ({reps})")
         out["remote_vs_local"] = common.run_worker(
-            "remote", {"url": server.url, "models": str(models), "reps": reps}, threads, timeout=1800)
+            "remote", {"url": server.url, "models": str(models), "reps": reps}, threads, timeout=1800
+        )
         for kind, v in out["remote_vs_local"].items():
-            common.log(f"remote: {kind}: local {1000 * v['local_s']['median']:.0f} ms, remote "
-                       f"{1000 * v['remote_s']['median']:.0f} ms (x{v['remote_over_local']:.2f}), "
-                       f"identical={v['bit_identical']}")
+            common.log(
+                f"remote: {kind}: local {1000 * v['local_s']['median']:.0f} ms, remote "
+                f"{1000 * v['remote_s']['median']:.0f} ms (x{v['remote_over_local']:.2f}), "
+                f"identical={v['bit_identical']}"
+            )
         out["load"] = load_test(server.url, plan, passes, hits)
     out["loadavg_after"] = common.loadavg()
     return out

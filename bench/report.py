@@ -9,8 +9,7 @@ from typing import Any
 MB = 1e6
 
 # Reference points at real scale, as vLLM-Omni reported them (docs/ARCHITECTURE.md §8).
-VLLM_OMNI = {"colocated_s": 15.658, "disaggregated_s": 15.635, "bytes_per_token": 10_240,
-             "e2e_50_steps_s": 284.01}
+VLLM_OMNI = {"colocated_s": 15.658, "disaggregated_s": 15.635, "bytes_per_token": 10_240, "e2e_50_steps_s": 284.01}
 
 
 def _get(d: dict, *path, default=None):
@@ -23,45 +22,78 @@ def _get(d: dict, *path, default=None):
 
 # --- targets ---------------------------------------------------------------------------------------
 
+
 def targets(results: dict) -> list[dict[str, Any]]:
     """Each target: name, measured ratio, limit, comparison, met, detail, why (when missed)."""
     out = []
 
     def add(name, ratio, limit, op, detail, why=""):
         if ratio is None:
-            out.append({"name": name, "ratio": None, "limit": limit, "op": op, "met": None,
-                        "detail": "not measured in this run", "why": ""})
+            out.append(
+                {
+                    "name": name,
+                    "ratio": None,
+                    "limit": limit,
+                    "op": op,
+                    "met": None,
+                    "detail": "not measured in this run",
+                    "why": "",
+                }
+            )
             return
         met = ratio <= limit if op == "<=" else ratio >= limit if op == ">=" else ratio < limit
-        out.append({"name": name, "ratio": ratio, "limit": limit, "op": op, "met": bool(met), "detail": detail,
-                    "why": "" if met else why})
+        out.append(
+            {
+                "name": name,
+                "ratio": ratio,
+                "limit": limit,
+                "op": op,
+                "met": bool(met),
+                "detail": detail,
+                "why": "" if met else why,
+            }
+        )
 
     split = results.get("split")
     if split:
         ratio = 1 + split["overhead"]
         lo, hi = split["overhead_ci95"]
-        add("stage-split overhead <= 1 % of the monolithic time (split/mono)", ratio, 1.01, "<=",
+        add(
+            "stage-split overhead <= 1 % of the monolithic time (split/mono)",
+            ratio,
+            1.01,
+            "<=",
             f"overhead {100 * split['overhead']:+.2f} % (95 % CI {100 * lo:+.2f} .. {100 * hi:+.2f} %), "
             f"median of {split['job']['pairs']} interleaved pairs; CPU-time overhead "
             f"{100 * split['overhead_cpu']:+.2f} %",
-            why=_why_split(split))
+            why=_why_split(split),
+        )
     else:
         add("stage-split overhead <= 1 % of the monolithic time (split/mono)", None, 1.01, "<=", "")
 
     wire = _get(results, "wire", "sizes")
     if wire:
         worst = max(wire.values(), key=lambda s: s["wire_ratio"])
-        add("wire bytes <= 1.01 x raw tensor bytes (worst of the contract sizes)", worst["wire_ratio"], 1.01, "<=",
+        add(
+            "wire bytes <= 1.01 x raw tensor bytes (worst of the contract sizes)",
+            worst["wire_ratio"],
+            1.01,
+            "<=",
             ", ".join(f"{name}: {s['wire_ratio']:.4f}x" for name, s in wire.items()),
             why="fixed HTTP + safetensors + contract-header bytes (~1.7 KB per exchange) dominate only for tiny "
-                "contracts; they are a constant, not a factor")
+            "contracts; they are a constant, not a factor",
+        )
         big = wire.get("70MB")
         if big:
-            add("transfer throughput >= 70 % of a raw loopback socket, 70 MB contract (h3/raw)",
-                big["throughput_ratio"], 0.70, ">=",
+            add(
+                "transfer throughput >= 70 % of a raw loopback socket, 70 MB contract (h3/raw)",
+                big["throughput_ratio"],
+                0.70,
+                ">=",
                 f"{big['h3_mb_s']:.0f} MB/s vs {big['raw_mb_s']:.0f} MB/s raw (95 % CI of the ratio "
                 f"{big['throughput_ratio_ci95'][0]:.3f} .. {big['throughput_ratio_ci95'][1]:.3f})",
-                why=_why_wire(big))
+                why=_why_wire(big),
+            )
     else:
         add("wire bytes <= 1.01 x raw tensor bytes (worst of the contract sizes)", None, 1.01, "<=", "")
         add("transfer throughput >= 70 % of a raw loopback socket, 70 MB contract (h3/raw)", None, 0.70, ">=", "")
@@ -70,38 +102,57 @@ def targets(results: dict) -> list[dict[str, Any]]:
     if load:
         hits = load["cache_hits"]
         seq = hits["sequential"]["latency_s"]
-        add("cache hits answer in < 10 ms at p99 (p99 / 10 ms, one client)", seq["p99"] / 0.010, 1.0, "<",
+        add(
+            "cache hits answer in < 10 ms at p99 (p99 / 10 ms, one client)",
+            seq["p99"] / 0.010,
+            1.0,
+            "<",
             f"p99 {1000 * seq['p99']:.2f} ms, p50 {1000 * seq['median']:.2f} ms over {seq['n']} hits; 16 clients "
             f"at once: p99 {1000 * hits['concurrent_16']['latency_s']['p99']:.1f} ms; while the model is busy: "
             f"p99 {1000 * hits['under_load']['latency_s']['p99']:.1f} ms",
-            why=_why_hits(hits))
+            why=_why_hits(hits),
+        )
         levels = load["levels"]
         top = max(levels, key=int)
-        add(f"{top} clients: total throughput >= 0.9 x single-client throughput", load["throughput_ratio"], 0.9, ">=",
+        add(
+            f"{top} clients: total throughput >= 0.9 x single-client throughput",
+            load["throughput_ratio"],
+            0.9,
+            ">=",
             f"{levels[top]['throughput_rps']:.2f} vs {levels['1']['throughput_rps']:.2f} requests/s",
             why="the model thread is the only server resource; a lower ratio means per-request overhead outside "
-                "it (event loop, client threads in the same 2-core box) grew with concurrency")
-        add(f"{top} clients: p99 <= 1.2 x {top} x single-client latency (p99 / ({top} x single))",
-            load["p99_over_fair_share"], 1.2, "<=",
+            "it (event loop, client threads in the same 2-core box) grew with concurrency",
+        )
+        add(
+            f"{top} clients: p99 <= 1.2 x {top} x single-client latency (p99 / ({top} x single))",
+            load["p99_over_fair_share"],
+            1.2,
+            "<=",
             f"p99 {levels[top]['latency_s']['p99']:.3f} s vs fair share {int(top)} x "
             f"{levels['1']['latency_s']['median']:.3f} s",
-            why=_why_fair(load, top))
+            why=_why_fair(load, top),
+        )
     else:
-        for name, limit, op in (("cache hits answer in < 10 ms at p99 (p99 / 10 ms, one client)", 1.0, "<"),
-                                ("16 clients: total throughput >= 0.9 x single-client throughput", 0.9, ">="),
-                                ("16 clients: p99 <= 1.2 x 16 x single-client latency (p99 / (16 x single))", 1.2,
-                                 "<=")):
+        for name, limit, op in (
+            ("cache hits answer in < 10 ms at p99 (p99 / 10 ms, one client)", 1.0, "<"),
+            ("16 clients: total throughput >= 0.9 x single-client throughput", 0.9, ">="),
+            ("16 clients: p99 <= 1.2 x 16 x single-client latency (p99 / (16 x single))", 1.2, "<="),
+        ):
             add(name, None, limit, op, "")
 
     vae = results.get("vae")
     pairs = [p for p in (vae or {}).get("pixel_ratios", []) if p["tiles_from"] > 1]
     if pairs:
         pair = max(pairs, key=lambda p: p["tiles_to"])
-        add(f"tiled VAE decode: peak at 4x pixels <= 1.5 x peak at 1x ({pair['from']} -> {pair['to']})",
-            pair["peak_ratio"], 1.5, "<=",
+        add(
+            f"tiled VAE decode: peak at 4x pixels <= 1.5 x peak at 1x ({pair['from']} -> {pair['to']})",
+            pair["peak_ratio"],
+            1.5,
+            "<=",
             f"peak x{pair['peak_ratio']:.2f}, working set without the returned video x{pair['working_ratio']:.2f}, "
             f"time x{pair['time_ratio']:.2f} ({pair['tiles_from']} -> {pair['tiles_to']} tiles)",
-            why=_why_vae(vae, pair))
+            why=_why_vae(vae, pair),
+        )
     else:
         add("tiled VAE decode: peak at 4x pixels <= 1.5 x peak at 1x", None, 1.5, "<=", "")
     return out
@@ -111,63 +162,75 @@ def _why_split(split: dict) -> str:
     parts = split["split_parts_s"]
     lo, hi = split["overhead_ci95"]
     noise = " The 95 % interval includes 1 %, so this is within the machine's noise." if lo <= 0.01 <= hi else ""
-    return (f"The split adds to_bytes + from_bytes ({1000 * (parts['to_bytes']['median'] + parts['from_bytes']['median']):.1f} ms) "
-            f"and builds its pipelines per call; the rest is the same diffusers blocks.{noise}")
+    return (
+        f"The split adds to_bytes + from_bytes "
+        f"({1000 * (parts['to_bytes']['median'] + parts['from_bytes']['median']):.1f} ms) "
+        f"and builds its pipelines per call; the rest is the same diffusers blocks.{noise}"
+    )
 
 
 def _why_wire(big: dict) -> str:
     b = big["breakdown_s"]
     raw = big["raw_s"]["median"]
     budget = raw / 0.7 - raw
-    return (f"Moving the bytes is not the cost: the raw socket needs {1000 * raw:.0f} ms, the h3 path "
-            f"{1000 * big['h3_s']['median']:.0f} ms. Measured in-process on the same contract: to_bytes "
-            f"{1000 * b['to_bytes']:.0f} ms (a full copy + SHA-256 of every tensor for the header), SHA-256 of the "
-            f"body {1000 * b['sha256']:.0f} ms (done twice: server X-H3-Sha256, client check), from_bytes "
-            f"{1000 * b['from_bytes']:.0f} ms (a copy + SHA-256 of every tensor again), a body copy "
-            f"{1000 * b['copy'] / 2:.0f} ms (http.client's read(amt) copies once more): four SHA-256 passes and three "
-            f"user-space copies of 70 MB, plus aiohttp/http.client buffering. Reaching 70 % leaves {1000 * budget:.0f} ms on top of the raw transfer, i.e. at most "
-            f"about one pass over the data: serialise without copying (send the safetensors header, then the tensor "
-            f"memoryviews), hash once (the per-tensor digests, computed while sending; drop the whole-body digest "
-            f"or use it instead of them) or with a fast checksum (CRC32C/xxh3, > 10 GB/s), read the body into one "
-            f"preallocated buffer (readinto with Content-Length) and let from_bytes take that buffer without a "
-            f"copy.{_lean_sentence(big)} How much it matters: the 70 MB contract's {1000 * big['h3_s']['median']:.0f} ms "
-            f"is {100 * big['h3_s']['median'] / VLLM_OMNI['e2e_50_steps_s']:.2f} % of a 284 s 50-step job but "
-            f"{100 * big['h3_s']['median'] / VLLM_OMNI['disaggregated_s']:.1f} % of vLLM-Omni's 15.6 s 5-step one.")
+    return (
+        f"Moving the bytes is not the cost: the raw socket needs {1000 * raw:.0f} ms, the h3 path "
+        f"{1000 * big['h3_s']['median']:.0f} ms. Measured in-process on the same contract: to_bytes "
+        f"{1000 * b['to_bytes']:.0f} ms (a full copy + SHA-256 of every tensor for the header), SHA-256 of the "
+        f"body {1000 * b['sha256']:.0f} ms (done twice: server X-H3-Sha256, client check), from_bytes "
+        f"{1000 * b['from_bytes']:.0f} ms (a copy + SHA-256 of every tensor again), a body copy "
+        f"{1000 * b['copy'] / 2:.0f} ms (http.client's read(amt) copies once more): four SHA-256 passes and three "
+        f"user-space copies of 70 MB, plus aiohttp/http.client buffering. Reaching 70 % leaves {1000 * budget:.0f} ms "
+        f"on top of the raw transfer, i.e. at most "
+        f"about one pass over the data: serialise without copying (send the safetensors header, then the tensor "
+        f"memoryviews), hash once (the per-tensor digests, computed while sending; drop the whole-body digest "
+        f"or use it instead of them) or with a fast checksum (CRC32C/xxh3, > 10 GB/s), read the body into one "
+        f"preallocated buffer (readinto with Content-Length) and let from_bytes take that buffer without a "
+        f"copy.{_lean_sentence(big)} How much it matters: the 70 MB contract's {1000 * big['h3_s']['median']:.0f} ms "
+        f"is {100 * big['h3_s']['median'] / VLLM_OMNI['e2e_50_steps_s']:.2f} % of a 284 s 50-step job but "
+        f"{100 * big['h3_s']['median'] / VLLM_OMNI['disaggregated_s']:.1f} % of vLLM-Omni's 15.6 s 5-step one."
+    )
 
 
 def _lean_sentence(big: dict) -> str:
     if "lean_throughput_ratio" not in big:
         return ""
-    return (f" Measured in this run, a prototype of that path (bench/wire_server.py lean_server: header + tensor "
-            f"storages sent as they are, received into one buffer, tensors viewed out of it and validated by the "
-            f"contract's constructor) reaches {big['lean_mb_s']:.0f} MB/s = {big['lean_throughput_ratio']:.2f} of "
-            f"raw with a CRC32 on each side, and {big['lean_nocrc_mb_s']:.0f} MB/s = "
-            f"{big['lean_nocrc_throughput_ratio']:.2f} without an application checksum (TCP's own, or TLS's MAC "
-            f"off loopback).")
+    return (
+        f" Measured in this run, a prototype of that path (bench/wire_server.py lean_server: header + tensor "
+        f"storages sent as they are, received into one buffer, tensors viewed out of it and validated by the "
+        f"contract's constructor) reaches {big['lean_mb_s']:.0f} MB/s = {big['lean_throughput_ratio']:.2f} of "
+        f"raw with a CRC32 on each side, and {big['lean_nocrc_mb_s']:.0f} MB/s = "
+        f"{big['lean_nocrc_throughput_ratio']:.2f} without an application checksum (TCP's own, or TLS's MAC "
+        f"off loopback)."
+    )
 
 
 def _why_fair(load: dict, top: str) -> str:
     one, many = load["levels"]["1"], load["levels"][top]
     enc1, encn = one["server_encode_s"], many["server_encode_s"]
-    return (f"the queue is FIFO (the spread of per-client mean latency, x{many['client_mean_spread']:.2f}, is the "
-            f"synchronised start: each client's first request waits 0-{int(top) - 1} slots, the later ones "
-            f"{int(top) - 1}), so nobody is overtaken; p99 / ({top} x the model-thread time per job at that load) = "
-            f"{load['p99_over_service_share']:.2f}. What varies is the service time itself: the model thread took "
-            f"{1000 * enc1['median']:.1f} ms per job alone (p99 {1000 * enc1['p99']:.1f} ms) and "
-            f"{1000 * encn['median']:.1f} ms (p99 {1000 * encn['p99']:.1f} ms) with {top} clients. A request behind "
-            f"{int(top) - 1} others sums {top} service times, so bursts of the other jobs on this shared 2-core "
-            f"machine (and, for the Python-bound tiny text encoder, the event loop and {top} client threads competing "
-            f"for the GIL and the cores) land in its latency. On a quiet machine, or with the real model's GPU "
-            f"kernels, the service time is steady; what would cut latency under load for real is batching the "
-            f"queued text encodes into one forward")
+    return (
+        f"the queue is FIFO (the spread of per-client mean latency, x{many['client_mean_spread']:.2f}, is the "
+        f"synchronised start: each client's first request waits 0-{int(top) - 1} slots, the later ones "
+        f"{int(top) - 1}), so nobody is overtaken; p99 / ({top} x the model-thread time per job at that load) = "
+        f"{load['p99_over_service_share']:.2f}. What varies is the service time itself: the model thread took "
+        f"{1000 * enc1['median']:.1f} ms per job alone (p99 {1000 * enc1['p99']:.1f} ms) and "
+        f"{1000 * encn['median']:.1f} ms (p99 {1000 * encn['p99']:.1f} ms) with {top} clients. A request behind "
+        f"{int(top) - 1} others sums {top} service times, so bursts of the other jobs on this shared 2-core "
+        f"machine (and, for the Python-bound tiny text encoder, the event loop and {top} client threads competing "
+        f"for the GIL and the cores) land in its latency. On a quiet machine, or with the real model's GPU "
+        f"kernels, the service time is steady; what would cut latency under load for real is batching the "
+        f"queued text encodes into one forward"
+    )
 
 
 def _why_hits(hits: dict) -> str:
     seq = hits["sequential"]["latency_s"]
-    return (f"the median hit takes {1000 * seq['median']:.1f} ms (client packing + a new TCP connection and thread per "
-            f"call + aiohttp multipart parsing + hashing + the contract's validation); the p99 tail comes from the "
-            f"shared 2-core machine (scheduler delays of other workers). Keep-alive connections and skipping the "
-            f"client's per-call helper thread would cut the median; the tail needs an unloaded machine")
+    return (
+        f"the median hit takes {1000 * seq['median']:.1f} ms (client packing + a new TCP connection and thread per "
+        f"call + aiohttp multipart parsing + hashing + the contract's validation); the p99 tail comes from the "
+        f"shared 2-core machine (scheduler delays of other workers). Keep-alive connections and skipping the "
+        f"client's per-call helper thread would cut the median; the tail needs an unloaded machine"
+    )
 
 
 def _why_vae(vae: dict, pair: dict) -> str:
@@ -177,37 +240,51 @@ def _why_vae(vae: dict, pair: dict) -> str:
     for key, label in (("pixel_ratios_stream_u8", "uint8"), ("pixel_ratios_stream", "float32")):
         match = [r for r in vae.get(key, []) if r["from"] == pair["from"] and r["to"] == pair["to"]]
         if match:
-            found.append(f"x{match[0]['peak_ratio']:.2f} in peak (x{match[0]['working_ratio']:.2f} without the "
-                         f"output) with {label} output")
+            found.append(
+                f"x{match[0]['peak_ratio']:.2f} in peak (x{match[0]['working_ratio']:.2f} without the "
+                f"output) with {label} output"
+            )
     streamed = ""
     if found:
-        others = [f"x{r['peak_ratio']:.2f} at {r['from']} -> {r['to']}" for r in vae.get("pixel_ratios_stream_u8", [])
-                  if r["tiles_from"] > 1 and r["from"] != pair["from"]]
-        streamed = (f" Measured in this run on the same points, the streamed prototype (bench/vae_stream.py, "
-                    f"bit-identical to diffusers in float32) scales {' and '.join(found)}"
-                    + (f" (uint8: {', '.join(others)})" if others else "") + ". What it still holds that grows with "
-                    "the canvas is the output itself, the overlap strips and the previous clip's 5 tail frames; "
-                    "handing each clip to the mp4 writer instead of keeping the video removes the first.")
+        others = [
+            f"x{r['peak_ratio']:.2f} at {r['from']} -> {r['to']}"
+            for r in vae.get("pixel_ratios_stream_u8", [])
+            if r["tiles_from"] > 1 and r["from"] != pair["from"]
+        ]
+        streamed = (
+            f" Measured in this run on the same points, the streamed prototype (bench/vae_stream.py, "
+            f"bit-identical to diffusers in float32) scales {' and '.join(found)}"
+            + (f" (uint8: {', '.join(others)})" if others else "")
+            + ". What it still holds that grows with "
+            "the canvas is the output itself, the overlap strips and the previous clip's 5 tail frames; "
+            "handing each clip to the mp4 writer instead of keeping the video removes the first."
+        )
     streamed_big = {f"{p['width']}x{p['height']}": p for p in vae.get("decode_canvas_stream_u8", [])}.get(pair["to"])
     if streamed_big:
-        streamed += (f" At {pair['to']} its peak is {streamed_big['peak_bytes'] / MB:.0f} MB against diffusers' "
-                     f"{big['peak_bytes'] / MB:.0f} MB.")
-    return (f"Tiling bounds the decoder's activations per 256-px tile, but diffusers keeps every decoded tile of a "
-            f"17-frame clip until it stitches them (blend copies, a torch.cat per row and one per clip) and then "
-            f"concatenates all clips: buffers proportional to the output. At {pair['to']} the returned video is "
-            f"{big['output_bytes'] / MB:.0f} MB and the peak {big['peak_bytes'] / MB:.0f} MB "
-            f"({big['peak_bytes'] / big['output_bytes']:.1f}x the output; {small['peak_bytes'] / small['output_bytes']:.1f}x "
-            f"at {pair['from']}). The tiny VAE's decoder is 2 layers x 32 wide, so its per-tile activations are "
-            f"small next to those buffers; the real 36-layer x 2048-wide decoder's per-tile activations are far "
-            f"larger, so the same code scales better there, but the output-sized buffers remain. What reaches the "
-            f"target: stitch tiles into a preallocated output as they are decoded (keep only the previous row's "
-            f"overlap), write each clip into a preallocated video instead of a list + cat, and hand frames to the "
-            f"mp4 writer per clip as uint8 (4x smaller), so the peak is one tile's work plus the overlap strips, not the "
-            f"video.{streamed} The fix belongs in diffusers' AutoencoderKLMiniMaxH3._decode/_stitch_tiles (or an "
-            f"h3_core decode that drives the VAE's decoder per tile, as the prototype does)")
+        streamed += (
+            f" At {pair['to']} its peak is {streamed_big['peak_bytes'] / MB:.0f} MB against diffusers' "
+            f"{big['peak_bytes'] / MB:.0f} MB."
+        )
+    return (
+        f"Tiling bounds the decoder's activations per 256-px tile, but diffusers keeps every decoded tile of a "
+        f"17-frame clip until it stitches them (blend copies, a torch.cat per row and one per clip) and then "
+        f"concatenates all clips: buffers proportional to the output. At {pair['to']} the returned video is "
+        f"{big['output_bytes'] / MB:.0f} MB and the peak {big['peak_bytes'] / MB:.0f} MB "
+        f"({big['peak_bytes'] / big['output_bytes']:.1f}x the output; "
+        f"{small['peak_bytes'] / small['output_bytes']:.1f}x "
+        f"at {pair['from']}). The tiny VAE's decoder is 2 layers x 32 wide, so its per-tile activations are "
+        f"small next to those buffers; the real 36-layer x 2048-wide decoder's per-tile activations are far "
+        f"larger, so the same code scales better there, but the output-sized buffers remain. What reaches the "
+        f"target: stitch tiles into a preallocated output as they are decoded (keep only the previous row's "
+        f"overlap), write each clip into a preallocated video instead of a list + cat, and hand frames to the "
+        f"mp4 writer per clip as uint8 (4x smaller), so the peak is one tile's work plus the overlap strips, not the "
+        f"video.{streamed} The fix belongs in diffusers' AutoencoderKLMiniMaxH3._decode/_stitch_tiles (or an "
+        f"h3_core decode that drives the VAE's decoder per tile, as the prototype does)"
+    )
 
 
 # --- markdown --------------------------------------------------------------------------------------
+
 
 def _ms(x):
     return f"{1000 * x:.1f}"
@@ -241,13 +318,15 @@ def markdown(results: dict) -> str:
     L = []
     L.append(f"# H3 disaggregation benchmark ({meta['mode']})")
     L.append("")
-    L.append(f"`python bench/run.py{' --quick' if meta['mode'] == 'quick' else ''}` on {meta['started']}: "
-             f"{meta['wall_s'] / 60:.1f} min wall. {env['cpu']}, {env['usable_cores']} usable cores shared with other "
-             f"jobs (load average {env['loadavg_start'][0]:.2f} at the start, "
-             f"{meta.get('loadavg_end', [float('nan')])[0]:.2f} at the end), torch {env['versions']['torch']}, "
-             f"diffusers {env['versions']['diffusers']}, {meta['threads']} torch thread(s) in every process. "
-             f"Model: the embedded tiny H3 (random weights){' built by this run' if meta.get('built_tiny') else ''}. "
-             f"Loopback only. Every A/B comparison is interleaved (ABBA) in the same run.")
+    L.append(
+        f"`python bench/run.py{' --quick' if meta['mode'] == 'quick' else ''}` on {meta['started']}: "
+        f"{meta['wall_s'] / 60:.1f} min wall. {env['cpu']}, {env['usable_cores']} usable cores shared with other "
+        f"jobs (load average {env['loadavg_start'][0]:.2f} at the start, "
+        f"{meta.get('loadavg_end', [float('nan')])[0]:.2f} at the end), torch {env['versions']['torch']}, "
+        f"diffusers {env['versions']['diffusers']}, {meta['threads']} torch thread(s) in every process. "
+        f"Model: the embedded tiny H3 (random weights){' built by this run' if meta.get('built_tiny') else ''}. "
+        f"Loopback only. Every A/B comparison is interleaved (ABBA) in the same run."
+    )
     L.append("")
     L.append(f"## Targets: {met}/{len(ts)} met")
     L.append("")
@@ -281,87 +360,139 @@ def _md_split(split, wire=None):
     if not split:
         return []
     j = split["job"]
-    L = ["", "## 1. Stage-split overhead (all models loaded in one process)", "",
-         f"Job: t2va {j['width']}x{j['height']}, {j['num_frames']} frames, {j['steps']} steps, seed {j['seed']}; "
-         f"{j['pairs']} pairs, {j['order']}. Split = encode -> to_bytes -> from_bytes -> sample -> decode; "
-         f"mono = one `MiniMaxH3ModularPipeline` call. Outputs bit-identical: **{split['bit_exact_video']}**.", "",
-         "| arm | median s | p99 s | min s | max s | CPU median s |", "|---|---:|---:|---:|---:|---:|"]
+    L = [
+        "",
+        "## 1. Stage-split overhead (all models loaded in one process)",
+        "",
+        f"Job: t2va {j['width']}x{j['height']}, {j['num_frames']} frames, {j['steps']} steps, seed {j['seed']}; "
+        f"{j['pairs']} pairs, {j['order']}. Split = encode -> to_bytes -> from_bytes -> sample -> decode; "
+        f"mono = one `MiniMaxH3ModularPipeline` call. Outputs bit-identical: **{split['bit_exact_video']}**.",
+        "",
+        "| arm | median s | p99 s | min s | max s | CPU median s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for arm in ("mono", "split"):
         w, c = split[f"{arm}_wall_s"], split[f"{arm}_cpu_s"]
-        L.append(f"| {arm} | {_s(w['median'])} | {_s(w['p99'])} | {_s(w['min'])} | {_s(w['max'])} | {_s(c['median'])} |")
+        L.append(
+            f"| {arm} | {_s(w['median'])} | {_s(w['p99'])} | {_s(w['min'])} | {_s(w['max'])} | {_s(c['median'])} |"
+        )
     lo, hi = split["overhead_ci95"]
     L.append("")
-    L.append(f"Overhead (median of per-pair split/mono - 1): **{100 * split['overhead']:+.2f} %** "
-             f"(95 % CI {100 * lo:+.2f} .. {100 * hi:+.2f} %; ratio of medians "
-             f"{100 * (split['wall']['ratio_of_medians'] - 1):+.2f} %; CPU time {100 * split['overhead_cpu']:+.2f} %). "
-             f"vLLM-Omni: disaggregated {VLLM_OMNI['disaggregated_s']} s vs colocated {VLLM_OMNI['colocated_s']} s "
-             f"({100 * (VLLM_OMNI['disaggregated_s'] / VLLM_OMNI['colocated_s'] - 1):+.2f} %).")
+    L.append(
+        f"Overhead (median of per-pair split/mono - 1): **{100 * split['overhead']:+.2f} %** "
+        f"(95 % CI {100 * lo:+.2f} .. {100 * hi:+.2f} %; ratio of medians "
+        f"{100 * (split['wall']['ratio_of_medians'] - 1):+.2f} %; CPU time {100 * split['overhead_cpu']:+.2f} %). "
+        f"vLLM-Omni: disaggregated {VLLM_OMNI['disaggregated_s']} s vs colocated {VLLM_OMNI['colocated_s']} s "
+        f"({100 * (VLLM_OMNI['disaggregated_s'] / VLLM_OMNI['colocated_s'] - 1):+.2f} %)."
+    )
     p = split["split_parts_s"]
     L.append("")
-    L.append("Split, per part (median ms): " + ", ".join(f"{k} {_ms(v['median'])}" for k, v in p.items())
-             + f"; contract {split['contract_bytes']} bytes (tiny model: 64-wide text states).")
+    L.append(
+        "Split, per part (median ms): "
+        + ", ".join(f"{k} {_ms(v['median'])}" for k, v in p.items())
+        + f"; contract {split['contract_bytes']} bytes (tiny model: 64-wide text states)."
+    )
     big = (wire or {}).get("sizes", {}).get("70MB")
     if big:
         b = big["breakdown_s"]
         ser = b["to_bytes"] + b["from_bytes"]
         L.append("")
-        L.append(f"Projected to real contract sizes: to_bytes + from_bytes of a 70 MB contract take {1000 * ser:.0f} ms "
-                 f"on this CPU (section 2), {100 * ser / VLLM_OMNI['e2e_50_steps_s']:.3f} % of a 284 s 50-step "
-                 f"1344x768x124 job and {100 * ser / VLLM_OMNI['colocated_s']:.2f} % of vLLM-Omni's 15.7 s 5-step "
-                 f"one; a text-only contract (~0.2-3 MB) costs well under 1 % of either.")
+        L.append(
+            f"Projected to real contract sizes: to_bytes + from_bytes of a 70 MB contract take {1000 * ser:.0f} ms "
+            f"on this CPU (section 2), {100 * ser / VLLM_OMNI['e2e_50_steps_s']:.3f} % of a 284 s 50-step "
+            f"1344x768x124 job and {100 * ser / VLLM_OMNI['colocated_s']:.2f} % of vLLM-Omni's 15.7 s 5-step "
+            f"one; a text-only contract (~0.2-3 MB) costs well under 1 % of either."
+        )
     load = split.get("load")
     if load:
-        L += ["", "Load times, each arm in a fresh process (cold = import the arm's code + load; warm = load again "
-                  "in the same process):", "",
-              "| arm | cold s | warm s | process RSS added MB | parameter MB | components |",
-              "|---|---:|---:|---:|---:|---|"]
+        L += [
+            "",
+            "Load times, each arm in a fresh process (cold = import the arm's code + load; warm = load again "
+            "in the same process):",
+            "",
+            "| arm | cold s | warm s | process RSS added MB | parameter MB | components |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
         for arm, v in load.items():
             comps = ", ".join(v["param_bytes"])
-            L.append(f"| {arm} | {_s(v['cold_s']['median'], 2)} | {_s(v['warm_s']['median'], 2)} | "
-                     f"{_mb(v['rss_delta_bytes'])} | {_mb(v['param_bytes_total'])} | {comps} |")
+            L.append(
+                f"| {arm} | {_s(v['cold_s']['median'], 2)} | {_s(v['warm_s']['median'], 2)} | "
+                f"{_mb(v['rss_delta_bytes'])} | {_mb(v['param_bytes_total'])} | {comps} |"
+            )
         L.append("")
-        L.append("At real scale (vLLM-Omni's published figures, docs/ARCHITECTURE.md §8): the text encoder is ~51.5 GB in bf16, the DiT ~62-65 GiB, the "
-                 "VAEs ~10 GiB; vLLM-Omni's split took the DiT GPUs from 78-80 GB to 53-54 GB peak. The diffusion "
-                 "side here loads no text-encoder weights at all.")
+        L.append(
+            "At real scale (vLLM-Omni's published figures, docs/ARCHITECTURE.md §8): the text encoder is ~51.5 GB "
+            "in bf16, the DiT ~62-65 GiB, the "
+            "VAEs ~10 GiB; vLLM-Omni's split took the DiT GPUs from 78-80 GB to 53-54 GB peak. The diffusion "
+            "side here loads no text-encoder weights at all."
+        )
         s1 = load.get("diffusion_stage1_only")
         if s1:
             L.append("")
-            L.append(f"The stage-1-only folder holds {', '.join(s1['source_components'])} (no text encoder, tokenizer "
-                     f"or processor): the diffusion side loads and runs without them.")
+            L.append(
+                f"The stage-1-only folder holds {', '.join(s1['source_components'])} (no text encoder, tokenizer "
+                f"or processor): the diffusion side loads and runs without them."
+            )
     return L
 
 
 def _md_wire(wire):
     if not wire:
         return []
-    L = ["", "## 2. Wire efficiency (real server + client, synthetic contracts at the real 5120 width, bf16)", "",
-         "| contract | tokens | raw tensor bytes | contract bytes | request bytes | response bytes | wire / raw | "
-         "bytes per token on the wire |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    L = [
+        "",
+        "## 2. Wire efficiency (real server + client, synthetic contracts at the real 5120 width, bf16)",
+        "",
+        "| contract | tokens | raw tensor bytes | contract bytes | request bytes | response bytes | wire / raw | "
+        "bytes per token on the wire |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, s in wire["sizes"].items():
-        L.append(f"| {name} | {s['tokens']} | {s['raw_tensor_bytes']:,} | {s['contract_bytes']:,} | "
-                 f"{s['request_bytes']:,} | {s['response_bytes']:,} | {s['wire_ratio']:.4f} | "
-                 f"{s['wire_bytes_per_token']:,.0f} |")
-    L += ["", "Serialise + send + receive + deserialise, interleaved with a raw loopback transfer of the same bytes "
-              "(median ms and MB/s; ratio = paired median of raw time / arm time, 95 % CI):", "",
-          "| contract | raw socket | h3 server + client | h3 / raw | lean prototype, CRC32 | lean / raw | "
-          "lean, no checksum | lean no-CRC / raw |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        L.append(
+            f"| {name} | {s['tokens']} | {s['raw_tensor_bytes']:,} | {s['contract_bytes']:,} | "
+            f"{s['request_bytes']:,} | {s['response_bytes']:,} | {s['wire_ratio']:.4f} | "
+            f"{s['wire_bytes_per_token']:,.0f} |"
+        )
+    L += [
+        "",
+        "Serialise + send + receive + deserialise, interleaved with a raw loopback transfer of the same bytes "
+        "(median ms and MB/s; ratio = paired median of raw time / arm time, 95 % CI):",
+        "",
+        "| contract | raw socket | h3 server + client | h3 / raw | lean prototype, CRC32 | lean / raw | "
+        "lean, no checksum | lean no-CRC / raw |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, s in wire["sizes"].items():
-        def cell(key):
+
+        def cell(key, s=s):
             return f"{_ms(s[key + '_s']['median'])} ms, {s[key + '_mb_s']:.0f} MB/s"
 
-        def ratio(key):
+        def ratio(key, s=s):
             lo, hi = s[key + "_ci95"]
             return f"{s[key]:.3f} ({lo:.2f} .. {hi:.2f})"
 
-        lean = (f"{cell('lean')} | {ratio('lean_throughput_ratio')} | {cell('lean_nocrc')} | "
-                f"{ratio('lean_nocrc_throughput_ratio')}") if "lean_s" in s else "- | - | - | -"
+        lean = (
+            (
+                f"{cell('lean')} | {ratio('lean_throughput_ratio')} | {cell('lean_nocrc')} | "
+                f"{ratio('lean_nocrc_throughput_ratio')}"
+            )
+            if "lean_s" in s
+            else "- | - | - | -"
+        )
         L.append(f"| {name} | {cell('raw')} | {cell('h3')} | {ratio('throughput_ratio')} | {lean} |")
     L.append("")
-    L.append(f"Handshake (GET /v1/capabilities, once per client per 5 min): "
-             f"{next(iter(wire['sizes'].values()))['handshake_bytes']:,} bytes. Reference: ~10 KB of hidden state "
-             f"per text token (5120 x 2 B = {VLLM_OMNI['bytes_per_token']:,} B + an 8-byte tag).")
-    L += ["", "In-process cost of the pieces the h3 path adds (median ms; no sockets):", "",
-          "| contract | to_bytes | SHA-256 of the body | from_bytes | bytes(bytearray) (2 copies) |", "|---|---:|---:|---:|---:|"]
+    L.append(
+        f"Handshake (GET /v1/capabilities, once per client per 5 min): "
+        f"{next(iter(wire['sizes'].values()))['handshake_bytes']:,} bytes. Reference: ~10 KB of hidden state "
+        f"per text token (5120 x 2 B = {VLLM_OMNI['bytes_per_token']:,} B + an 8-byte tag)."
+    )
+    L += [
+        "",
+        "In-process cost of the pieces the h3 path adds (median ms; no sockets):",
+        "",
+        "| contract | to_bytes | SHA-256 of the body | from_bytes | bytes(bytearray) (2 copies) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, s in wire["sizes"].items():
         b = s["breakdown_s"]
         L.append(f"| {name} | {_ms(b['to_bytes'])} | {_ms(b['sha256'])} | {_ms(b['from_bytes'])} | {_ms(b['copy'])} |")
@@ -371,45 +502,75 @@ def _md_wire(wire):
 def _md_remote(remote):
     if not remote:
         return []
-    L = ["", "## 3. Remote vs local encode (loopback, `python -m h3_core serve` vs `EncoderStage` in a fresh process)", "",
-         f"Server start (process launch to listening, weights loaded): {remote['server_start_s']:.1f} s. The local "
-         "arm runs in its own fresh worker process, like the server: in the long-lived bench process (after "
-         "section 1) the same Python-bound tiny text encode ran ~1.7x slower, which would have flattered the "
-         "remote arm.", "",
-         "| request | local median ms | local p99 ms | remote median ms | remote p99 ms | remote / local (paired median, 95 % CI) | "
-         "added ms (median) | bit-identical | media on the wire / decoded media | contract bytes |",
-         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    L = [
+        "",
+        "## 3. Remote vs local encode (loopback, `python -m h3_core serve` vs `EncoderStage` in a fresh process)",
+        "",
+        f"Server start (process launch to listening, weights loaded): {remote['server_start_s']:.1f} s. The local "
+        "arm runs in its own fresh worker process, like the server: in the long-lived bench process (after "
+        "section 1) the same Python-bound tiny text encode ran ~1.7x slower, which would have flattered the "
+        "remote arm.",
+        "",
+        "| request | local median ms | local p99 ms | remote median ms | remote p99 ms "
+        "| remote / local (paired median, 95 % CI) | "
+        "added ms (median) | bit-identical | media on the wire / decoded media | contract bytes |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
     for kind, s in remote["remote_vs_local"].items():
-        media = (f"{s['request_media_bytes']:,} / {s['decoded_media_bytes']:,}" if s["decoded_media_bytes"] else "-")
+        media = f"{s['request_media_bytes']:,} / {s['decoded_media_bytes']:,}" if s["decoded_media_bytes"] else "-"
         lo, hi = s["remote_over_local_ci95"]
-        L.append(f"| {kind} (n={s['local_s']['n']}) | {_ms(s['local_s']['median'])} | {_ms(s['local_s']['p99'])} | "
-                 f"{_ms(s['remote_s']['median'])} | {_ms(s['remote_s']['p99'])} | {s['remote_over_local']:.3f} "
-                 f"({lo:.3f} .. {hi:.3f}) | {s['added_ms_median']:.1f} | {s['bit_identical']} | {media} | "
-                 f"{s['contract_bytes']:,} |")
+        L.append(
+            f"| {kind} (n={s['local_s']['n']}) | {_ms(s['local_s']['median'])} | {_ms(s['local_s']['p99'])} | "
+            f"{_ms(s['remote_s']['median'])} | {_ms(s['remote_s']['p99'])} | {s['remote_over_local']:.3f} "
+            f"({lo:.3f} .. {hi:.3f}) | {s['added_ms_median']:.1f} | {s['bit_identical']} | {media} | "
+            f"{s['contract_bytes']:,} |"
+        )
     load = remote["load"]
-    L += ["", "## 4. Server under load (distinct prompts: every request a cache miss; one model thread)", "",
-          "| clients | requests | throughput req/s | p50 ms | p99 ms | max ms | errors |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    L += [
+        "",
+        "## 4. Server under load (distinct prompts: every request a cache miss; one model thread)",
+        "",
+        "| clients | requests | throughput req/s | p50 ms | p99 ms | max ms | errors |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for c, v in load["levels"].items():
         lat = v["latency_s"]
-        L.append(f"| {c} | {v['requests']} | {v['throughput_rps']:.2f} | {_ms(lat['median'])} | {_ms(lat['p99'])} | "
-                 f"{_ms(lat['max'])} | {v['error_count']} |")
+        L.append(
+            f"| {c} | {v['requests']} | {v['throughput_rps']:.2f} | {_ms(lat['median'])} | {_ms(lat['p99'])} | "
+            f"{_ms(lat['max'])} | {v['error_count']} |"
+        )
     L.append("")
-    L.append(f"Throughput at {max(load['levels'], key=int)} clients / 1 client: {load['throughput_ratio']:.3f}; "
-             f"p99 / fair share: {load['p99_over_fair_share']:.3f} (limit 1.2); p99 / ({max(load['levels'], key=int)} x "
-             f"the model-thread time per job at that load): {load['p99_over_service_share']:.3f}; model-thread time "
-             f"per job at {max(load['levels'], key=int)} clients / at 1: {load['service_slowdown']:.3f}.")
-    L += ["", "Server-reported times per request (X-H3-Queue-Seconds, X-H3-Encode-Seconds), median / p99 ms, and the "
-              "spread of per-client mean latency (slowest / fastest client, worst pass):", "",
-          "| clients | queued | model thread | client spread |", "|---:|---:|---:|---:|"]
+    L.append(
+        f"Throughput at {max(load['levels'], key=int)} clients / 1 client: {load['throughput_ratio']:.3f}; "
+        f"p99 / fair share: {load['p99_over_fair_share']:.3f} (limit 1.2); p99 / ({max(load['levels'], key=int)} x "
+        f"the model-thread time per job at that load): {load['p99_over_service_share']:.3f}; model-thread time "
+        f"per job at {max(load['levels'], key=int)} clients / at 1: {load['service_slowdown']:.3f}."
+    )
+    L += [
+        "",
+        "Server-reported times per request (X-H3-Queue-Seconds, X-H3-Encode-Seconds), median / p99 ms, and the "
+        "spread of per-client mean latency (slowest / fastest client, worst pass):",
+        "",
+        "| clients | queued | model thread | client spread |",
+        "|---:|---:|---:|---:|",
+    ]
     for c, v in load["levels"].items():
         q, e = v["server_queue_s"], v["server_encode_s"]
         spread = "-" if v.get("client_mean_spread") is None else f"{v['client_mean_spread']:.2f}"
         L.append(f"| {c} | {_ms(q['median'])} / {_ms(q['p99'])} | {_ms(e['median'])} / {_ms(e['p99'])} | {spread} |")
     h = load["cache_hits"]
-    L += ["", f"Cache hits (identical request; hit confirmed by X-H3-Cache: {load['cache_hit_confirmed']}):", "",
-          "| case | hits | p50 ms | p99 ms | max ms |", "|---|---:|---:|---:|---:|"]
-    for case, label in (("sequential", "one client, back to back"), ("concurrent_16", "16 clients at once"),
-                        ("under_load", "one client while 4 others keep the model thread busy")):
+    L += [
+        "",
+        f"Cache hits (identical request; hit confirmed by X-H3-Cache: {load['cache_hit_confirmed']}):",
+        "",
+        "| case | hits | p50 ms | p99 ms | max ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for case, label in (
+        ("sequential", "one client, back to back"),
+        ("concurrent_16", "16 clients at once"),
+        ("under_load", "one client while 4 others keep the model thread busy"),
+    ):
         lat = h[case]["latency_s"]
         L.append(f"| {label} | {lat['n']} | {_ms(lat['median'])} | {_ms(lat['p99'])} | {_ms(lat['max'])} |")
     return L
@@ -419,20 +580,30 @@ def _md_vae(vae):
     if not vae:
         return []
     where = "fresh process per point" if vae.get("process_per_point", True) else "one process per sweep"
-    L = ["", f"## 5. VAE memory and time scaling ({where}; peak = RSS high-water - RSS before the op)", "",
-         f"diffusers' AutoencoderKLMiniMaxH3: spatial tiling on by default, {vae['decode_canvas'][0]['tile_px']} px "
-         f"tiles with >= {vae['decode_canvas'][0]['tile_overlap_px']} px overlap (widened to cover the frame), "
-         f"17-frame temporal clips; a canvas of 256 px or less is one tile (no tiling).", "",
-         "| op | input | tiles | time s | peak MB | output MB | peak - output MB |", "|---|---|---:|---:|---:|---:|---:|"]
+    L = [
+        "",
+        f"## 5. VAE memory and time scaling ({where}; peak = RSS high-water - RSS before the op)",
+        "",
+        f"diffusers' AutoencoderKLMiniMaxH3: spatial tiling on by default, {vae['decode_canvas'][0]['tile_px']} px "
+        f"tiles with >= {vae['decode_canvas'][0]['tile_overlap_px']} px overlap (widened to cover the frame), "
+        f"17-frame temporal clips; a canvas of 256 px or less is one tile (no tiling).",
+        "",
+        "| op | input | tiles | time s | peak MB | output MB | peak - output MB |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
 
     def row(op, p, desc):
-        L.append(f"| {op} | {desc} | {p.get('tiles', '-')} | {p['time_s']:.2f} | {_mb(p['peak_bytes'])} | "
-                 f"{_mb(p['output_bytes'])} | {_mb(p['working_bytes'])} |")
+        L.append(
+            f"| {op} | {desc} | {p.get('tiles', '-')} | {p['time_s']:.2f} | {_mb(p['peak_bytes'])} | "
+            f"{_mb(p['output_bytes'])} | {_mb(p['working_bytes'])} |"
+        )
 
     for p in vae["decode_canvas"]:
         row("video decode", p, f"{p['width']}x{p['height']}, {p['frames']} frames")
-    for key, label in (("decode_canvas_stream", "streamed decode, float32 (prototype)"),
-                       ("decode_canvas_stream_u8", "streamed decode, uint8 (prototype)")):
+    for key, label in (
+        ("decode_canvas_stream", "streamed decode, float32 (prototype)"),
+        ("decode_canvas_stream_u8", "streamed decode, uint8 (prototype)"),
+    ):
         for p in vae.get(key, []):
             row(label, p, f"{p['width']}x{p['height']}, {p['frames']} frames")
     for p in vae["decode_frames"]:
@@ -446,22 +617,35 @@ def _md_vae(vae):
     for p in vae["audio_encode"]:
         row("audio encode", p, f"{p['seconds']:g} s")
     if vae.get("pixel_ratios"):
-        L += ["", "Decode at 4x the pixels (same frames); working = peak - the returned video:", "",
-              "| decode | from -> to | tiles | peak ratio | working ratio | time ratio |", "|---|---|---|---:|---:|---:|"]
-        for key, label in (("pixel_ratios", "diffusers (as shipped, what h3_core runs)"),
-                           ("pixel_ratios_stream", "streamed, float32 output (prototype)"),
-                           ("pixel_ratios_stream_u8", "streamed, uint8 output (prototype)")):
+        L += [
+            "",
+            "Decode at 4x the pixels (same frames); working = peak - the returned video:",
+            "",
+            "| decode | from -> to | tiles | peak ratio | working ratio | time ratio |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        for key, label in (
+            ("pixel_ratios", "diffusers (as shipped, what h3_core runs)"),
+            ("pixel_ratios_stream", "streamed, float32 output (prototype)"),
+            ("pixel_ratios_stream_u8", "streamed, uint8 output (prototype)"),
+        ):
             for r in vae.get(key, []):
-                L.append(f"| {label} | {r['from']} -> {r['to']} | {r['tiles_from']} -> {r['tiles_to']} | "
-                         f"{r['peak_ratio']:.2f} | {r['working_ratio']:.2f} | {r['time_ratio']:.2f} |")
-        L += ["", "The streamed decode (bench/vae_stream.py) runs diffusers' own modules on the same tiles with the "
-                  "same blend arithmetic and is bit-identical to `vae.decode` in float32 (checked in this run: "
-                  f"**{vae.get('stream_bit_exact')}**); it only writes each tile into a preallocated output at once "
-                  "instead of keeping all tiles and clips for torch.cat."]
+                L.append(
+                    f"| {label} | {r['from']} -> {r['to']} | {r['tiles_from']} -> {r['tiles_to']} | "
+                    f"{r['peak_ratio']:.2f} | {r['working_ratio']:.2f} | {r['time_ratio']:.2f} |"
+                )
+        L += [
+            "",
+            "The streamed decode (bench/vae_stream.py) runs diffusers' own modules on the same tiles with the "
+            "same blend arithmetic and is bit-identical to `vae.decode` in float32 (checked in this run: "
+            f"**{vae.get('stream_bit_exact')}**); it only writes each tile into a preallocated output at once "
+            "instead of keeping all tiles and clips for torch.cat.",
+        ]
     return L
 
 
 # --- plots -----------------------------------------------------------------------------------------
+
 
 def plots(results: dict, out: Path) -> list[str]:
     import matplotlib
@@ -498,18 +682,28 @@ def plots(results: dict, out: Path) -> list[str]:
         names = list(wire["sizes"])
         fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
         x = range(len(names))
-        arms = [("raw_mb_s", "raw loopback socket"), ("h3_mb_s", "h3 server + client"),
-                ("lean_mb_s", "lean prototype, CRC32"), ("lean_nocrc_mb_s", "lean, no checksum")]
+        arms = [
+            ("raw_mb_s", "raw loopback socket"),
+            ("h3_mb_s", "h3 server + client"),
+            ("lean_mb_s", "lean prototype, CRC32"),
+            ("lean_nocrc_mb_s", "lean, no checksum"),
+        ]
         arms = [(k, label) for k, label in arms if k in wire["sizes"][names[0]]]
         width = 0.8 / len(arms)
         for n_arm, (key, label) in enumerate(arms):
-            a.bar([i - 0.4 + width * (n_arm + 0.5) for i in x], [wire["sizes"][k][key] for k in names], width,
-                  label=label)
+            a.bar(
+                [i - 0.4 + width * (n_arm + 0.5) for i in x], [wire["sizes"][k][key] for k in names], width, label=label
+            )
         a.set_xticks(list(x), names), a.set_ylabel("MB/s"), a.set_title("transfer throughput"), a.legend(fontsize=7)
         big = wire["sizes"][names[-1]]
         bd = big["breakdown_s"]
-        parts = [("raw transfer", big["raw_s"]["median"]), ("to_bytes", bd["to_bytes"]),
-                 ("SHA-256 x2", 2 * bd["sha256"]), ("from_bytes", bd["from_bytes"]), ("body copy", bd["copy"] / 2)]
+        parts = [
+            ("raw transfer", big["raw_s"]["median"]),
+            ("to_bytes", bd["to_bytes"]),
+            ("SHA-256 x2", 2 * bd["sha256"]),
+            ("from_bytes", bd["from_bytes"]),
+            ("body copy", bd["copy"] / 2),
+        ]
         bottom = 0
         for label, v in parts:
             b.bar(["parts (in-process)"], [1000 * v], bottom=bottom, label=label)
@@ -542,8 +736,17 @@ def plots(results: dict, out: Path) -> list[str]:
         axes[2].plot(clients, [1000 * load["levels"][c]["latency_s"]["median"] for c in cs], "o-", label="p50")
         axes[2].plot(clients, [1000 * load["levels"][c]["latency_s"]["p99"] for c in cs], "s-", label="p99")
         axes[2].plot(clients, [1000 * 1.2 * c * single for c in clients], "k--", label="1.2 x fair share")
-        axes[2].set_xscale("log", base=2), axes[2].set_yscale("log"), axes[2].set_xticks(clients, [str(c) for c in clients])
-        axes[2].set_xlabel("concurrent clients"), axes[2].set_ylabel("ms"), axes[2].set_title("latency"), axes[2].legend()
+        (
+            axes[2].set_xscale("log", base=2),
+            axes[2].set_yscale("log"),
+            axes[2].set_xticks(clients, [str(c) for c in clients]),
+        )
+        (
+            axes[2].set_xlabel("concurrent clients"),
+            axes[2].set_ylabel("ms"),
+            axes[2].set_title("latency"),
+            axes[2].legend(),
+        )
         save(fig, "remote.png")
 
     vae = results.get("vae")
@@ -554,29 +757,53 @@ def plots(results: dict, out: Path) -> list[str]:
         mp = [p["width"] * p["height"] / 1e6 for p in dc]
         a.plot(mp, [p["peak_bytes"] / MB for p in dc], "o-", label="diffusers peak")
         a.plot(mp, [p["working_bytes"] / MB for p in dc], "s-", label="diffusers peak - output")
-        for key, style, label in (("decode_canvas_stream", "^-", "streamed f32 peak"),
-                                  ("decode_canvas_stream_u8", "v-", "streamed u8 peak")):
+        for key, style, label in (
+            ("decode_canvas_stream", "^-", "streamed f32 peak"),
+            ("decode_canvas_stream_u8", "v-", "streamed u8 peak"),
+        ):
             pts = vae.get(key, [])
             if pts:
-                a.plot([p["width"] * p["height"] / 1e6 for p in pts], [p["peak_bytes"] / MB for p in pts], style,
-                       label=label)
+                a.plot(
+                    [p["width"] * p["height"] / 1e6 for p in pts],
+                    [p["peak_bytes"] / MB for p in pts],
+                    style,
+                    label=label,
+                )
         a.plot(mp, [p["output_bytes"] / MB for p in dc], "k:", label="output video (f32)")
         if dc:
             base = dc[0]["peak_bytes"] / MB
-            a.plot(mp, [base * (1 + 0.5 * (m / mp[0] - 1) / 3) for m in mp], "g--", label="target slope (1.5x per 4x pixels)")
+            a.plot(
+                mp,
+                [base * (1 + 0.5 * (m / mp[0] - 1) / 3) for m in mp],
+                "g--",
+                label="target slope (1.5x per 4x pixels)",
+            )
         a.set_xlabel(f"megapixels per frame ({dc[0]['frames'] if dc else ''} frames)"), a.set_ylabel("MB")
         a.set_title("video decode (tiled): memory"), a.legend(fontsize=7)
         b = axes[1]
         b.plot(mp, [p["time_s"] for p in dc], "o-", label="decode vs canvas")
         ec = vae["encode_canvas"]
-        b.plot([p["width"] * p["height"] / 1e6 for p in ec], [p["time_s"] for p in ec], "s-", label="encode 1 frame vs canvas")
+        b.plot(
+            [p["width"] * p["height"] / 1e6 for p in ec],
+            [p["time_s"] for p in ec],
+            "s-",
+            label="encode 1 frame vs canvas",
+        )
         b.set_xlabel("megapixels per frame"), b.set_ylabel("s"), b.set_title("video VAE time"), b.legend(fontsize=7)
         c = axes[2]
         df, ef = vae["decode_frames"], vae["encode_frames"]
-        c.plot([p["frames"] for p in df], [p["peak_bytes"] / MB for p in df], "o-",
-               label=f"decode peak MB ({df[0]['width']} px)" if df else "decode")
-        c.plot([p["frames"] for p in ef], [p["peak_bytes"] / MB for p in ef], "s-",
-               label=f"encode peak MB ({ef[0]['width']} px)" if ef else "encode")
+        c.plot(
+            [p["frames"] for p in df],
+            [p["peak_bytes"] / MB for p in df],
+            "o-",
+            label=f"decode peak MB ({df[0]['width']} px)" if df else "decode",
+        )
+        c.plot(
+            [p["frames"] for p in ef],
+            [p["peak_bytes"] / MB for p in ef],
+            "s-",
+            label=f"encode peak MB ({ef[0]['width']} px)" if ef else "encode",
+        )
         c2 = c.twinx()
         c2.plot([p["frames"] for p in df], [p["time_s"] for p in df], "o:", color="C2", label="decode s")
         c2.plot([p["frames"] for p in ef], [p["time_s"] for p in ef], "s:", color="C3", label="encode s")

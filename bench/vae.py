@@ -1,6 +1,7 @@
 """Section 5: peak memory and time of the VAEs as the canvas, the frame count and the audio duration grow.
 
-Every point runs in a fresh process (`--quick`: one process per sweep, heap trimmed between points): load the VAE, warm it up on a small input, build the input, trim the heap,
+Every point runs in a fresh process (`--quick`: one process per sweep, heap trimmed between points): load the VAE,
+warm it up on a small input, build the input, trim the heap,
 reset the kernel's RSS high-water mark (/proc/self/clear_refs = 5), run the op once, read VmHWM. Peak = VmHWM -
 RSS just before the op (what the op added on top of the loaded model and its input); "working" = peak - the
 returned tensor's bytes. Time = median of `reps` runs (the first is the measured-peak run).
@@ -72,8 +73,12 @@ def _measure(vae, op: str, args: dict, torch) -> dict:
             make = lambda hh, ww, ff: torch.rand(1, 3, ff, hh, ww, generator=generator) * 2 - 1
             fn = lambda x: vae.encode(x).latent_dist.mode()
         warm = make(64, 64, frames if op == "video_encode" and frames == 1 else 22)
-        info = {"tiles": tile_grid(h) * tile_grid(w), "tiling": bool(vae.use_tiling),
-                "tile_px": vae.tile_sample_min_height, "tile_overlap_px": vae.tile_sample_min_overlap_height}
+        info = {
+            "tiles": tile_grid(h) * tile_grid(w),
+            "tiling": bool(vae.use_tiling),
+            "tile_px": vae.tile_sample_min_height,
+            "tile_overlap_px": vae.tile_sample_min_overlap_height,
+        }
     else:
         seconds = args["seconds"]
         if op == "audio_decode":
@@ -105,18 +110,30 @@ def _measure(vae, op: str, args: dict, torch) -> dict:
             times.append(time.perf_counter() - t0)
         del out
     peak = after["VmHWM"] - before["VmRSS"]
-    result = {**args, **info, "time_s": sorted(times)[len(times) // 2], "times_s": times,
-              "peak_bytes": peak, "working_bytes": peak - out_bytes, "output_bytes": out_bytes,
-              "input_bytes": x.numel() * x.element_size(), "output_shape": out_shape,
-              "rss_before": before["VmRSS"], "hwm_after": after["VmHWM"], "peak_reset": reset_ok}
+    result = {
+        **args,
+        **info,
+        "time_s": sorted(times)[len(times) // 2],
+        "times_s": times,
+        "peak_bytes": peak,
+        "working_bytes": peak - out_bytes,
+        "output_bytes": out_bytes,
+        "input_bytes": x.numel() * x.element_size(),
+        "output_shape": out_shape,
+        "rss_before": before["VmRSS"],
+        "hwm_after": after["VmHWM"],
+        "peak_reset": reset_ok,
+    }
     del x
     common.trim_heap()
     return result
 
 
 def _show(r: dict) -> None:
-    common.log(f"vae:   {r['time_s']:.2f} s, peak +{r['peak_bytes'] / common.MB:.0f} MB "
-               f"(output {r['output_bytes'] / common.MB:.0f} MB)")
+    common.log(
+        f"vae:   {r['time_s']:.2f} s, peak +{r['peak_bytes'] / common.MB:.0f} MB "
+        f"(output {r['output_bytes'] / common.MB:.0f} MB)"
+    )
 
 
 def point(models, threads: int, **args) -> dict:
@@ -139,23 +156,45 @@ def sweep(models, threads: int, points: list[dict], per_process: bool) -> list[d
     return rs
 
 
-def run(models, *, canvas: list[int], canvas_frames: int, frames: list[int], frames_canvas: int,
-        encode_canvas: list[int], encode_frames: list[int], encode_frames_canvas: int, audio_seconds: list[float],
-        reps: int, threads: int, per_process: bool = True) -> dict:
+def run(
+    models,
+    *,
+    canvas: list[int],
+    canvas_frames: int,
+    frames: list[int],
+    frames_canvas: int,
+    encode_canvas: list[int],
+    encode_frames: list[int],
+    encode_frames_canvas: int,
+    audio_seconds: list[float],
+    reps: int,
+    threads: int,
+    per_process: bool = True,
+) -> dict:
     out = {"loadavg_before": common.loadavg(), "process_per_point": per_process}
     measure = lambda points: sweep(models, threads, points, per_process)
-    out["decode_canvas"] = measure([dict(op="video_decode", height=s, width=s, frames=canvas_frames, reps=reps)
-                                for s in canvas])
-    out["decode_frames"] = measure([dict(op="video_decode", height=frames_canvas, width=frames_canvas, frames=f,
-                                     reps=reps) for f in frames])
+    out["decode_canvas"] = measure(
+        [dict(op="video_decode", height=s, width=s, frames=canvas_frames, reps=reps) for s in canvas]
+    )
+    out["decode_frames"] = measure(
+        [dict(op="video_decode", height=frames_canvas, width=frames_canvas, frames=f, reps=reps) for f in frames]
+    )
     # What would reach the target: the same decode, streamed into a preallocated output (bench/vae_stream.py).
-    out["decode_canvas_stream"] = measure([dict(op="video_decode_stream", height=s, width=s, frames=canvas_frames,
-                                                reps=1) for s in canvas])
-    out["decode_canvas_stream_u8"] = measure([dict(op="video_decode_stream_u8", height=s, width=s,
-                                                   frames=canvas_frames, reps=1) for s in canvas])
-    out["encode_canvas"] = measure([dict(op="video_encode", height=s, width=s, frames=1, reps=1) for s in encode_canvas])
-    out["encode_frames"] = measure([dict(op="video_encode", height=encode_frames_canvas, width=encode_frames_canvas,
-                                     frames=f, reps=1) for f in encode_frames])
+    out["decode_canvas_stream"] = measure(
+        [dict(op="video_decode_stream", height=s, width=s, frames=canvas_frames, reps=1) for s in canvas]
+    )
+    out["decode_canvas_stream_u8"] = measure(
+        [dict(op="video_decode_stream_u8", height=s, width=s, frames=canvas_frames, reps=1) for s in canvas]
+    )
+    out["encode_canvas"] = measure(
+        [dict(op="video_encode", height=s, width=s, frames=1, reps=1) for s in encode_canvas]
+    )
+    out["encode_frames"] = measure(
+        [
+            dict(op="video_encode", height=encode_frames_canvas, width=encode_frames_canvas, frames=f, reps=1)
+            for f in encode_frames
+        ]
+    )
     out["audio_decode"] = measure([dict(op="audio_decode", seconds=s, reps=reps) for s in audio_seconds])
     out["audio_encode"] = measure([dict(op="audio_encode", seconds=s, reps=reps) for s in audio_seconds])
     out["stream_bit_exact"] = stream_check(models, threads)
@@ -195,11 +234,17 @@ def pixel_ratios(points: list[dict]) -> list[dict]:
         big = by_px.get(4 * px)
         if big is None:
             continue
-        pairs.append({"from": f"{small['width']}x{small['height']}", "to": f"{big['width']}x{big['height']}",
-                      "tiles_from": small["tiles"], "tiles_to": big["tiles"],
-                      "peak_ratio": big["peak_bytes"] / small["peak_bytes"],
-                      "working_ratio": big["working_bytes"] / small["working_bytes"],
-                      "time_ratio": big["time_s"] / small["time_s"]})
+        pairs.append(
+            {
+                "from": f"{small['width']}x{small['height']}",
+                "to": f"{big['width']}x{big['height']}",
+                "tiles_from": small["tiles"],
+                "tiles_to": big["tiles"],
+                "peak_ratio": big["peak_bytes"] / small["peak_bytes"],
+                "working_ratio": big["working_bytes"] / small["working_bytes"],
+                "time_ratio": big["time_s"] / small["time_s"],
+            }
+        )
     return pairs
 
 

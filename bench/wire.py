@@ -27,8 +27,15 @@ class WireServer:
 
     def __init__(self, sizes: dict[str, int], threads: int):
         cmd = [sys.executable, "-m", "bench.wire_server", "--worker", json.dumps({"sizes": sizes, "threads": threads})]
-        self.proc = subprocess.Popen(cmd, cwd=common.REPO, env=common.worker_env(threads), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=common.REPO,
+            env=common.worker_env(threads),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         if not line.startswith("{"):
             self.close()
@@ -102,7 +109,7 @@ def lean_fetch(port: int, name: str, checksum: bool = True):
             if n == 0:
                 raise RuntimeError("connection closed early")
             if checksum:
-                crc = zlib.crc32(view[got: got + n], crc)
+                crc = zlib.crc32(view[got : got + n], crc)
             got += n
         trailer = bytearray(4)
         _recv_exact(sock, memoryview(trailer))
@@ -225,8 +232,9 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
             assert check.prompt_embeds.view(torch.int16).equal(cond.prompt_embeds.view(torch.int16))
             assert check.text_token_tags.equal(cond.text_token_tags) and check.task == cond.task
             common.log(f"wire: {name}: {reps[name]} interleaved rounds (h3 client/server, raw socket, lean prototype)")
-            runs = common.interleaved({"raw": raw, "h3": h3, "lean": lean, "lean_nocrc": lean_nocrc}, reps[name],
-                                      warmup=1)
+            runs = common.interleaved(
+                {"raw": raw, "h3": h3, "lean": lean, "lean_nocrc": lean_nocrc}, reps[name], warmup=1
+            )
             h3_s, raw_s, lean_s = runs["h3"]["wall"], runs["raw"]["wall"], runs["lean"]["wall"]
             nocrc_s = runs["lean_nocrc"]["wall"]
             ratio = common.paired(h3_s, raw_s)  # raw/h3 per pair = h3 throughput / raw throughput
@@ -261,10 +269,12 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
                 "breakdown_s": _breakdown(cond, 3 if tokens > 1000 else 7),
             }
             r = out["sizes"][name]
-            common.log(f"wire: {name}: wire {r['wire_ratio']:.4f}x raw tensors; h3 {r['h3_mb_s']:.0f} MB/s vs raw "
-                       f"{r['raw_mb_s']:.0f} MB/s ({r['throughput_ratio']:.2f}); lean prototype {r['lean_mb_s']:.0f} MB/s "
-                       f"({r['lean_throughput_ratio']:.2f}), without CRC {r['lean_nocrc_mb_s']:.0f} MB/s "
-                       f"({r['lean_nocrc_throughput_ratio']:.2f})")
+            common.log(
+                f"wire: {name}: wire {r['wire_ratio']:.4f}x raw tensors; h3 {r['h3_mb_s']:.0f} MB/s vs raw "
+                f"{r['raw_mb_s']:.0f} MB/s ({r['throughput_ratio']:.2f}); lean prototype {r['lean_mb_s']:.0f} MB/s "
+                f"({r['lean_throughput_ratio']:.2f}), without CRC {r['lean_nocrc_mb_s']:.0f} MB/s "
+                f"({r['lean_nocrc_throughput_ratio']:.2f})"
+            )
     out["bytes_per_token_model"] = BYTES_PER_TOKEN
     out["loadavg_after"] = common.loadavg()
     return out

@@ -156,19 +156,29 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--task", choices=("t2va", "fl2va", "ref2va"), help="default: inferred from the media")
     encode.add_argument("--width", type=int, help="px, multiple of 32 (default: H3's canvas rule)")
     encode.add_argument("--height", type=int, help="px, multiple of 32")
-    encode.add_argument("--frames", type=int, default=facts.MIN_FRAMES,
-                        help=f"17k+5 frames at {facts.FPS} fps, "
-                             f"{facts.MIN_FRAMES}..{facts.MAX_FRAMES} (default %(default)s)")
+    encode.add_argument(
+        "--frames",
+        type=int,
+        default=facts.MIN_FRAMES,
+        help=f"17k+5 frames at {facts.FPS} fps, {facts.MIN_FRAMES}..{facts.MAX_FRAMES} (default %(default)s)",
+    )
     encode.add_argument("--first-frame", help="image the video starts from (fl2va)")
     encode.add_argument("--last-frame", help="image the video ends on (fl2va)")
     encode.add_argument("--ref-image", action="append", default=[], help="reference image (ref2va, <= 9)")
     encode.add_argument("--ref-video", action="append", default=[], help="reference video, soundtrack kept (<= 3)")
     encode.add_argument("--ref-audio", action="append", default=[], help="reference audio (<= 3)")
-    encode.add_argument("--timeout", type=float, default=300.0,
-                        help="with --server: seconds for the whole remote call, retries included (default 300)")
-    encode.add_argument("--server", help="encode on a remote H3 encoder endpoint instead of locally "
-                        "(comma-separated URLs fail over; the token from H3_ENCODER_TOKEN goes only to the URLs "
-                        "listed in H3_ENCODER_URLS, docs/DEPLOY.md)")
+    encode.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="with --server: seconds for the whole remote call, retries included (default 300)",
+    )
+    encode.add_argument(
+        "--server",
+        help="encode on a remote H3 encoder endpoint instead of locally "
+        "(comma-separated URLs fail over; the token from H3_ENCODER_TOKEN goes only to the URLs "
+        "listed in H3_ENCODER_URLS, docs/DEPLOY.md)",
+    )
     encode.set_defaults(func=_cmd_encode)
 
     generate = sub.add_parser("generate", help="stage 1: conditioning -> mp4")
@@ -179,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--steps", type=int, default=50, help="sigma points incl. the final 0 (default 50)")
     generate.add_argument("--video-shift", type=float, help="flow shift of the video stream (default 12)")
     generate.add_argument("--audio-shift", type=float, help="flow shift of the audio stream (default 3)")
-    generate.add_argument("--lora", help="DiT LoRA (.safetensors), e.g. a Turbo LoRA with its own --steps/--video-shift")
+    generate.add_argument(
+        "--lora", help="DiT LoRA (.safetensors), e.g. a Turbo LoRA with its own --steps/--video-shift"
+    )
     generate.add_argument("--lora-strength", type=float, default=1.0, help="multiplier on the LoRA (default 1)")
     generate.add_argument("--dump", help="also write video/audio/latents tensors to this .safetensors")
     generate.set_defaults(func=_cmd_generate)
@@ -193,16 +205,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; any other needs a token)")
     serve.add_argument("--port", type=int, default=8190, help="TCP port (0: any free port, printed on stdout)")
     serve.add_argument("--token-env", default="H3_ENCODER_TOKEN", help="environment variable holding the bearer token")
-    serve.add_argument("--components", type=lambda v: tuple(x for x in v.split(",") if x), default=None,
-                       help="encoders to load, comma-separated subset of text,video,audio (default all)")
-    serve.add_argument("--device", default="cpu", help="torch device for the encoders, e.g. cuda or cuda:1 (default cpu)")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                       help="text encoder dtype (VAEs stay float32); match the local path for bit-identical results")
+    serve.add_argument(
+        "--components",
+        type=lambda v: tuple(x for x in v.split(",") if x),
+        default=None,
+        help="encoders to load, comma-separated subset of text,video,audio (default all)",
+    )
+    serve.add_argument(
+        "--device", default="cpu", help="torch device for the encoders, e.g. cuda or cuda:1 (default cpu)"
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="text encoder dtype (VAEs stay float32); match the local path for bit-identical results",
+    )
     serve.add_argument("--queue-size", type=int, help="requests waiting for or in the model (default 32)")
-    serve.add_argument("--deadline", type=float,
-                       help="per-request deadline in seconds, default and maximum a client may ask for (default 300)")
-    serve.add_argument("--max-decoded-mb", type=float,
-                       help="decoded media per request in MiB, counted from the headers (default 3072)")
+    serve.add_argument(
+        "--deadline",
+        type=float,
+        help="per-request deadline in seconds, default and maximum a client may ask for (default 300)",
+    )
+    serve.add_argument(
+        "--max-decoded-mb", type=float, help="decoded media per request in MiB, counted from the headers (default 3072)"
+    )
     serve.add_argument("--max-body-mb", type=float, help="largest request body in MiB (default 512)")
     serve.add_argument("--cache-mb", type=float, help="conditioning cache size in MiB (default 512; 0 disables)")
     serve.set_defaults(func=_cmd_serve)

@@ -12,7 +12,7 @@ import copy
 # H3 facts the configs are built around; defined once in facts.py, re-exported for the config users.
 from .facts import AUDIO_SHIFT, TEXT_ENCODER_LAYER, VIDEO_SHIFT  # noqa: F401
 
-# --- DiT (diffusers MiniMaxH3Transformer3DModel): 50 blocks, hidden 5376, 56 heads x 128 ---------------------------------
+# --- DiT (diffusers MiniMaxH3Transformer3DModel): 50 blocks, hidden 5376, 56 heads x 128 ------------------------------
 RELEASE_TRANSFORMER = {
     "num_attention_heads": 56,
     "attention_head_dim": 128,
@@ -49,7 +49,7 @@ TINY_TRANSFORMER = {
     "rope_freq_dim": 4,
 }
 
-# --- Video VAE (diffusers AutoencoderKLMiniMaxH3): x16 spatial, x4 temporal, 24 latent channels --------------------------------
+# --- Video VAE (diffusers AutoencoderKLMiniMaxH3): x16 spatial, x4 temporal, 24 latent channels -----------------------
 RELEASE_VIDEO_VAE = {
     "in_channels": 3,
     "out_channels": 3,
@@ -86,7 +86,7 @@ TINY_VIDEO_VAE = {
     "decoder_attention_head_dim": 16,
 }
 
-# --- Audio VAE (diffusers AutoencoderKLMiniMaxH3Audio): hop 800 at 32 kHz, 32 latent channels ---------------------------
+# --- Audio VAE (diffusers AutoencoderKLMiniMaxH3Audio): hop 800 at 32 kHz, 32 latent channels -------------------------
 RELEASE_AUDIO_VAE = {
     "encoder_dim": 64,
     "encoder_rates": [2, 4, 4, 5, 5],
@@ -112,7 +112,7 @@ TINY_AUDIO_VAE = {
     "decoder_dim": 128,
 }
 
-# --- Text encoder (transformers Qwen3VLForConditionalGeneration): 64 layers x 5120, tap after 50 -----------------
+# --- Text encoder (transformers Qwen3VLForConditionalGeneration): 64 layers x 5120, tap after 50 ----------------------
 QWEN_TOKEN_IDS = {
     "image_token_id": 151655,
     "video_token_id": 151656,
@@ -191,7 +191,7 @@ TINY_TEXT_ENCODER = {
     **QWEN_TOKEN_IDS,
 }
 
-# --- Schedulers and pipeline config ------------------------------------------------------------
+# --- Schedulers and pipeline config -----------------------------------------------------------------------------------
 
 RELEASE_PIPELINE_CONFIG = {
     "canvas_short_edge": 768,

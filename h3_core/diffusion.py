@@ -123,7 +123,9 @@ class DiffusionStage:
         self.device = torch.device(device)
         self.pipeline_config = dict(pipeline_config if pipeline_config is not None else source.pipeline_config)
         modules = modules or {}
-        self._transformers = {name: modules[name] for name in ("transformer", "transformer_ref") if modules.get(name) is not None}
+        self._transformers = {
+            name: modules[name] for name in ("transformer", "transformer_ref") if modules.get(name) is not None
+        }
         self._vae = modules.get("vae")
         self._audio_vae = modules.get("audio_vae")
 
@@ -222,7 +224,9 @@ class DiffusionStage:
     def decode(self, latents: AVLatents, task: str = "t2va") -> Decoded:
         """Decode video (the VAE's own tiling) and audio; audio trimmed to the video's duration."""
         pipe = self._pipeline(task, ("decode",), {"vae": self.vae, "audio_vae": self.audio_vae})
-        state = pipe(latents=latents.video.to(self.device), audio_latents=latents.audio.to(self.device), output_type="pt")
+        state = pipe(
+            latents=latents.video.to(self.device), audio_latents=latents.audio.to(self.device), output_type="pt"
+        )
         video = state.get("videos")[0].permute(0, 2, 3, 1).float().cpu().contiguous()  # [F, H, W, 3]
         audio = state.get("audio")[0].float().cpu()  # [2, S], S = audio_t * 800 (not trimmed by diffusers)
         samples = round(video.shape[0] / rules.FPS * rules.AUDIO_SAMPLE_RATE)

@@ -58,7 +58,9 @@ class LoRA:
         for key, down in state.items():
             if not key.endswith(".lora_A.weight"):
                 continue
-            module = key[len(PREFIX):-len(".lora_A.weight")] if key.startswith(PREFIX) else key[:-len(".lora_A.weight")]
+            module = (
+                key[len(PREFIX) : -len(".lora_A.weight")] if key.startswith(PREFIX) else key[: -len(".lora_A.weight")]
+            )
             up = state.get(key.replace(".lora_A.weight", ".lora_B.weight"))
             if up is None:
                 raise LoraError(f"{path.name}: {module} has lora_A but no lora_B")
@@ -75,7 +77,11 @@ class LoRA:
             target = modules.get(module)
             if not isinstance(target, torch.nn.Linear):
                 raise LoraError(f"{self.name}: {module} is not a Linear of this H3 DiT")
-            if down.shape[1] != target.in_features or up.shape[0] != target.out_features or up.shape[1] != down.shape[0]:
+            if (
+                down.shape[1] != target.in_features
+                or up.shape[0] != target.out_features
+                or up.shape[1] != down.shape[0]
+            ):
                 raise LoraError(
                     f"{self.name}: {module} expects a LoRA of {target.in_features} -> {target.out_features}, got "
                     f"A {tuple(down.shape)} / B {tuple(up.shape)} (a LoRA for a pruned or other checkpoint?)"

@@ -88,7 +88,9 @@ def build_models(seed: int = 0) -> dict[str, torch.nn.Module]:
             models[name] = MiniMaxH3Transformer3DModel.from_config(configs.get("transformer", tiny=True))
 
     vae_config = configs.get("vae", tiny=True)
-    vae_config["latents_mean"], vae_config["latents_std"] = _latent_stats(seed * 100 + 31, vae_config["latent_channels"])
+    vae_config["latents_mean"], vae_config["latents_std"] = _latent_stats(
+        seed * 100 + 31, vae_config["latent_channels"]
+    )
     with _seeded(seed * 100 + _SALTS["vae"]):
         models["vae"] = AutoencoderKLMiniMaxH3.from_config(vae_config)
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 from fractions import Fraction
 from pathlib import Path
 
-import numpy as np
-import torch
-
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.utils
 import folder_paths
+import numpy as np
+import torch
 
 from ..h3_core import media, rules, safe_paths
 from ..h3_core.progress import Cancelled

@@ -38,14 +38,24 @@ def check_numbers(width: int, height: int, length: int) -> bool | str:
 def numbers_inputs() -> list:
     return [
         io.Int.Input(
-            "width", default=0, min=0, max=8192, step=32,
+            "width",
+            default=0,
+            min=0,
+            max=8192,
+            step=32,
             tooltip="Output width in px, a multiple of 32 (VAE /16 x patch 2). 0 = H3's canvas rule: 16:9, or the "
             "first keyframe's aspect, at a 768 px short edge (64 px for the tiny model).",
         ),
-        io.Int.Input("height", default=0, min=0, max=8192, step=32, tooltip="Output height in px, a multiple of 32; 0 = auto."),
+        io.Int.Input(
+            "height", default=0, min=0, max=8192, step=32, tooltip="Output height in px, a multiple of 32; 0 = auto."
+        ),
         io.Int.Input(
             # min 5 + step 17 keeps the widget on the 17k+5 grid; validate_inputs holds the 124..345 range.
-            "length", default=rules.MIN_FRAMES, min=rules.LATENTS_PER_CLIP, max=3600, step=rules.FRAMES_PER_CLIP,
+            "length",
+            default=rules.MIN_FRAMES,
+            min=rules.LATENTS_PER_CLIP,
+            max=3600,
+            step=rules.FRAMES_PER_CLIP,
             tooltip="Frames at 24 fps on the video VAE's 17k+5 grid; H3 generates 124 (5.2 s) to 345 (14.4 s).",
         ),
     ]
@@ -81,12 +91,21 @@ class TextEncode(io.ComfyNode):
             "the VAE encode nodes add to.",
             inputs=[
                 TextEncoder.Input("text_encoder"),
-                io.String.Input("prompt", multiline=True, tooltip="Passed verbatim (no chat template). Refer to "
-                                "references as <Picture i>, <Video k>, <Audio j>."),
+                io.String.Input(
+                    "prompt",
+                    multiline=True,
+                    tooltip="Passed verbatim (no chat template). Refer to "
+                    "references as <Picture i>, <Video k>, <Audio j>.",
+                ),
                 *numbers_inputs(),
                 Media.Input("media", optional=True, tooltip="Keyframes (fl2va) or references (ref2va)."),
-                io.Combo.Input("task", options=TASKS, default="auto", optional=True,
-                               tooltip="auto: references -> ref2va, keyframes -> fl2va, nothing -> t2va."),
+                io.Combo.Input(
+                    "task",
+                    options=TASKS,
+                    default="auto",
+                    optional=True,
+                    tooltip="auto: references -> ref2va, keyframes -> fl2va, nothing -> t2va.",
+                ),
             ],
             outputs=[io.Conditioning.Output()],
             hidden=[io.Hidden.unique_id],
@@ -138,7 +157,9 @@ class _VAEEncode(io.ComfyNode):
             return io.NodeOutput(conditioning)
         model = models[cls.MODEL_INPUT]
         device = bridge.use(model.patcher)
-        stage = EncoderStage(modules={cls.STAGE_KEY: model.module}, pipeline_config=parts.pipeline_config, device=device)
+        stage = EncoderStage(
+            modules={cls.STAGE_KEY: model.module}, pipeline_config=parts.pipeline_config, device=device
+        )
         return io.NodeOutput(assembly.to_core(cls.ADD(parts, stage)))
 
 

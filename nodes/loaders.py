@@ -152,7 +152,8 @@ class DiTLoader(io.ComfyNode):
                 io.Combo.Input(
                     "dit",
                     options=bridge.model_choices("diffusion_models"),
-                    tooltip="A file in models/diffusion_models (Comfy-Org minimax_h3_{fl2va,ref2va}_bf16.safetensors), a "
+                    tooltip="A file in models/diffusion_models "
+                    "(Comfy-Org minimax_h3_{fl2va,ref2va}_bf16.safetensors), a "
                     "model folder in models/minimax_h3, or the embedded tiny H3.",
                 ),
                 io.Combo.Input(
@@ -161,8 +162,12 @@ class DiTLoader(io.ComfyNode):
                     tooltip="Which partition to take from a model folder. For a single file, its name (fl2va/ref2va) "
                     "decides and this must agree.",
                 ),
-                io.Combo.Input("weight_dtype", options=["default", "bf16", "fp32"], optional=True,
-                               tooltip="Compute dtype of the DiT; default keeps fp32 on CPU and bf16 on GPU."),
+                io.Combo.Input(
+                    "weight_dtype",
+                    options=["default", "bf16", "fp32"],
+                    optional=True,
+                    tooltip="Compute dtype of the DiT; default keeps fp32 on CPU and bf16 on GPU.",
+                ),
             ],
             outputs=[DiT.Output()],
         )

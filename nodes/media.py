@@ -18,8 +18,11 @@ from ..h3_core.request import AudioInput, EncodeRequest, VideoInput
 from . import comfy_bridge as bridge
 from .types import CATEGORY, Media
 
-MAX_IMAGE_SOCKETS, MAX_VIDEO_SOCKETS, MAX_AUDIO_SOCKETS = (facts.MAX_REF_IMAGES, facts.MAX_REF_VIDEOS,
-                                                         facts.MAX_REF_AUDIOS)
+MAX_IMAGE_SOCKETS, MAX_VIDEO_SOCKETS, MAX_AUDIO_SOCKETS = (
+    facts.MAX_REF_IMAGES,
+    facts.MAX_REF_VIDEOS,
+    facts.MAX_REF_AUDIOS,
+)
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,9 @@ class References(io.ComfyNode):
                 audios.append(AudioInput(waveform=waveform, sample_rate=rate))
         if not (images or videos or audios):
             raise ValueError("H3 References needs at least one reference image, video or audio")
-        return io.NodeOutput(replace(bundle, ref_images=tuple(images), ref_videos=tuple(videos), ref_audios=tuple(audios)))
+        return io.NodeOutput(
+            replace(bundle, ref_images=tuple(images), ref_videos=tuple(videos), ref_audios=tuple(audios))
+        )
 
 
 NODES = [Keyframes, References]

@@ -12,7 +12,6 @@ from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
 from . import comfy_bridge as bridge
 from .types import CATEGORY, DiT
 
-
 NO_LORA = "none"
 
 
@@ -28,28 +27,60 @@ class Sampler(io.ComfyNode):
             "The seed means what diffusers' torch.Generator('cpu').manual_seed(seed) means.",
             inputs=[
                 DiT.Input("dit"),
-                io.Conditioning.Input("conditioning", tooltip="From the H3 encode nodes, Remote Encode or Load Conditioning."),
+                io.Conditioning.Input(
+                    "conditioning", tooltip="From the H3 encode nodes, Remote Encode or Load Conditioning."
+                ),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
-                io.Int.Input("steps", default=50, min=2, max=200,
-                             tooltip="Sigma points including the final 0 (diffusers' num_inference_steps): "
-                             "steps - 1 DiT forwards. Turbo LoRAs use 5 or 9."),
-                io.Float.Input("video_shift", default=configs.VIDEO_SHIFT, min=0.1, max=100.0, step=0.1,
-                               tooltip="Flow shift of the video stream (12 released; 6 for some Turbo LoRAs)."),
-                io.Float.Input("audio_shift", default=configs.AUDIO_SHIFT, min=0.1, max=100.0, step=0.1,
-                               tooltip="Flow shift of the audio stream (3 released)."),
-                io.Combo.Input("lora", options=[NO_LORA] + folder_paths.get_filename_list("loras"), default=NO_LORA,
-                               optional=True, tooltip="A DiT LoRA from models/loras (e.g. a Turbo LoRA: 5 or 9 steps, "
-                               "video shift 6 or 12 per its card), applied beside the weights for this run only."),
-                io.Float.Input("lora_strength", default=1.0, min=-4.0, max=4.0, step=0.05, optional=True,
-                               tooltip="Multiplier on the LoRA's update."),
+                io.Int.Input(
+                    "steps",
+                    default=50,
+                    min=2,
+                    max=200,
+                    tooltip="Sigma points including the final 0 (diffusers' num_inference_steps): "
+                    "steps - 1 DiT forwards. Turbo LoRAs use 5 or 9.",
+                ),
+                io.Float.Input(
+                    "video_shift",
+                    default=configs.VIDEO_SHIFT,
+                    min=0.1,
+                    max=100.0,
+                    step=0.1,
+                    tooltip="Flow shift of the video stream (12 released; 6 for some Turbo LoRAs).",
+                ),
+                io.Float.Input(
+                    "audio_shift",
+                    default=configs.AUDIO_SHIFT,
+                    min=0.1,
+                    max=100.0,
+                    step=0.1,
+                    tooltip="Flow shift of the audio stream (3 released).",
+                ),
+                io.Combo.Input(
+                    "lora",
+                    options=[NO_LORA] + folder_paths.get_filename_list("loras"),
+                    default=NO_LORA,
+                    optional=True,
+                    tooltip="A DiT LoRA from models/loras (e.g. a Turbo LoRA: 5 or 9 steps, "
+                    "video shift 6 or 12 per its card), applied beside the weights for this run only.",
+                ),
+                io.Float.Input(
+                    "lora_strength",
+                    default=1.0,
+                    min=-4.0,
+                    max=4.0,
+                    step=0.05,
+                    optional=True,
+                    tooltip="Multiplier on the LoRA's update.",
+                ),
             ],
             outputs=[io.Latent.Output(tooltip="AV latent: video [1,24,T,H/16,W/16] + audio [1,32,2,Ta].")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, dit, conditioning, seed, steps, video_shift, audio_shift, lora=NO_LORA,
-                lora_strength=1.0) -> io.NodeOutput:
+    def execute(
+        cls, dit, conditioning, seed, steps, video_shift, audio_shift, lora=NO_LORA, lora_strength=1.0
+    ) -> io.NodeOutput:
         cond = assembly.conditioning_from_core(conditioning)  # complete + valid, before any heavy work
         needed = PARTITION_OF_TASK[cond.task]
         if dit.extra["partition"] != needed:
@@ -59,8 +90,12 @@ class Sampler(io.ComfyNode):
             )
         adapter = None if lora in (None, NO_LORA) else LoRA.load(folder_paths.get_full_path_or_raise("loras", lora))
         device = bridge.use(dit.patcher)
-        stage = DiffusionStage(modules={needed: dit.module}, pipeline_config=dit.pipeline_config, device=device,
-                               dtype=next(dit.module.parameters()).dtype)
+        stage = DiffusionStage(
+            modules={needed: dit.module},
+            pipeline_config=dit.pipeline_config,
+            device=device,
+            dtype=next(dit.module.parameters()).dtype,
+        )
         options = SamplingOptions(
             steps=steps,
             seed=seed,

@@ -193,8 +193,11 @@ class ComfyServer:
     def pack_nodes(self) -> dict:
         """The /object_info entries of the node types this pack registered."""
         module = f"custom_nodes.{PACK_NAME}"
-        return {k: v for k, v in self.object_info().items()
-                if v.get("python_module") == module or str(v.get("python_module", "")).startswith(module + ".")}
+        return {
+            k: v
+            for k, v in self.object_info().items()
+            if v.get("python_module") == module or str(v.get("python_module", "")).startswith(module + ".")
+        }
 
     def add_model(self, folder: str, src: str | os.PathLike, name: str | None = None) -> Path:
         """Symlink a model file into models/<folder>/ (as `name`, e.g. a real model's file name
@@ -302,7 +305,9 @@ class ComfyServer:
             status = "success"
         outputs = history.get("outputs", {})
         files = [self.output_path(item) for item in _file_items(outputs)]
-        result = PromptResult(prompt_id, status, messages, binary, history, outputs, files, error, time.monotonic() - t0)
+        result = PromptResult(
+            prompt_id, status, messages, binary, history, outputs, files, error, time.monotonic() - t0
+        )
         if check and status != "success":
             detail = json.dumps(error, indent=1)[:6000] if error else f"ws types: {types}"
             raise ComfyError(f"prompt {prompt_id} ended with {status}:\n{detail}\n{self.log_tail()}")
@@ -344,13 +349,20 @@ class ComfyServer:
         ok, reason = ui_available()
         if not ok:
             _unavailable(reason)
-        return run_ui_loader(self.url, workflow, run=run, timeout=timeout, screenshot=screenshot,
-                             wait_for_types=wait_for_types, log_tail=self.log_tail)
+        return run_ui_loader(
+            self.url,
+            workflow,
+            run=run,
+            timeout=timeout,
+            screenshot=screenshot,
+            wait_for_types=wait_for_types,
+            log_tail=self.log_tail,
+        )
 
     # ---------------------------------------------------------------- lifecycle
     @property
     def ws_url(self) -> str:
-        return "ws" + self.url[len("http"):]
+        return "ws" + self.url[len("http") :]
 
     @property
     def output_dir(self) -> Path:
@@ -429,8 +441,15 @@ def start_comfy(
             "--disable-api-nodes", "--disable-auto-launch", *extra_args,
         ]  # fmt: skip
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, cwd=base_dir, env=proc_env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=base_dir,
+                env=proc_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         server = ComfyServer(f"http://127.0.0.1:{p}", base_dir, log_path, proc, env_extra)
         deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:
@@ -491,12 +510,16 @@ def run_ui_loader(
         try:
             p = subprocess.run(argv, cwd=UI_DIR, env=env, capture_output=True, text=True, timeout=timeout + 60)
         except subprocess.TimeoutExpired as e:
-            raise ComfyError(f"load_workflow.mjs timed out after {timeout + 60} s\n{(e.stderr or '')[-3000:]}") from None
+            raise ComfyError(
+                f"load_workflow.mjs timed out after {timeout + 60} s\n{(e.stderr or '')[-3000:]}"
+            ) from None
     stderr_tail = "\n".join(p.stderr.splitlines()[-40:])
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         extra = log_tail() if log_tail else ""
-        raise ComfyError(f"load_workflow.mjs exited {p.returncode} without a report\n{p.stdout[-2000:]}\n{stderr_tail}\n{extra}")
+        raise ComfyError(
+            f"load_workflow.mjs exited {p.returncode} without a report\n{p.stdout[-2000:]}\n{stderr_tail}\n{extra}"
+        )
     report = json.loads(lines[-1])
     report["returncode"] = p.returncode
     report["stderr_tail"] = stderr_tail

@@ -38,9 +38,13 @@ def monolithic(diffusers_root, request: EncodeRequest, task: str, seed: int, ste
         refs = [MiniMaxH3ImageReference(image=Image.fromarray(image)) for image in request.ref_images]
         for video in request.ref_videos:
             audio = None if video.audio is None else torch.from_numpy(np.array(video.audio, dtype=np.float32))
-            refs.append(MiniMaxH3VideoReference(frames=video.frames, fps=video.fps, audio=audio, sample_rate=video.sample_rate))
+            refs.append(
+                MiniMaxH3VideoReference(frames=video.frames, fps=video.fps, audio=audio, sample_rate=video.sample_rate)
+            )
         for audio in request.ref_audios:
-            refs.append(MiniMaxH3AudioReference(audio=torch.from_numpy(audio.waveform.copy()), sample_rate=audio.sample_rate))
+            refs.append(
+                MiniMaxH3AudioReference(audio=torch.from_numpy(audio.waveform.copy()), sample_rate=audio.sample_rate)
+            )
         kwargs["references"] = refs
     state = pipe(**kwargs)
     video = state.get("videos")[0].permute(0, 2, 3, 1).float()  # [F, H, W, 3]

@@ -14,7 +14,6 @@ import wave
 from pathlib import Path
 
 import pytest
-
 from comfy_harness import PACK_NAME, ComfyServer, comfy, import_failures  # noqa: F401  (comfy: fixture)
 
 UI_FIXTURES = Path(__file__).parent / "ui" / "fixtures"
@@ -23,7 +22,11 @@ UI_FIXTURES = Path(__file__).parent / "ui" / "fixtures"
 def write_sine_wav(path: Path, seconds: float = 1.0, rate: int = 32000, hz: float = 440.0) -> Path:
     n = int(seconds * rate)
     frames = b"".join(
-        struct.pack("<hh", int(12000 * math.sin(2 * math.pi * hz * i / rate)), int(8000 * math.sin(2 * math.pi * 2 * hz * i / rate)))
+        struct.pack(
+            "<hh",
+            int(12000 * math.sin(2 * math.pi * hz * i / rate)),
+            int(8000 * math.sin(2 * math.pi * 2 * hz * i / rate)),
+        )
         for i in range(n)
     )
     with wave.open(str(path), "wb") as w:
@@ -39,7 +42,9 @@ def test_server_loads_the_pack(comfy: ComfyServer):
     assert comfy.alive()
     assert import_failures(log) == []
     # The import-times table lists the pack (it was found and imported, not skipped).
-    assert any(ln.rstrip().endswith(f"custom_nodes/{PACK_NAME}") and "seconds:" in ln for ln in log.splitlines()), comfy.log_tail()
+    assert any(ln.rstrip().endswith(f"custom_nodes/{PACK_NAME}") and "seconds:" in ln for ln in log.splitlines()), (
+        comfy.log_tail()
+    )
     # Every core extra imported too (torchaudio, av, ... are all in place).
     assert "IMPORT FAILED" not in log, comfy.log_tail(200)
     stats = comfy.get_json("/system_stats")
@@ -87,7 +92,10 @@ def test_core_video_with_audio_to_mp4(comfy: ComfyServer):
         "1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 32, "batch_size": 8, "color": 0x336699}},
         "2": {"class_type": "LoadAudio", "inputs": {"audio": "h3_sine.wav"}},
         "3": {"class_type": "CreateVideo", "inputs": {"images": ["1", 0], "fps": 8.0, "audio": ["2", 0]}},
-        "4": {"class_type": "SaveVideo", "inputs": {"video": ["3", 0], "filename_prefix": "video/h3_core", "format": "mp4", "codec": "h264"}},
+        "4": {
+            "class_type": "SaveVideo",
+            "inputs": {"video": ["3", 0], "filename_prefix": "video/h3_core", "format": "mp4", "codec": "h264"},
+        },
         "5": {"class_type": "SaveAudio", "inputs": {"audio": ["2", 0], "filename_prefix": "audio/h3_core"}},
     }
     result = comfy.run_prompt(graph, timeout=90)

@@ -1,8 +1,9 @@
 """The pack's layout promises: h3_core never imports ComfyUI, V3-only entry point, no torch pin."""
 
 import ast
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -61,7 +61,11 @@ def encoder_url(tiny_dir, tmp_path_factory):
     env = {**os.environ, "H3_THREADS": os.environ.get("H3_THREADS", "2")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--port", str(port)],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
@@ -122,7 +126,9 @@ def test_shipped_workflows_hold_no_secrets(server):
     # Secrets come from the environment: no node has a widget for one, and no workflow carries one.
     for node_id, entry in server.pack_nodes().items():
         names = {**entry["input"].get("required", {}), **entry["input"].get("optional", {})}
-        assert not any(word in name.lower() for name in names for word in ("token", "secret", "password", "key")), node_id
+        assert not any(word in name.lower() for name in names for word in ("token", "secret", "password", "key")), (
+            node_id
+        )
     for path in (WORKFLOWS / "api").glob("*.json"):
         for node in json.loads(path.read_text()).values():
             for value in node["inputs"].values():
@@ -191,8 +197,10 @@ def test_local_nodes_equal_the_cli(server, tiny_dir, tmp_path):
     sampler["inputs"].update(seed=21, steps=4)
     video_encode = id_of(graph, "H3SplitVideoVAEEncode")
     decode = id_of(graph, "H3SplitDecode")
-    graph["90"] = {"class_type": "H3SplitSaveConditioning",
-                   "inputs": {"conditioning": [video_encode, 0], "filename_prefix": "h3test/fl2va_cond"}}
+    graph["90"] = {
+        "class_type": "H3SplitSaveConditioning",
+        "inputs": {"conditioning": [video_encode, 0], "filename_prefix": "h3test/fl2va_cond"},
+    }
     graph["91"] = {"class_type": "SaveImage", "inputs": {"images": [decode, 1], "filename_prefix": "h3test/frame"}}
     result = server.run_prompt(graph, timeout=600)
     saved_cond = sorted((server.output_dir / "h3test").glob("fl2va_cond*.safetensors"))[-1]
@@ -200,22 +208,57 @@ def test_local_nodes_equal_the_cli(server, tiny_dir, tmp_path):
 
     inputs = WORKFLOWS / "inputs"
     cond_path, dump = tmp_path / "cond.safetensors", tmp_path / "dump.safetensors"
-    run = lambda *args: subprocess.run([sys.executable, "-m", "h3_core", *args], cwd=REPO, capture_output=True,
-                                       text=True, timeout=600, env={**os.environ, "H3_THREADS": "2"})
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "h3_core", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "H3_THREADS": "2"},
+    )
     prompt = node_of(graph, "H3SplitTextEncode")["inputs"]["prompt"]
-    enc = run("encode", "--models", str(tiny_dir), "--prompt", prompt, "--task", "fl2va",
-              "--first-frame", str(inputs / build_workflows.EXAMPLE_MEDIA["first"]),
-              "--last-frame", str(inputs / build_workflows.EXAMPLE_MEDIA["last"]), "--out", str(cond_path))
+    enc = run(
+        "encode",
+        "--models",
+        str(tiny_dir),
+        "--prompt",
+        prompt,
+        "--task",
+        "fl2va",
+        "--first-frame",
+        str(inputs / build_workflows.EXAMPLE_MEDIA["first"]),
+        "--last-frame",
+        str(inputs / build_workflows.EXAMPLE_MEDIA["last"]),
+        "--out",
+        str(cond_path),
+    )
     assert enc.returncode == 0, enc.stderr
-    gen = run("generate", "--models", str(tiny_dir), "--cond", str(cond_path), "--out", str(tmp_path / "o.mp4"),
-              "--seed", "21", "--steps", "4", "--dump", str(dump))
+    gen = run(
+        "generate",
+        "--models",
+        str(tiny_dir),
+        "--cond",
+        str(cond_path),
+        "--out",
+        str(tmp_path / "o.mp4"),
+        "--seed",
+        "21",
+        "--steps",
+        "4",
+        "--dump",
+        str(dump),
+    )
     assert gen.returncode == 0, gen.stderr
 
     node_cond, cli_cond = H3Conditioning.load(saved_cond), H3Conditioning.load(cond_path)
     assert torch.equal(node_cond.prompt_embeds, cli_cond.prompt_embeds)
     assert all(torch.equal(a, b) for a, b in zip(node_cond.condition_latents, cli_cond.condition_latents))
     assert (node_cond.task, node_cond.width, node_cond.height, node_cond.keyframe_anchors) == (
-        cli_cond.task, cli_cond.width, cli_cond.height, cli_cond.keyframe_anchors)
+        cli_cond.task,
+        cli_cond.width,
+        cli_cond.height,
+        cli_cond.keyframe_anchors,
+    )
 
     from safetensors.torch import load_file
 
@@ -229,15 +272,27 @@ def test_local_nodes_equal_the_cli(server, tiny_dir, tmp_path):
 def test_conditioning_file_round_trip_through_nodes(server, tmp_path):
     graph = api("t2va")
     text = id_of(graph, "H3SplitTextEncode")
-    graph["90"] = {"class_type": "H3SplitSaveConditioning",
-                   "inputs": {"conditioning": [text, 0], "filename_prefix": "h3test/t2va_cond"}}
-    server.run_prompt({k: v for k, v in graph.items() if v["class_type"] in (
-        "H3SplitTextEncoderLoader", "H3SplitTextEncode", "H3SplitSaveConditioning")}, timeout=600)
+    graph["90"] = {
+        "class_type": "H3SplitSaveConditioning",
+        "inputs": {"conditioning": [text, 0], "filename_prefix": "h3test/t2va_cond"},
+    }
+    server.run_prompt(
+        {
+            k: v
+            for k, v in graph.items()
+            if v["class_type"] in ("H3SplitTextEncoderLoader", "H3SplitTextEncode", "H3SplitSaveConditioning")
+        },
+        timeout=600,
+    )
     saved = sorted((server.output_dir / "h3test").glob("t2va_cond*.safetensors"))[-1]
     target = server.input_dir / "h3test_cond.safetensors"
     target.write_bytes(saved.read_bytes())
     loaded = copy.deepcopy(graph)
-    for key in [k for k, v in loaded.items() if v["class_type"] in ("H3SplitTextEncoderLoader", "H3SplitTextEncode", "H3SplitSaveConditioning")]:
+    for key in [
+        k
+        for k, v in loaded.items()
+        if v["class_type"] in ("H3SplitTextEncoderLoader", "H3SplitTextEncode", "H3SplitSaveConditioning")
+    ]:
         del loaded[key]
     loaded["80"] = {"class_type": "H3SplitLoadConditioning", "inputs": {"conditioning_file": target.name}}
     node_of(loaded, "H3SplitSampler")["inputs"]["conditioning"] = ["80", 0]
@@ -285,8 +340,10 @@ def test_bad_inputs_fail_before_heavy_work(server, tmp_path):
     bad = api("ref2va")
     refs = id_of(bad, "H3SplitReferences")
     image = id_of(bad, "LoadImage")
-    bad["95"] = {"class_type": "H3SplitReferences", "inputs": {"media": [refs, 0], **{
-        f"ref_image_{i}": [image, 0] for i in range(1, 10)}}}
+    bad["95"] = {
+        "class_type": "H3SplitReferences",
+        "inputs": {"media": [refs, 0], **{f"ref_image_{i}": [image, 0] for i in range(1, 10)}},
+    }
     node_of(bad, "H3SplitTextEncode")["inputs"]["media"] = ["95", 0]
     result = server.run_prompt(bad, timeout=600, check=False)
     assert result.status == "error" and "at most 9 image references, got 10" in _error_text(result)

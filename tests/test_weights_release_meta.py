@@ -1,7 +1,8 @@
 """Release-size checkpoints of every published layout, as data-free header-only files.
 
 Key names and shapes come from the meta-instantiated release models run through our writers'
-converters (so nothing is copied by hand), are cross-checked against the published key lists (docs/ARCHITECTURE.md §6), written as
+converters (so nothing is copied by hand), are cross-checked against the published key lists
+(docs/ARCHITECTURE.md §6), written as
 sparse safetensors files (valid headers, no data on disk) in the Comfy, diffusers and native
 containers, and then `check` must map every one onto its meta model with zero missing, zero
 unexpected keys and equal shapes.
@@ -61,13 +62,17 @@ def release(tmp_path_factory):
         "text_encoder": comfy / "qwen3vl_32b_minimax_h3_bf16.safetensors",
     }
     comfy_shapes = {
-        "transformer": support.shapes_of(transformer_keys.from_diffusers(dit.state_dict(), dit_cfg, "comfy"), support.dit_dtype),
+        "transformer": support.shapes_of(
+            transformer_keys.from_diffusers(dit.state_dict(), dit_cfg, "comfy"), support.dit_dtype
+        ),
         "vae": support.shapes_of(
             video_vae_keys.from_diffusers(vae.state_dict(), vae_cfg),
             lambda k, t: torch.float32 if k.startswith("latents_") else torch.float16,
         ),
         "audio_vae": support.shapes_of(audio_vae_keys.from_diffusers(audio.state_dict(), audio_cfg)),
-        "text_encoder": support.shapes_of(text_encoder_keys.from_transformers(te.state_dict(), 50), lambda k, t: torch.bfloat16),
+        "text_encoder": support.shapes_of(
+            text_encoder_keys.from_transformers(te.state_dict(), 50), lambda k, t: torch.bfloat16
+        ),
     }
     sizes = {c: support.write_header_only(str(files[c]), comfy_shapes[c]) for c in files}
 
@@ -88,23 +93,53 @@ def release(tmp_path_factory):
     # Native MiniMaxAI partition.
     nroot = root / "FL2VA"
     _json(str(nroot / "model_index.json"), {"_minimax_h3": {"partition": "FL2VA", "tasks": ["t2va", "fl2va"]}})
-    native_dit = support.shapes_of(transformer_keys.from_diffusers(dit.state_dict(), dit_cfg, "native"), support.dit_dtype)
+    native_dit = support.shapes_of(
+        transformer_keys.from_diffusers(dit.state_dict(), dit_cfg, "native"), support.dit_dtype
+    )
     _shards(str(nroot / "transformer"), native_dit, "model", n=4)
-    _json(str(nroot / "transformer" / "config.json"), {"token_refiner_num_layers": 2, "ffn_hidden_size": 14336, **{k: v for k, v in dit_cfg.items() if k not in ("num_refiner_layers", "ffn_dim")}})
+    _json(
+        str(nroot / "transformer" / "config.json"),
+        {
+            "token_refiner_num_layers": 2,
+            "ffn_hidden_size": 14336,
+            **{k: v for k, v in dit_cfg.items() if k not in ("num_refiner_layers", "ffn_dim")},
+        },
+    )
     native_vae = video_vae_keys.from_diffusers(vae.state_dict(), vae_cfg, with_latent_stats=False)
     support.write_header_only(str(nroot / "video_vae" / "source" / "model.safetensors"), support.shapes_of(native_vae))
     _json(
         str(nroot / "video_vae" / "config.json"),
-        {"auto_map": {"AutoModel": "vae.MiniMaxH3VAE"}, "latent_channels": 24, "source_path": "source",
-         "source_safetensors_path": "model.safetensors", "latents_mean": [0.1] * 24, "latents_std": [1.1] * 24},
+        {
+            "auto_map": {"AutoModel": "vae.MiniMaxH3VAE"},
+            "latent_channels": 24,
+            "source_path": "source",
+            "source_safetensors_path": "model.safetensors",
+            "latents_mean": [0.1] * 24,
+            "latents_std": [1.1] * 24,
+        },
     )
     support.write_header_only(str(nroot / "audio_vae" / "model.safetensors"), support.shapes_of(audio.state_dict()))
-    _json(str(nroot / "audio_vae" / "config.json"), {"latent_channels": 32, "sample_rate": 32000, "latents_mean": [0.0] * 32, "latents_std": [1.0] * 32})
+    _json(
+        str(nroot / "audio_vae" / "config.json"),
+        {"latent_channels": 32, "sample_rate": 32000, "latents_mean": [0.0] * 32, "latents_std": [1.0] * 32},
+    )
     _json(
         str(nroot / "audio_vae" / "metadata.json"),
-        {"metadata": {"kwargs": {"encoder_dim": 64, "encoder_rates": [2, 4, 4, 5, 5], "latent_dim": 2048, "decoder_dim": 1024,
-                                 "decoder_rates": [5, 5, 2, 2, 2, 2, 2], "vae_latent_channels": 32, "sample_rate": 32000,
-                                 "decoder_type": "bigvgan", "attn_proj": True}}},
+        {
+            "metadata": {
+                "kwargs": {
+                    "encoder_dim": 64,
+                    "encoder_rates": [2, 4, 4, 5, 5],
+                    "latent_dim": 2048,
+                    "decoder_dim": 1024,
+                    "decoder_rates": [5, 5, 2, 2, 2, 2, 2],
+                    "vae_latent_channels": 32,
+                    "sample_rate": 32000,
+                    "decoder_type": "bigvgan",
+                    "attn_proj": True,
+                }
+            }
+        },
     )
     legacy_te = {}
     for key, tensor in te.state_dict().items():  # the older HF Qwen-VL spelling, full 64 layers
@@ -182,7 +217,13 @@ def test_release_diffusers_root_maps_onto_the_meta_models(release):
     report = weights.check(release["diffusers"])
     assert report.ok, str(report)
     found = {(c.detection.component, c.detection.partition) for c in report.components}
-    assert found == {("transformer", "fl2va"), ("transformer", "ref2va"), ("vae", None), ("audio_vae", None), ("text_encoder", None)}
+    assert found == {
+        ("transformer", "fl2va"),
+        ("transformer", "ref2va"),
+        ("vae", None),
+        ("audio_vae", None),
+        ("text_encoder", None),
+    }
     assert all(c.detection.layout == "diffusers" for c in report.components)
     te = next(c for c in report.components if c.detection.component == "text_encoder")
     assert "64 decoder layers, with final norm" in te.detection.notes

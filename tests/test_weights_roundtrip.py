@@ -102,7 +102,11 @@ def _diffusers_reference(component, model, folder, dtype):
     model.save_pretrained(folder)
     if component == "text_encoder":
         return Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    cls = {"transformer": MiniMaxH3Transformer3DModel, "video_vae": AutoencoderKLMiniMaxH3, "audio_vae": AutoencoderKLMiniMaxH3Audio}
+    cls = {
+        "transformer": MiniMaxH3Transformer3DModel,
+        "video_vae": AutoencoderKLMiniMaxH3,
+        "audio_vae": AutoencoderKLMiniMaxH3Audio,
+    }
     return cls[component].from_pretrained(folder, torch_dtype=dtype, local_files_only=True)
 
 
@@ -133,7 +137,10 @@ def test_bf16_loading_matches_from_pretrained(tmp_path, component, build, save, 
         assert {k: loaded[k].dtype for k in common} == {k: reference[k].dtype for k in common}, path
         assert all(torch.equal(loaded[k], reference[k]) for k in common), path
         if component == "transformer":
-            assert loaded["proj_in.weight"].dtype == torch.float32 and loaded["context_embedder.weight"].dtype == torch.bfloat16
+            assert (
+                loaded["proj_in.weight"].dtype == torch.float32
+                and loaded["context_embedder.weight"].dtype == torch.bfloat16
+            )
 
 
 def _fp32(state):
@@ -167,7 +174,9 @@ def test_video_vae_fused_layouts_mean_what_comfyui_computes():
     x = torch.randn(1, 5, heads * head_dim, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         qkv = torch.nn.functional.linear(
-            x, comfy["decoder.transformer_blocks.0.attn.to_qkv.weight"], comfy["decoder.transformer_blocks.0.attn.to_qkv.bias"]
+            x,
+            comfy["decoder.transformer_blocks.0.attn.to_qkv.weight"],
+            comfy["decoder.transformer_blocks.0.attn.to_qkv.bias"],
         )
         q, k, v = qkv.view(1, 5, heads, 3 * head_dim).chunk(3, dim=-1)
         assert torch.allclose(q.flatten(2), block.attn.to_q(x), atol=1e-6, rtol=0)

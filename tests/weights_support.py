@@ -82,7 +82,11 @@ def dit_forward(model, seed: int = 0):
     length = text + video + audio
     tags = torch.tensor([1] * text + [0] * video + [2] * audio)
     positions = torch.stack(
-        [torch.arange(length, dtype=torch.float64), torch.zeros(length, dtype=torch.float64), torch.arange(length) % 2.0],
+        [
+            torch.arange(length, dtype=torch.float64),
+            torch.zeros(length, dtype=torch.float64),
+            torch.arange(length) % 2.0,
+        ],
         dim=-1,
     )
     with torch.no_grad():
@@ -210,7 +214,14 @@ def release_meta_model(component: str):
 
 
 # The DiT's fp32 islands (patch projections, time embedder, output heads, rope); everything else ships in bf16.
-DIT_FP32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.", "final_layer.audio_out.", "rope.")
+DIT_FP32_PREFIXES = (
+    "video_patch_proj.",
+    "audio_patch_proj.",
+    "time_embedder.",
+    "final_layer.video_out.",
+    "final_layer.audio_out.",
+    "rope.",
+)
 
 
 def dit_dtype(name, tensor):

@@ -78,7 +78,7 @@ class Graph:
         links, ui_nodes = [], []
         out_links: dict[tuple[int, int], list[int]] = {}
         for node in self.nodes:
-            for name, value in node.inputs.items():
+            for value in node.inputs.values():
                 if _is_link(value):
                     link_id = len(links) + 1
                     links.append([link_id, value[0].id, value[1], node.id, None, None])
@@ -107,8 +107,9 @@ class Graph:
                     sockets.append({"name": name, "type": kind, "link": None})
                     continue
                 link_id = next(
-                    link[0] for link in links if link[3] == node.id and link[1] == value[0].id and link[2] == value[1]
-                    and link[4] is None
+                    link[0]
+                    for link in links
+                    if link[3] == node.id and link[1] == value[0].id and link[2] == value[1] and link[4] is None
                 )
                 slot = len(sockets)
                 for link in links:
@@ -184,8 +185,15 @@ def _models(graph: Graph, partition: str, text_encoder: bool = True):
 
 
 def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str) -> None:
-    latent = graph.add("H3SplitSampler", dit=(dit, 0), conditioning=(conditioning, 0), seed=0, steps=STEPS,
-                       video_shift=12.0, audio_shift=3.0)
+    latent = graph.add(
+        "H3SplitSampler",
+        dit=(dit, 0),
+        conditioning=(conditioning, 0),
+        seed=0,
+        steps=STEPS,
+        video_shift=12.0,
+        audio_shift=3.0,
+    )
     decoded = graph.add("H3SplitDecode", latent=(latent, 0), vae=(vae, 0), audio_vae=(audio_vae, 0))
     graph.add("SaveVideo", video=(decoded, 0), filename_prefix=f"h3/{prefix}", format="mp4", codec="h264")
 
@@ -202,8 +210,15 @@ def build_graphs() -> list[Graph]:
 
     g = Graph("t2va", "Text to video + audio (FL2VA DiT). Tiny model: replace each loader's choice with real weights.")
     te, vae, audio_vae, dit = _models(g, FL2VA)
-    cond = g.add("H3SplitTextEncode", text_encoder=(te, 0), prompt="A red fox trots through fresh snow at dawn; "
-                 "wind in the pines, crunching steps.", width=0, height=0, length=124, task="t2va")
+    cond = g.add(
+        "H3SplitTextEncode",
+        text_encoder=(te, 0),
+        prompt="A red fox trots through fresh snow at dawn; wind in the pines, crunching steps.",
+        width=0,
+        height=0,
+        length=124,
+        task="t2va",
+    )
     _finish(g, dit, cond, vae, audio_vae, "t2va")
     graphs.append(g)
 
@@ -212,8 +227,16 @@ def build_graphs() -> list[Graph]:
     first = g.add("LoadImage", image=EXAMPLE_MEDIA["first"])
     last = g.add("LoadImage", image=EXAMPLE_MEDIA["last"])
     keyframes = g.add("H3SplitKeyframes", first_frame=(first, 0), last_frame=(last, 0))
-    text = g.add("H3SplitTextEncode", text_encoder=(te, 0), prompt="The test card slides into the night sky; a low hum "
-                 "rises.", width=0, height=0, length=124, media=(keyframes, 0), task="fl2va")
+    text = g.add(
+        "H3SplitTextEncode",
+        text_encoder=(te, 0),
+        prompt="The test card slides into the night sky; a low hum rises.",
+        width=0,
+        height=0,
+        length=124,
+        media=(keyframes, 0),
+        task="fl2va",
+    )
     cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0))
     _finish(g, dit, cond, vae, audio_vae, "fl2va")
     graphs.append(g)
@@ -221,20 +244,39 @@ def build_graphs() -> list[Graph]:
     g = Graph("ref2va", "References (image, video with soundtrack, audio) to video + audio (Ref2VA DiT).")
     te, vae, audio_vae, dit = _models(g, REF2VA)
     refs = _references(g)
-    text = g.add("H3SplitTextEncode", text_encoder=(te, 0), prompt="<Picture 1> rolls across the floor like <Video 1>, "
-                 "to the rhythm of <Audio 2>.", width=0, height=0, length=124, media=(refs, 0), task="ref2va")
+    text = g.add(
+        "H3SplitTextEncode",
+        text_encoder=(te, 0),
+        prompt="<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>.",
+        width=0,
+        height=0,
+        length=124,
+        media=(refs, 0),
+        task="ref2va",
+    )
     video_cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0))
     cond = g.add("H3SplitAudioVAEEncode", conditioning=(video_cond, 0), audio_vae=(audio_vae, 0))
     _finish(g, dit, cond, vae, audio_vae, "ref2va")
     graphs.append(g)
 
-    g = Graph("ref2va_remote", "The ref2va graph with every encoder on a remote H3 encoder endpoint "
-              "(`python -m h3_core serve`): this machine loads only the DiT and the VAE decoders. The token, if the "
-              "server needs one, comes from the H3_ENCODER_TOKEN environment variable.")
+    g = Graph(
+        "ref2va_remote",
+        "The ref2va graph with every encoder on a remote H3 encoder endpoint "
+        "(`python -m h3_core serve`): this machine loads only the DiT and the VAE decoders. The token, if the "
+        "server needs one, comes from the H3_ENCODER_TOKEN environment variable.",
+    )
     _, vae, audio_vae, dit = _models(g, REF2VA, text_encoder=False)
     refs = _references(g)
-    cond = g.add("H3SplitRemoteEncode", prompt="<Picture 1> rolls across the floor like <Video 1>, to the rhythm of "
-                 "<Audio 2>.", width=0, height=0, length=124, endpoint=DEFAULT_ENDPOINT, media=(refs, 0), task="ref2va")
+    cond = g.add(
+        "H3SplitRemoteEncode",
+        prompt="<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>.",
+        width=0,
+        height=0,
+        length=124,
+        endpoint=DEFAULT_ENDPOINT,
+        media=(refs, 0),
+        task="ref2va",
+    )
     _finish(g, dit, cond, vae, audio_vae, "ref2va_remote")
     graphs.append(g)
     return graphs
@@ -260,7 +302,9 @@ def write_example_media(folder: Path = INPUTS) -> list[Path]:
 
     def tone(seconds: float, freq: float, rate: int = 32000) -> np.ndarray:
         t = np.arange(int(seconds * rate)) / rate
-        return np.stack([0.3 * np.sin(2 * np.pi * freq * t), 0.3 * np.sin(2 * np.pi * freq * 1.5 * t)]).astype(np.float32)
+        return np.stack([0.3 * np.sin(2 * np.pi * freq * t), 0.3 * np.sin(2 * np.pi * freq * 1.5 * t)]).astype(
+            np.float32
+        )
 
     written = []
     for key, image in (("first", card(64, 96, 0)), ("last", card(64, 96, 4)), ("image", card(96, 64, 2))):

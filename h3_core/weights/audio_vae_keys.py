@@ -105,7 +105,9 @@ def derive_config(shapes: dict, stated: dict | None, source: str) -> dict:
         "latent_channels": shapes["mean_proj.weight"][0],
         "decoder_dim": conv_pre[0],
         "decoder_kernel_sizes": kernels,
-        "resblock_kernel_sizes": [_weight_shape(shapes, f"decoder.resblocks.{j}.convs1.0")[2] for j in range(n_kernels)],
+        "resblock_kernel_sizes": [
+            _weight_shape(shapes, f"decoder.resblocks.{j}.convs1.0")[2] for j in range(n_kernels)
+        ],
     }
     if "decoder_rates" not in stated:
         derived["decoder_rates"] = [_rate_for_kernel(k) for k in kernels]

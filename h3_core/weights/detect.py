@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from . import components
 from .errors import H3WeightsError, UnrecognisedCheckpointError
 from .formats import detect_format
-from .keymap import LAYOUTS, KeyFamily
 from .headers import Header, read_header
+from .keymap import LAYOUTS, KeyFamily
 from .sources import Source, component_paths, component_source, is_root, loose_files, partition_token
 
 COMPONENTS = tuple(components.HANDLERS)

@@ -85,7 +85,11 @@ def _serialise_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         if tensor.dtype not in _DTYPE_TAGS:
             raise H3WeightsError(f"cannot write {name!r}: dtype {tensor.dtype} has no safetensors tag here")
         nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _DTYPE_TAGS[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _DTYPE_TAGS[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)

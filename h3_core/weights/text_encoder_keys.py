@@ -80,7 +80,12 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
     lm = "model.layers." if naming == "comfy" else "model.language_model.layers."
     embed = "model.embed_tokens.weight" if naming == "comfy" else "model.language_model.embed_tokens.weight"
     vis = "visual." if naming == "comfy" else "model.visual."
-    needed = [embed, f"{lm}0.self_attn.q_proj.weight", f"{lm}0.self_attn.q_norm.weight", f"{vis}patch_embed.proj.weight"]
+    needed = [
+        embed,
+        f"{lm}0.self_attn.q_proj.weight",
+        f"{lm}0.self_attn.q_norm.weight",
+        f"{vis}patch_embed.proj.weight",
+    ]
     missing = [key for key in needed if key not in shapes]
     if missing:
         raise H3WeightsError(f"{source}: not a complete Qwen3-VL text encoder, missing {missing}")
@@ -120,7 +125,9 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
             f"{vision['deepstack_visual_indexes']}; the checkpoint must state the indexes"
         )
     top = {k: v for k, v in release.items() if k not in ("text_config", "vision_config")}
-    top = config_merge.merge(top, {k: v for k, v in stated.items() if k not in ("text_config", "vision_config")}, {}, source)
+    top = config_merge.merge(
+        top, {k: v for k, v in stated.items() if k not in ("text_config", "vision_config")}, {}, source
+    )
     return {**top, "text_config": text, "vision_config": vision}
 
 

@@ -173,7 +173,9 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
         "blocks": r"blocks\.(\d+)\." if ref else r"transformer_blocks\.(\d+)\.",
         "refiner": r"token_refiner\.blocks\.(\d+)\." if ref else r"token_refiner\.refiner_blocks\.(\d+)\.",
     }
-    missing = [n[k] for k in ("video_in", "audio_in", "text_in", "t_in", "t_out", "q_norm", "fc1") if n[k] not in shapes]
+    missing = [
+        n[k] for k in ("video_in", "audio_in", "text_in", "t_in", "t_out", "q_norm", "fc1") if n[k] not in shapes
+    ]
     if missing:
         raise H3WeightsError(f"{source}: not a complete MiniMax-H3 DiT, missing {missing}")
     stated = stated or {}

@@ -26,8 +26,14 @@ MASK_TOKEN_KEY = "decoder.mask_token"
 
 # (reference regex, diffusers template) for pure renames; evaluated in order, first full match wins.
 _RENAMES = [
-    (r"encoder\.down\.(\d+)\.block\.(\d+)\.nin_shortcut\.(weight|bias)", r"encoder.down_blocks.\1.resnets.\2.conv_shortcut.\3"),
-    (r"encoder\.down\.(\d+)\.block\.(\d+)\.(norm1|conv1|norm2|conv2)\.(weight|bias)", r"encoder.down_blocks.\1.resnets.\2.\3.\4"),
+    (
+        r"encoder\.down\.(\d+)\.block\.(\d+)\.nin_shortcut\.(weight|bias)",
+        r"encoder.down_blocks.\1.resnets.\2.conv_shortcut.\3",
+    ),
+    (
+        r"encoder\.down\.(\d+)\.block\.(\d+)\.(norm1|conv1|norm2|conv2)\.(weight|bias)",
+        r"encoder.down_blocks.\1.resnets.\2.\3.\4",
+    ),
     (r"encoder\.down\.(\d+)\.downsample\.conv\.(weight|bias)", r"encoder.down_blocks.\1.downsamplers.0.conv.\2"),
     (r"encoder\.(conv_in|norm_out|conv_out)\.(weight|bias)", r"encoder.\1.\2"),
     (r"(quant_conv|post_quant_conv)\.(weight|bias)", r"\1.\2"),
@@ -36,7 +42,10 @@ _RENAMES = [
     (r"decoder\.(norm_out|proj_out)\.(weight|bias)", r"decoder.\1.\2"),
     (r"decoder\.transformer_blocks\.(\d+)\.(norm1|norm2)\.weight", r"decoder.transformer_blocks.\1.\2.weight"),
     (r"decoder\.transformer_blocks\.(\d+)\.(scale1|scale2)", r"decoder.transformer_blocks.\1.\2"),
-    (r"decoder\.transformer_blocks\.(\d+)\.attn\.to_out\.(weight|bias)", r"decoder.transformer_blocks.\1.attn.to_out.0.\2"),
+    (
+        r"decoder\.transformer_blocks\.(\d+)\.attn\.to_out\.(weight|bias)",
+        r"decoder.transformer_blocks.\1.attn.to_out.0.\2",
+    ),
     (r"decoder\.transformer_blocks\.(\d+)\.ff\.w1\.(weight|bias)", r"decoder.transformer_blocks.\1.ff.net.0.proj.\2"),
     (r"decoder\.transformer_blocks\.(\d+)\.ff\.w2\.(weight|bias)", r"decoder.transformer_blocks.\1.ff.net.2.\2"),
 ]
@@ -44,8 +53,14 @@ _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 
 # The inverse direction, written out rather than derived so each rule stays readable.
 _RENAMES_INV = [
-    (r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.conv_shortcut\.(weight|bias)", r"encoder.down.\1.block.\2.nin_shortcut.\3"),
-    (r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(norm1|conv1|norm2|conv2)\.(weight|bias)", r"encoder.down.\1.block.\2.\3.\4"),
+    (
+        r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.conv_shortcut\.(weight|bias)",
+        r"encoder.down.\1.block.\2.nin_shortcut.\3",
+    ),
+    (
+        r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(norm1|conv1|norm2|conv2)\.(weight|bias)",
+        r"encoder.down.\1.block.\2.\3.\4",
+    ),
     (r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.conv\.(weight|bias)", r"encoder.down.\1.downsample.conv.\2"),
     (r"encoder\.(conv_in|norm_out|conv_out)\.(weight|bias)", r"encoder.\1.\2"),
     (r"(quant_conv|post_quant_conv)\.(weight|bias)", r"\1.\2"),
@@ -54,7 +69,10 @@ _RENAMES_INV = [
     (r"decoder\.(norm_out|proj_out)\.(weight|bias)", r"decoder.\1.\2"),
     (r"decoder\.transformer_blocks\.(\d+)\.(norm1|norm2)\.weight", r"decoder.transformer_blocks.\1.\2.weight"),
     (r"decoder\.transformer_blocks\.(\d+)\.(scale1|scale2)", r"decoder.transformer_blocks.\1.\2"),
-    (r"decoder\.transformer_blocks\.(\d+)\.attn\.to_out\.0\.(weight|bias)", r"decoder.transformer_blocks.\1.attn.to_out.\2"),
+    (
+        r"decoder\.transformer_blocks\.(\d+)\.attn\.to_out\.0\.(weight|bias)",
+        r"decoder.transformer_blocks.\1.attn.to_out.\2",
+    ),
     (r"decoder\.transformer_blocks\.(\d+)\.ff\.net\.0\.proj\.(weight|bias)", r"decoder.transformer_blocks.\1.ff.w1.\2"),
     (r"decoder\.transformer_blocks\.(\d+)\.ff\.net\.2\.(weight|bias)", r"decoder.transformer_blocks.\1.ff.w2.\2"),
 ]
@@ -137,7 +155,9 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
         if needed not in shapes:
             raise H3WeightsError(f"{source}: not a complete MiniMax-H3 video VAE, missing {needed}")
     block_out = [shapes[resnet.format(i=i, j=0)][0] for i in range(levels)]
-    per_level = count_indices(shapes, (r"encoder\.down\.0\.block\.(\d+)\." if ref else r"encoder\.down_blocks\.0\.resnets\.(\d+)\."))
+    per_level = count_indices(
+        shapes, (r"encoder\.down\.0\.block\.(\d+)\." if ref else r"encoder\.down_blocks\.0\.resnets\.(\d+)\.")
+    )
     dim, latent = shapes[embed]
     derived = {
         "in_channels": shapes["encoder.conv_in.weight"][1],
@@ -185,8 +205,16 @@ def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -
 
 # --- the handler ---------------------------------------------------------------------------------
 
-REFERENCE_MARKERS = ("decoder.transformer_blocks.0.scale1", "encoder.down.0.block.0.conv1.weight", "decoder.x_embedder.weight")
-DIFFUSERS_MARKERS = ("decoder.transformer_blocks.0.scale1", "encoder.down_blocks.0.resnets.0.conv1.weight", "decoder.proj_in.weight")
+REFERENCE_MARKERS = (
+    "decoder.transformer_blocks.0.scale1",
+    "encoder.down.0.block.0.conv1.weight",
+    "decoder.x_embedder.weight",
+)
+DIFFUSERS_MARKERS = (
+    "decoder.transformer_blocks.0.scale1",
+    "encoder.down_blocks.0.resnets.0.conv1.weight",
+    "decoder.proj_in.weight",
+)
 
 
 def _to_model(tensors: dict, config: dict, family: str, layout: str):

@@ -1,7 +1,8 @@
 """Write diffusers / transformers modules out in the published layouts.
 
 Used to produce the embedded tiny H3's ComfyUI single files, so every writer is deterministic:
-keys sorted (the header is serialised by `safetensors_io`), tensors contiguous, and metadata fixed (`format`, the component name and the full
+keys sorted (the header is serialised by `safetensors_io`), tensors contiguous, and metadata fixed (`format`, the
+component name and the full
 config as sorted JSON under `h3.config`). The config metadata lets a non-release model (the tiny
 one) round-trip through the Comfy layout, whose shapes alone cannot say e.g. how a fused QKV splits
 into heads; ComfyUI core hard-codes the release numbers and simply ignores it.
@@ -13,7 +14,6 @@ import json
 import os
 
 from ..configs import AUDIO_SHIFT, TEXT_ENCODER_LAYER, VIDEO_SHIFT
-
 from . import audio_vae_keys, config_merge, text_encoder_keys, transformer_keys, video_vae_keys
 from .errors import H3WeightsError
 from .safetensors_io import write_file, write_json, write_sharded
@@ -77,12 +77,15 @@ def save_native_transformer(
     partition = (partition or partition_token(os.path.basename(os.path.normpath(directory))) or "").lower()
     if partition not in _NATIVE_PARTITIONS:
         raise H3WeightsError(
-            f"cannot tell the partition of {directory}: name the folder FL2VA or Ref2VA, or pass partition='fl2va'/'ref2va'"
+            f"cannot tell the partition of {directory}: name the folder FL2VA or Ref2VA, "
+            "or pass partition='fl2va'/'ref2va'"
         )
     config = _init_config(model)
     tensors = transformer_keys.from_diffusers(model.state_dict(), config, "native", inv_freq=model.rope.inv_freq)
     folder = os.path.join(directory, "transformer")
-    files = write_sharded(folder, tensors, config_merge.config_metadata("transformer", config), "model", max_shard_bytes)
+    files = write_sharded(
+        folder, tensors, config_merge.config_metadata("transformer", config), "model", max_shard_bytes
+    )
     write_json(os.path.join(folder, "config.json"), {_NATIVE_CONFIG_NAMES.get(k, k): v for k, v in config.items()})
     _native_model_index(os.fspath(directory), partition)
     return files
@@ -135,7 +138,9 @@ def save_comfy_text_encoder(model, path: str, num_layers: int = TEXT_ENCODER_LAY
         raise H3WeightsError(f"cannot write {num_layers} decoder layers from a model that has {available}")
     state = {k: v for k, v in model.state_dict().items()}
     tensors = text_encoder_keys.from_transformers(state, num_layers)
-    write_file(path, tensors, config_merge.config_metadata("text_encoder", _text_config_for_metadata(model, num_layers)))
+    write_file(
+        path, tensors, config_merge.config_metadata("text_encoder", _text_config_for_metadata(model, num_layers))
+    )
 
 
 __all__ = [
