@@ -32,20 +32,21 @@ class SyntheticStage:
         return self.conditionings[request.prompt.split(":", 1)[1]]
 
 
-def raw_server(payloads: dict[str, bytes]) -> int:
-    """Blocking TCP server: read one line naming a payload, sendall() it, close. Returns the port."""
+def _line_server(answer) -> int:
+    """Blocking loopback TCP server: per connection, read one request line and call `answer(conn, line)`.
+    Returns the port. Shared by the raw and the lean servers so both measure the same scaffolding."""
     listener = socket.create_server(("127.0.0.1", 0), backlog=64)
     port = listener.getsockname()[1]
 
     def serve_one(conn: socket.socket) -> None:
         with conn:
-            name = b""
-            while not name.endswith(b"\n"):
+            line = b""
+            while not line.endswith(b"\n"):
                 chunk = conn.recv(64)
                 if not chunk:
                     return
-                name += chunk
-            conn.sendall(memoryview(payloads[name.strip().decode()]))
+                line += chunk
+            answer(conn, line.strip().decode())
             conn.shutdown(socket.SHUT_WR)
 
     def accept_loop() -> None:
@@ -55,6 +56,11 @@ def raw_server(payloads: dict[str, bytes]) -> int:
 
     threading.Thread(target=accept_loop, daemon=True).start()
     return port
+
+
+def raw_server(payloads: dict[str, bytes]) -> int:
+    """Blocking TCP server: read one line naming a payload, sendall() it, close. Returns the port."""
+    return _line_server(lambda conn, name: conn.sendall(memoryview(payloads[name])))
 
 
 def lean_server(conditionings) -> int:
@@ -69,38 +75,21 @@ def lean_server(conditionings) -> int:
 
     from bench.synth import lean_header
 
-    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-    port = listener.getsockname()[1]
+    def answer(conn: socket.socket, line: str) -> None:
+        key, _, mode = line.partition(" ")
+        checksum = mode != "nocrc"
+        header, views = lean_header(conditionings[key])
+        conn.sendall(len(header).to_bytes(8, "little") + header)
+        crc = 0
+        for view in views:
+            for offset in range(0, view.nbytes, 1 << 20):
+                piece = view[offset: offset + (1 << 20)]
+                if checksum:
+                    crc = zlib.crc32(piece, crc)
+                conn.sendall(piece)
+        conn.sendall(crc.to_bytes(4, "little"))
 
-    def serve_one(conn: socket.socket) -> None:
-        with conn:
-            name = b""
-            while not name.endswith(b"\n"):
-                chunk = conn.recv(64)
-                if not chunk:
-                    return
-                name += chunk
-            key, _, mode = name.strip().decode().partition(" ")
-            checksum = mode != "nocrc"
-            header, views = lean_header(conditionings[key])
-            conn.sendall(len(header).to_bytes(8, "little") + header)
-            crc = 0
-            for view in views:
-                for offset in range(0, view.nbytes, 1 << 20):
-                    piece = view[offset: offset + (1 << 20)]
-                    if checksum:
-                        crc = zlib.crc32(piece, crc)
-                    conn.sendall(piece)
-            conn.sendall(crc.to_bytes(4, "little"))
-            conn.shutdown(socket.SHUT_WR)
-
-    def accept_loop() -> None:
-        while True:
-            conn, _ = listener.accept()
-            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept_loop, daemon=True).start()
-    return port
+    return _line_server(answer)
 
 
 def main(args: dict) -> None:

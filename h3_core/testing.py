@@ -9,7 +9,9 @@ nothing here is downloaded or read from disk.
 from __future__ import annotations
 
 import struct
+import time
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,3 +84,13 @@ def png_bomb(width: int, height: int) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     rows = zlib.compress(b"\x00" * (width + 1) * 4)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, step: float = 0.01) -> bool:
+    """Poll `predicate` until it is true (True) or `timeout` seconds pass (False): for tests that watch a server."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return False

@@ -36,6 +36,22 @@ def test_h3_core_never_unpickles():
         assert "torch.load(" not in text, path
 
 
+# The contract package and the two modules it builds on adapt to ComfyUI, diffusers and vLLM-Omni but import none of
+# them, so a contract can be read on either side of a process boundary; facts.py imports nothing at all.
+_FRAMEWORK_FREE = ["contract/*.py", "safetensors_header.py", "facts.py"]
+_FRAMEWORKS = {"comfy", "comfy_api", "comfy_extras", "folder_paths", "nodes", "diffusers", "vllm", "vllm_omni"}
+
+
+def test_contract_and_facts_import_no_framework():
+    paths = [p for pattern in _FRAMEWORK_FREE for p in sorted((REPO / "h3_core").glob(pattern))]
+    assert len(paths) >= 8
+    for path in paths:
+        assert not _imported_modules(path) & _FRAMEWORKS, path
+        calls = {ast.unparse(n.func) for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+        assert not {"torch.load", "torch.save", "pickle.load", "pickle.loads"} & calls, path
+    assert _imported_modules(REPO / "h3_core" / "facts.py") <= {"__future__"}
+
+
 def test_root_exports_only_the_v3_entry_point():
     tree = ast.parse((REPO / "__init__.py").read_text(encoding="utf-8"))
     top_level = {

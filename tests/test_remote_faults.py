@@ -26,7 +26,7 @@ from h3_core.models import ModelSource
 from h3_core.remote import protocol
 from h3_core.remote.client import EncoderClient, RemoteUnavailableError
 from h3_core.request import EncodeRequest, VideoInput
-from h3_core.testing import SERVER_THREADS
+from h3_core.testing import SERVER_THREADS, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 THREADS = SERVER_THREADS  # the server processes run with H3_THREADS=1; the local reference too
@@ -81,14 +81,6 @@ class ServerProcess:
         self.log.close()
         os.unlink(self.log.name)
 
-
-def _wait_for(predicate, timeout=30.0, step=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return False
 
 
 def _load(client) -> dict:
@@ -147,9 +139,9 @@ def test_kill_mid_request_then_restart_and_drain(tiny_dir, request):
         survivor_request = _light("survives a restart")
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             doomed_future = pool.submit(doomed.encode, _heavy("dies with the server"))
-            assert _wait_for(lambda: _load(probe).get("running") == 1, timeout=30)
+            assert wait_until(lambda: _load(probe).get("running") == 1, timeout=30)
             patient_future = pool.submit(patient.encode, survivor_request)
-            assert _wait_for(lambda: _load(probe).get("queued") == 1, timeout=30)
+            assert wait_until(lambda: _load(probe).get("queued") == 1, timeout=30)
 
             first.proc.send_signal(signal.SIGKILL)  # both requests are in flight: one running, one queued
             killed_at = time.perf_counter()
@@ -184,11 +176,11 @@ def test_kill_mid_request_then_restart_and_drain(tiny_dir, request):
         requests = [_heavy("drain"), _light("drain 1"), _light("drain 2")]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(EncoderClient(url, retries=0, read_timeout=60).encode, requests[0])]
-            assert _wait_for(lambda: _load(probe).get("running") == 1, timeout=30)
+            assert wait_until(lambda: _load(probe).get("running") == 1, timeout=30)
             futures += [pool.submit(EncoderClient(url, retries=0, read_timeout=60).encode, r) for r in requests[1:]]
-            assert _wait_for(lambda: _load(probe).get("active_requests") == 3, timeout=30)
+            assert wait_until(lambda: _load(probe).get("active_requests") == 3, timeout=30)
             second.proc.send_signal(signal.SIGTERM)
-            assert _wait_for(lambda: _load(probe) == {}, timeout=10)  # the listener closes at once
+            assert wait_until(lambda: _load(probe) == {}, timeout=10)  # the listener closes at once
             with pytest.raises(RemoteUnavailableError):  # so new work is refused while draining
                 EncoderClient(url, retries=0, connect_timeout=2).encode(_light("too late"))
             results = [future.result(timeout=120) for future in futures]

@@ -35,7 +35,7 @@ from h3_core.remote.client import (
 )
 from h3_core.remote.server import ServerConfig, ServerThread
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
-from h3_core.testing import SERVER_THREADS, png_bomb
+from h3_core.testing import SERVER_THREADS, png_bomb, wait_until
 
 THREADS = SERVER_THREADS  # the server processes run with H3_THREADS=1; the local reference too
 TOKEN = "test-token-" + "x" * 24
@@ -234,7 +234,7 @@ def test_identical_concurrent_requests_share_one_computation(stage):
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             first = pool.submit(send, 0)
-            assert _wait_until(lambda: srv.call(lambda: srv.service.load()["running"]) == 1, 30)
+            assert wait_until(lambda: srv.call(lambda: srv.service.load()["running"]) == 1, 30)
             others = [pool.submit(send, i) for i in range(3)]
             replies = [first.result()] + [future.result() for future in others]
     assert [status for status, _, _ in replies] == [200] * 4
@@ -254,7 +254,7 @@ def test_full_queue_answers_429_with_retry_after(stage):
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             first = pool.submit(raw_encode, 0)
-            assert _wait_until(lambda: srv.call(lambda: srv.service.load()["running"]) == 1, 30)
+            assert wait_until(lambda: srv.call(lambda: srv.service.load()["running"]) == 1, 30)
             refused = [pool.submit(raw_encode, i) for i in range(1, 3)]  # the one slot is taken by the running job
             refused = [future.result() for future in refused]
             assert first.result()[0] == 200
@@ -283,7 +283,7 @@ def test_deadline_gives_504_and_abandons_the_work(stage):
         elapsed = time.perf_counter() - t0
         assert info.value.status == 504 and info.value.code == "deadline_exceeded"
         assert "deadline" in str(info.value) and elapsed < 4.5  # not retried (the same deadline would fail again)
-        assert _wait_until(lambda: slow.cancelled == 1, 10)  # the model thread stopped at its next checkpoint
+        assert wait_until(lambda: slow.cancelled == 1, 10)  # the model thread stopped at its next checkpoint
         slow.delay = 0.0
         assert EncoderClient(srv.url).encode(CASES["t2va"]).to_bytes() == stage.encode(CASES["t2va"]).to_bytes()
 
@@ -294,7 +294,7 @@ def test_client_cancel_closes_the_connection_and_server_abandons(stage):
         cancel = threading.Event()
 
         def cancel_once_running():
-            if _wait_until(lambda: srv.call(lambda: srv.service.load()["running"]) == 1, 30):
+            if wait_until(lambda: srv.call(lambda: srv.service.load()["running"]) == 1, 30):
                 cancel.set()
 
         watcher = threading.Thread(target=cancel_once_running)
@@ -304,21 +304,13 @@ def test_client_cancel_closes_the_connection_and_server_abandons(stage):
         cancelled_at = time.perf_counter()
         watcher.join()
         assert cancel.is_set()
-        assert _wait_until(lambda: slow.cancelled == 1, 10)  # the model thread stopped at its next checkpoint
+        assert wait_until(lambda: slow.cancelled == 1, 10)  # the model thread stopped at its next checkpoint
         abandoned_after = time.perf_counter() - cancelled_at
         assert abandoned_after < 2.0, abandoned_after  # promptly, not after the 10 s of work
         assert srv.call(lambda: srv.service.counters["client_gone"]) == 1
-        assert _wait_until(lambda: srv.call(lambda: srv.service.load()["running"]) == 0, 10)
+        assert wait_until(lambda: srv.call(lambda: srv.service.load()["running"]) == 0, 10)
         print(f"\n[cancel] server abandoned the job {abandoned_after * 1000:.0f} ms after the client's cancel")
 
-
-def _wait_until(predicate, timeout, step=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return False
 
 
 def test_encoder_failure_is_a_json_500_and_the_worker_survives(stage):
@@ -343,7 +335,7 @@ def test_graceful_stop_finishes_in_flight_work(stage):
     requests = [EncodeRequest(prompt=f"Drain {i}.", width=64, height=64) for i in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(EncoderClient(srv.url, retries=0).encode, r) for r in requests]
-        assert _wait_until(lambda: srv.call(lambda: srv.service.active_requests) == 3, 30)
+        assert wait_until(lambda: srv.call(lambda: srv.service.active_requests) == 3, 30)
         assert srv.stop(drain_timeout=30) is True
         results = [future.result(timeout=30) for future in futures]
     assert [r.to_bytes() for r in results] == [stage.encode(r).to_bytes() for r in requests]

@@ -17,7 +17,7 @@ import torch
 
 from .errors import check_tensor, fail, is_int, shape
 from .layout import audio_latent_to_rows, audio_rows_to_latent
-from .wire import FORMAT_ID, FORMAT_VERSION
+from .wire import FORMAT_ID, FORMAT_VERSION, identity_fields
 
 COMFY_PACK_KEY = "minimax_h3_pack"  # our extra key in the cond dict; core's extra_conds never reads it
 CORE_REF_KINDS = ("image", "video", "video_audio", "audio")
@@ -83,15 +83,7 @@ def encode(cond) -> list:
                 refs.append({"kind": "audio", "ref_audio_t": int(audio_latent.shape[-1]),
                              "audio_latent": audio_latent})
         extras["minimax_refs"] = refs
-    extras[COMFY_PACK_KEY] = {
-        "format": FORMAT_ID,
-        "version": FORMAT_VERSION,
-        "task": cond.task,
-        "height": cond.height,
-        "width": cond.width,
-        "num_frames": cond.num_frames,
-        "metadata": dict(cond.metadata),
-    }
+    extras[COMFY_PACK_KEY] = {**identity_fields(cond), "metadata": dict(cond.metadata)}
     return [[cond.prompt_embeds, extras]]
 
 

@@ -70,7 +70,9 @@ def _wire_tensors(cond) -> dict[str, torch.Tensor]:
     return out
 
 
-def _header(cond, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def identity_fields(cond) -> dict[str, Any]:
+    """The format tag and the scalar fields every serialised form of a conditioning carries (file header, and the
+    pack's own key inside a ComfyUI CONDITIONING)."""
     return {
         "format": FORMAT_ID,
         "version": FORMAT_VERSION,
@@ -78,6 +80,12 @@ def _header(cond, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         "height": cond.height,
         "width": cond.width,
         "num_frames": cond.num_frames,
+    }
+
+
+def _header(cond, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    return {
+        **identity_fields(cond),
         "keyframe_anchors": list(cond.keyframe_anchors),
         "references": [{"kind": r.kind, "has_audio": r.has_audio} for r in cond.references],
         "metadata": dict(cond.metadata),
