@@ -32,3 +32,13 @@ def one_thread():
     torch.set_num_threads(SERVER_THREADS)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def parity_threads():
+    """Pin a parity module to H3_THREADS torch threads, whatever an earlier module left (restored afterwards):
+    its in-process results are compared bitwise with subprocesses that run at H3_THREADS."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("H3_THREADS", "2")))
+    yield
+    torch.set_num_threads(before)

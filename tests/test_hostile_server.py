@@ -18,7 +18,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from h3_core import media
 from h3_core.encoder import EncoderStage
@@ -34,8 +33,7 @@ REQUEST = EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, nu
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    torch.set_num_threads(1)
+def stage(tiny_dir, one_thread):
     return EncoderStage(ModelSource.from_path(tiny_dir))
 
 

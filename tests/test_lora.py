@@ -33,6 +33,11 @@ def _comfy_lora(path, transformer, alpha=8.0, seed=0):
     return tensors
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _parity_threads(parity_threads):
+    """Bitwise comparisons: the thread count is pinned (conftest.parity_threads)."""
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_dir):
     source = ModelSource.from_path(tiny_dir)

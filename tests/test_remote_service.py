@@ -10,7 +10,6 @@ import asyncio
 import gc
 
 import pytest
-import torch
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
@@ -39,8 +38,7 @@ async def _with_service(stage, config, body):
         await service.stop()
 
 
-def test_service_encodes_joins_and_caches_without_http(stage):
-    torch.set_num_threads(1)
+def test_service_encodes_joins_and_caches_without_http(stage, one_thread):
 
     async def body(service: EncoderService):
         spec = _spec()

@@ -17,6 +17,11 @@ from h3_core.request import EncodeRequest
 from h3_core.testing import CASES, STEPS
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _parity_threads(parity_threads):
+    """Bitwise comparisons: the thread count is pinned (conftest.parity_threads)."""
+
+
 @pytest.fixture(scope="module")
 def stages(tiny_dir):
     source = ModelSource.from_path(tiny_dir)
