@@ -3,12 +3,16 @@
 * `check_part`: the declared content type is allowed for the slot, the bytes are that format (magic number),
   the size is within the slot's cap.
 * `build_request`: every media item's header is read first (pixels, frames, seconds, sample rates), each is
-  checked against its cap, then the arrays are decoded exactly as the CLI decodes files
-  (`EncodeRequest.from_sources` with `h3_core.media.read_*`), with caps only a refused input can reach, so an
-  accepted input decodes to the same arrays as an uncapped local read.
+  checked against its cap, then the arrays are decoded with the CLI's functions (`EncodeRequest.from_sources`
+  with `h3_core.media.read_*`), with caps only a refused input can reach. Reference videos are decoded straight
+  onto what the encoder makes of them (24 fps, the output length, the canvas of the pipeline's rule:
+  `media.VideoTarget`), which is exactly what its own normalisation of the whole clip gives, so the conditioning
+  equals a local encode while a 4K clip never exists at 4K; the decoded-bytes bound counts that output size.
 
-Every parse of untrusted media bytes goes through `decode_media` (the seam for running it in an isolated child
-process). Nothing here unpickles, evaluates or writes to the filesystem; part and file names are never paths.
+Every parse of untrusted media bytes goes through `decode_media`, which runs it in a sandboxed worker process
+(`h3_core.media_sandbox`: address-space cap, timeout; a crash is a 422 for that request). Nothing here unpickles
+or evaluates anything; part and file names are never paths (the sandbox passes bytes through a private tmpfs
+directory of its own).
 """
 
 from __future__ import annotations
@@ -401,7 +405,10 @@ _PLANNERS = {"image": _plan_image, "audio": _plan_audio, "video": _plan_video}
 
 
 def _decode(data: bytes, plan: _Plan, settings: DecodeSettings) -> Any:
-    return decode_media(plan.kind, data, plan.caps, settings, plan.memory_cap)
+    try:
+        return decode_media(plan.kind, data, plan.caps, settings, plan.memory_cap)
+    except media.MediaError as error:  # a refusal, a crash, the memory cap or the timeout: name the part
+        raise invalid(f"{plan.where}: {error}", plan.where, "invalid_media") from None
 
 
 def _decode_audio(data: bytes, plan: _Plan, limits: Limits, settings: DecodeSettings) -> AudioInput:
@@ -418,7 +425,7 @@ def _decode_video(data: bytes, plan: _Plan, settings: DecodeSettings) -> media.V
     except media.MediaError as error:
         if "max_frames" in str(error):
             raise too_large(f"{plan.where}: {error}", plan.where, "too_many_frames") from None
-        raise
+        raise invalid(f"{plan.where}: {error}", plan.where, "invalid_media") from None
 
 
 def build_request(
