@@ -176,7 +176,8 @@ def test_4k_reference_clip_never_materialises_at_4k(served):
     extra = peak - max(idle["VmHWM"], idle["VmRSS"])
     bound = body_cap + 3 * decoded_cap
     print(f"4K@9fps 14 s clip ({len(video) / MiB:.1f} MiB sent): answered in {elapsed:.1f} s; server VmHWM "
-          f"{idle['VmHWM'] / MiB:.0f} -> {peak / MiB:.0f} MiB ({extra / MiB:.0f} MiB over idle), bound {bound / MiB:.0f} MiB")
+          f"{idle['VmHWM'] / MiB:.0f} -> {peak / MiB:.0f} MiB ({extra / MiB:.0f} MiB over idle), "
+          f"bound {bound / MiB:.0f} MiB")
     assert extra < bound
 
 

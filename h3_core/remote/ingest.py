@@ -38,6 +38,8 @@ from .protocol import _too_large as too_large
 __all__ = ["Part", "sniff", "check_filename", "content_type_family", "check_part", "max_part_bytes",
            "allowed_content_types", "decode_media", "DecodeSettings", "build_request"]
 
+_DEFAULT_LIMITS = Limits()
+
 # --------------------------------------------------------------------------------------------------------------
 # parts: content types, magic bytes, sizes
 
@@ -135,7 +137,7 @@ class Part:
     sha256: str
 
 
-def check_part(part: Part, kind: str, where: str, limits: Limits = Limits()) -> None:
+def check_part(part: Part, kind: str, where: str, limits: Limits = _DEFAULT_LIMITS) -> None:
     """Content type allowed for the slot, bytes of that format (magic number), size within the cap."""
     family = content_type_family(part.content_type, kind, where)
     cap = max_part_bytes(kind, limits)
@@ -431,7 +433,7 @@ def _decode_video(data: bytes, plan: _Plan, settings: DecodeSettings) -> media.V
 def build_request(
     spec: RequestSpec,
     parts: Mapping[str, Part],
-    limits: Limits = Limits(),
+    limits: Limits = _DEFAULT_LIMITS,
     cancel: threading.Event | None = None,
     settings: DecodeSettings = DecodeSettings(),
 ) -> EncodeRequest:
