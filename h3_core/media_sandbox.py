@@ -49,13 +49,13 @@ import numpy as np
 
 from . import media
 
-__all__ = ["decode_isolated", "DECODERS", "default_memory_cap"]
+__all__ = ["decode_isolated", "DECODERS", "default_memory_cap", "BASE_BYTES"]
 
 DECODERS = ("read_image", "read_video", "read_audio", "probe")
 """The media functions a worker may run. ``selftest_*`` (crash, hang, allocate) exist to test the sandbox."""
 _SELFTESTS = ("selftest_crash", "selftest_hang", "selftest_allocate")
 
-_BASE_BYTES = 768 << 20  # headroom over the worker's own mappings: FFmpeg's buffers, threads, numpy temporaries
+BASE_BYTES = 768 << 20  # headroom over the worker's own mappings: FFmpeg's buffers, threads, numpy temporaries
 
 
 def default_memory_cap(fn_name: str, size: int, kwargs: dict[str, Any]) -> int:
@@ -81,12 +81,12 @@ def default_memory_cap(fn_name: str, size: int, kwargs: dict[str, Any]) -> int:
         else:
             frames = unknown
         # The soundtrack: the caller has checked its duration from the headers; 16 s of 7.1 at 384 kHz fits.
-        return _BASE_BYTES + min(frames, unknown) + 48 * frame + 3 * _audio_bytes(16.0)
+        return BASE_BYTES + min(frames, unknown) + 48 * frame + 3 * _audio_bytes(16.0)
     if fn_name == "read_image":
-        return _BASE_BYTES + (16 * max_pixels if max_pixels else unknown)
+        return BASE_BYTES + (16 * max_pixels if max_pixels else unknown)
     if fn_name == "read_audio":
-        return _BASE_BYTES + 3 * _audio_bytes(kwargs.get("max_seconds"))
-    return _BASE_BYTES + 4 * size
+        return BASE_BYTES + 3 * _audio_bytes(kwargs.get("max_seconds"))
+    return BASE_BYTES + 4 * size
 
 
 def _audio_bytes(max_seconds: float | None) -> int:
@@ -344,8 +344,14 @@ def _limit_memory(extra: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+TEST_CRASH_ENV = "H3_SANDBOX_TEST_CRASH"
+"""Tests only: a worker whose input contains this variable's value (at least 16 characters) crashes with SIGSEGV,
+so a test can make a real server's decode crash for one marked request. Unset in production."""
+
+
 def _run(fn_name: str, data: bytes, kwargs: dict[str, Any]) -> Any:
-    if fn_name == "selftest_crash":
+    marker = os.environ.get(TEST_CRASH_ENV, "").encode()
+    if fn_name == "selftest_crash" or (len(marker) >= 16 and marker in data):
         os.kill(os.getpid(), signal.SIGSEGV)
     if fn_name == "selftest_hang":
         threading.Event().wait()

@@ -21,15 +21,23 @@ from . import rules
 
 @dataclass
 class VideoInput:
-    """A reference video: uint8 RGB frames [F, H, W, 3] at `fps`, with an optional soundtrack."""
+    """A reference video: uint8 RGB frames [F, H, W, 3] at `fps`, with an optional soundtrack.
+
+    `source_seconds`: the length of the clip as decoded, when `frames` no longer shows it (the encoder server
+    decodes a reference straight onto the output length, so a longer clip arrives truncated); H3's 2-15 s rule
+    reads it. None: `frames` is the whole clip.
+    """
 
     frames: np.ndarray
     fps: float
     audio: np.ndarray | None = None  # float32 [channels, samples]
     sample_rate: int | None = None
+    source_seconds: float | None = None
 
     @property
     def seconds(self) -> float:
+        if self.source_seconds is not None:
+            return float(self.source_seconds)
         return self.frames.shape[0] / float(self.fps)
 
     @property

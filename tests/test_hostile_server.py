@@ -6,6 +6,8 @@
   header timeout.
 * A corrupt gzip body answers 400; the operator's --deadline caps what a client may ask for; the decoded
   media of one request is bounded from the headers (413 naming the bound).
+* Decoding: reference videos are decoded straight onto what the encoder uses (24 fps, the output length, the
+  canvas), bit-exact against a local encode of the whole clip, and still checked on their real length.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import time
 import numpy as np
 import pytest
 
-from h3_core import media
+from h3_core import media, rules
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
-from h3_core.remote import protocol
+from h3_core.remote import packing, protocol
 from h3_core.remote.client import EncoderClient
 from h3_core.remote.protocol import Limits
 from h3_core.remote.server import ServerConfig, ServerThread, config_from_args
-from h3_core.request import EncodeRequest
+from h3_core.request import EncodeRequest, VideoInput
 
 MiB = 1 << 20
 REQUEST = EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, num_frames=124)
@@ -211,19 +213,19 @@ def test_operator_deadline_caps_client_deadlines(stage):
 
 
 def test_decoded_bytes_are_bounded_per_request(stage):
-    """Two videos each under the per-video cap, together over the per-request one: 413 before decoding."""
-    frames = np.zeros((72, 256, 256, 3), np.uint8)  # 3 s at 24 fps: 14 MB decoded each
-    video = media.encode_mp4_bytes(frames, None, fps=24.0)
-    limits = Limits(max_request_decoded_bytes=20 * MiB)
+    """Two images each under the per-image cap, together over the per-request one: 413 before decoding.
+
+    (Reference videos count at the size they are decoded to, the output's length on the canvas: see
+    test_reference_videos_decode_onto_their_target_bit_exact.)"""
+    image = media.encode_png_bytes(np.zeros((2048, 1536, 3), np.uint8))  # 9 MiB decoded each, a few KiB sent
+    limits = Limits(max_request_decoded_bytes=16 * MiB)
     with ServerThread(stage, ServerConfig(threads=1, limits=limits)) as srv:
         import http.client
 
-        from h3_core.remote import packing
-
-        body = {"protocol": 1, "prompt": "<Video 1> and <Video 2> move.", "num_frames": 124,
-                "ref_videos": [{"part": "v0", "soundtrack": False}, {"part": "v1", "soundtrack": False}]}
+        body = {"protocol": 1, "prompt": "<Picture 1> meets <Picture 2>.", "num_frames": 124,
+                "ref_images": [{"part": "i0"}, {"part": "i1"}]}
         content_type, buffers = packing.encode_multipart(
-            body, [("v0", "video/mp4", "v0.mp4", video), ("v1", "video/mp4", "v1.mp4", video)])
+            body, [("i0", "image/png", "i0.png", image), ("i1", "image/png", "i1.png", image)])
         host, port = srv.url.split("//", 1)[1].rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         conn.request("POST", protocol.ENCODE_PATH, body=b"".join(buffers), headers={"Content-Type": content_type})
@@ -232,3 +234,89 @@ def test_decoded_bytes_are_bounded_per_request(stage):
         conn.close()
         assert reply.status == 413 and "max_request_decoded_bytes" in error["message"], error
         assert srv.call(lambda: srv.service.counters["computed"]) == 0
+
+
+# --- decoding: in the sandbox, reference videos straight onto their target (issue 13, items 1 and 3) -----------
+
+
+class _Recording:
+    """The real stage, keeping the requests it was asked to encode (to see what the server decoded)."""
+
+    def __init__(self, stage):
+        self.stage, self.seen = stage, []
+        self.fingerprint, self.components = stage.fingerprint, stage.components
+        self.pipeline_config = stage.pipeline_config
+
+    def encode(self, request, **kwargs):
+        self.seen.append(request)
+        return self.stage.encode(request, **kwargs)
+
+
+def _clip(seconds: float, fps: float, height: int, width: int, seed: int, rate: int | None = None) -> VideoInput:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // (width - 1), y * 255 // (height - 1), (x * y) % 256], axis=-1)
+    base = np.clip(base + rng.integers(-24, 24, base.shape), 0, 255).astype(np.uint8)
+    frames = np.stack([np.roll(base, 3 * i, axis=1) for i in range(round(seconds * fps))])
+    audio = None
+    if rate:
+        t = np.arange(int(seconds * rate)) / rate
+        audio = np.stack([0.3 * np.sin(2 * np.pi * 330 * t), 0.2 * np.sin(2 * np.pi * 550 * t)]).astype(np.float32)
+    return VideoInput(frames=frames, fps=float(fps), audio=audio, sample_rate=rate)
+
+
+# name: (clip, the frames the server decodes it to). Tiny canvas rule: short edge 64, at most 64 x 112 pixels.
+TARGET_CASES = {
+    # 6 s at 30 fps, 160x96: onto 24 fps (144 frames), truncated to the 124 generated, resized onto 96x64.
+    "30fps_truncated_resized": (lambda: _clip(6.0, 30, 96, 160, 1), (124, 64, 96, 3)),
+    # 3 s at 10 fps, portrait: every frame held 2-3 slots, onto the 64x96 canvas.
+    "10fps_portrait": (lambda: _clip(3.0, 10, 160, 96, 2), (72, 96, 64, 3)),
+    # 2.5 s of 16:9 with a 44.1 kHz soundtrack (the soundtrack is decoded whole, as locally).
+    "soundtrack": (lambda: _clip(2.5, 24, 72, 128, 3, rate=44100), (60, 64, 128, 3)),
+    # 4:1, whose canvas the tiny rule would move again: decoded whole, as before, and still bit-exact.
+    "wide_decoded_whole": (lambda: _clip(2.5, 24, 64, 256, 4), (60, 64, 256, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TARGET_CASES))
+def test_reference_videos_decode_onto_their_target_bit_exact(stage, case):
+    make, shape = TARGET_CASES[case]
+    video = make()
+    request = EncodeRequest(prompt="<Video 1> moves.", ref_videos=[video], num_frames=124)
+    local = stage.encode(request)
+    recording = _Recording(stage)
+    with ServerThread(recording, ServerConfig(threads=1)) as srv:
+        remote = EncoderClient(srv.url).encode(request)
+    decoded = recording.seen[0].ref_videos[0]
+    print(f"{case}: {video.frames.shape} at {video.fps:g} fps -> server decoded {decoded.frames.shape} at "
+          f"{decoded.fps:g} fps ({decoded.frames.nbytes} bytes), {decoded.seconds:.2f} s for the 2-15 s rule")
+    assert decoded.frames.shape == shape
+    assert decoded.seconds == pytest.approx(video.seconds)
+    assert remote.to_bytes() == local.to_bytes()
+
+
+def test_truncated_reference_is_still_checked_on_its_real_length(stage):
+    """A 15.5 s clip arrives truncated to 124 frames (5.2 s) but is refused for its 15.5 s, as locally."""
+    video = _clip(15.5, 24, 64, 64, 5)
+    request = EncodeRequest(prompt="<Video 1> moves.", ref_videos=[video], num_frames=124)
+    with pytest.raises(rules.H3InputError) as local:
+        stage.encode(request)
+    assert "15.50 s" in str(local.value)
+    # The client checks the rule itself before uploading: send the request as a hand-written multipart body.
+    body = {"protocol": 1, "prompt": request.prompt, "num_frames": 124,
+            "ref_videos": [{"part": "v", "fps": 24.0, "soundtrack": False}]}
+    content_type, buffers = packing.encode_multipart(
+        body, [("v", "video/mp4", "v.mp4", media.encode_mp4_bytes(video.frames, None, fps=24.0))])
+    with ServerThread(stage, ServerConfig(threads=1)) as srv:
+        status, reply = _post_json(srv.url, b"".join(buffers), {"Content-Type": content_type})
+    assert status == 422 and reply["error"]["message"] == str(local.value), reply
+
+
+def test_in_process_decoding_switch_gives_the_same_bytes(stage):
+    """ServerConfig(isolate_media=False) decodes in the server process (debugging): same answer."""
+    request = EncodeRequest(prompt="<Video 1> moves.", ref_videos=[_clip(3.0, 30, 96, 160, 6)], num_frames=124)
+    answers = []
+    for isolate in (True, False):
+        with ServerThread(stage, ServerConfig(threads=1, isolate_media=isolate)) as srv:
+            answers.append(EncoderClient(srv.url).encode(request).to_bytes())
+    assert answers[0] == answers[1]

@@ -3,17 +3,22 @@
 * `check_part`: the declared content type is allowed for the slot, the bytes are that format (magic number),
   the size is within the slot's cap.
 * `build_request`: every media item's header is read first (pixels, frames, seconds, sample rates), each is
-  checked against its cap, then the arrays are decoded exactly as the CLI decodes files
-  (`EncodeRequest.from_sources` with `h3_core.media.read_*`), with caps only a refused input can reach, so an
-  accepted input decodes to the same arrays as an uncapped local read.
+  checked against its cap, then the arrays are decoded with the CLI's functions (`EncodeRequest.from_sources`
+  with `h3_core.media.read_*`), with caps only a refused input can reach. Reference videos are decoded straight
+  onto what the encoder makes of them (24 fps, the output length, the canvas of the pipeline's rule:
+  `media.VideoTarget`), which is exactly what its own normalisation of the whole clip gives, so the conditioning
+  equals a local encode while a 4K clip never exists at 4K; the decoded-bytes bound counts that output size.
 
-Every parse of untrusted media bytes goes through `decode_media` (the seam for running it in an isolated child
-process). Nothing here unpickles, evaluates or writes to the filesystem; part and file names are never paths.
+Every parse of untrusted media bytes goes through `decode_media`, which runs it in a sandboxed worker process
+(`h3_core.media_sandbox`: address-space cap, timeout; a crash is a 422 for that request). Nothing here unpickles
+or evaluates anything; part and file names are never paths (the sandbox passes bytes through a private tmpfs
+directory of its own).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import re
 import threading
 import warnings
@@ -22,7 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import media
+from .. import media, media_sandbox, rules
 from ..progress import check_cancel
 from ..request import AudioInput, EncodeRequest, VideoInput
 from .protocol import Limits, MediaRef, ProtocolError, RequestSpec
@@ -31,7 +36,9 @@ from .protocol import _invalid as invalid
 from .protocol import _too_large as too_large
 
 __all__ = ["Part", "sniff", "check_filename", "content_type_family", "check_part", "max_part_bytes",
-           "allowed_content_types", "decode_media", "build_request"]
+           "allowed_content_types", "decode_media", "DecodeSettings", "build_request"]
+
+_DEFAULT_LIMITS = Limits()
 
 # --------------------------------------------------------------------------------------------------------------
 # parts: content types, magic bytes, sizes
@@ -130,7 +137,7 @@ class Part:
     sha256: str
 
 
-def check_part(part: Part, kind: str, where: str, limits: Limits = Limits()) -> None:
+def check_part(part: Part, kind: str, where: str, limits: Limits = _DEFAULT_LIMITS) -> None:
     """Content type allowed for the slot, bytes of that format (magic number), size within the cap."""
     family = content_type_family(part.content_type, kind, where)
     cap = max_part_bytes(kind, limits)
@@ -146,32 +153,87 @@ def check_part(part: Part, kind: str, where: str, limits: Limits = Limits()) -> 
 
 
 # --------------------------------------------------------------------------------------------------------------
-# THE DECODING SEAM. Every parse of untrusted media bytes (headers included) happens inside `decode_media`, so it
-# can be moved into an isolated child process (memory/CPU rlimits, no network) without touching the callers:
-# its arguments and results are plain bytes, dicts and numpy arrays.
+# THE DECODING SEAM. Every parse of untrusted media bytes (headers included) happens inside `decode_media`. By
+# default it runs the parse in a forked worker under an address-space cap and a timeout (`media_sandbox`): a native
+# crash, runaway allocation or endless loop in FFmpeg/PyAV/Pillow costs that one request a 422, not the server.
 
 
-def decode_media(kind: str, data: bytes, caps: Mapping[str, Any]) -> Any:
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How the server decodes a request's media.
+
+    ``isolate``: in the sandbox (the default; False decodes in the server process, for debugging only).
+    ``timeout_s``: wall-clock limit of one decode (the server derives it from the request's deadline).
+    ``canvas_short_edge`` / ``canvas_max_pixels``: the pipeline's canvas rule; when set, reference videos are
+    decoded straight onto what the encoder will use (24 fps, the output length, the canvas), never at full size.
+    """
+
+    isolate: bool = True
+    timeout_s: float = 120.0
+    canvas_short_edge: int | None = None
+    canvas_max_pixels: int | None = None
+
+    @classmethod
+    def for_pipeline(cls, pipeline_config: Mapping[str, Any] | None, **kwargs: Any) -> "DecodeSettings":
+        config = pipeline_config or {}
+        return cls(canvas_short_edge=config.get("canvas_short_edge"), canvas_max_pixels=config.get("canvas_max_pixels"),
+                   **kwargs)
+
+
+_IN_PROCESS_HEADERS = ["PNG", "JPEG"]
+"""Image formats whose size is read in the server process: Pillow parses these headers in pure Python (chunks and
+markers up to the first pixel data) and decodes no pixel; WebP opens through libwebp's native demuxer, so its size
+is read from the fixed header fields below instead."""
+
+
+def _image_header(data: bytes) -> dict[str, int]:
+    if sniff(data) == "webp":
+        size = _webp_size(bytes(data[:30]))
+        if size is None:
+            raise media.MediaError("not a WebP image with a VP8, VP8L or VP8X header")
+        return {"width": size[0], "height": size[1]}
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(io.BytesIO(data), formats=_IN_PROCESS_HEADERS) as image:
+            width, height = image.size
+    return {"width": width, "height": height}
+
+
+def _webp_size(head: bytes) -> tuple[int, int] | None:
+    """(width, height) from a WebP file's first 30 bytes: the VP8X canvas, the VP8L or the VP8 key-frame header."""
+    chunk = head[12:16]
+    if chunk == b"VP8X" and len(head) >= 30:
+        return 1 + int.from_bytes(head[24:27], "little"), 1 + int.from_bytes(head[27:30], "little")
+    if chunk == b"VP8L" and len(head) >= 25 and head[20] == 0x2F:
+        bits = int.from_bytes(head[21:25], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if chunk == b"VP8 " and len(head) >= 30 and head[23:26] == b"\x9d\x01\x2a":
+        return int.from_bytes(head[26:28], "little") & 0x3FFF, int.from_bytes(head[28:30], "little") & 0x3FFF
+    return None
+
+
+_DECODERS = {"header": "probe", "image": "read_image", "audio": "read_audio", "video": "read_video"}
+
+
+def decode_media(
+    kind: str, data: bytes, caps: Mapping[str, Any], settings: DecodeSettings = DecodeSettings(),
+    memory_cap: int | None = None,
+) -> Any:
     """Parse untrusted media bytes. `kind`: ``"image_header"`` -> ``{"width", "height"}``; ``"header"`` ->
     `media.probe`'s dict; ``"image"`` -> uint8 [H, W, 3]; ``"audio"`` -> ``(float32 [C, S], rate)``; ``"video"``
-    -> `media.VideoClip`. `caps` are the decode caps (``max_pixels``, ``max_seconds``, ``max_frames``)."""
+    -> `media.VideoClip`. `caps` are the decode function's keyword arguments (``max_pixels``, ``max_seconds``,
+    ``max_frames``, ``target``, ``fps``). Everything but ``"image_header"`` runs in the sandbox unless
+    ``settings.isolate`` is off; `memory_cap` is the worker's address-space allowance (default: from `caps`)."""
     if kind == "image_header":
-        from PIL import Image
-
-        with warnings.catch_warnings():  # header only: Pillow reads the size without decoding pixels
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
-                width, height = image.size
-        return {"width": width, "height": height}
-    if kind == "header":
-        return media.probe(data)
-    if kind == "image":
-        return media.read_image(data, max_pixels=caps["max_pixels"])
-    if kind == "audio":
-        return media.read_audio(data, max_seconds=caps["max_seconds"])
-    if kind == "video":
-        return media.read_video(data, max_frames=caps["max_frames"], max_pixels=caps["max_pixels"])
-    raise ValueError(f"unknown media operation {kind!r}")
+        return _image_header(data)
+    if kind not in _DECODERS:
+        raise ValueError(f"unknown media operation {kind!r}")
+    if settings.isolate:
+        return media_sandbox.decode_isolated(_DECODERS[kind], data, timeout_s=settings.timeout_s,
+                                             memory_cap=memory_cap, **caps)
+    return getattr(media, _DECODERS[kind])(data, **caps)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -180,17 +242,19 @@ def decode_media(kind: str, data: bytes, caps: Mapping[str, Any]) -> Any:
 
 @dataclass
 class _Plan:
-    """One part after its header checks: the caps to decode it with and the bytes its arrays will take."""
+    """One part after its header checks: the caps to decode it with, the bytes its arrays will take in the server,
+    and the address space its sandboxed decode may use (None: the sandbox's default for the caps)."""
 
     kind: str
     where: str
     caps: dict[str, Any] = field(default_factory=dict)
     decoded_bytes: int = 0
+    memory_cap: int | None = None
 
 
-def _probe(data: bytes, where: str) -> dict[str, Any]:
+def _probe(data: bytes, where: str, settings: DecodeSettings) -> dict[str, Any]:
     try:
-        return decode_media("header", data, {})
+        return decode_media("header", data, {}, settings)
     except media.MediaError as error:
         raise invalid(f"{where}: {error}", where, "invalid_media") from None
 
@@ -220,11 +284,12 @@ def _audio_bytes(info: dict[str, Any], limits: Limits, cap_s: float) -> int:
     return int(seconds * rate + 1) * channels * 4
 
 
-def _plan_image(data: bytes, where: str, limits: Limits) -> _Plan:
+def _plan_image(data: bytes, where: str, limits: Limits, settings: DecodeSettings, ref: MediaRef | None,
+                num_frames: int) -> _Plan:
     from PIL import Image
 
     try:
-        size = decode_media("image_header", data, {})
+        size = decode_media("image_header", data, {}, settings)
     except Image.DecompressionBombError as error:
         raise too_large(f"{where}: {error}", where, "too_many_pixels") from None
     except Exception as error:  # noqa: BLE001 - any Pillow failure on hostile bytes is a media error
@@ -234,11 +299,15 @@ def _plan_image(data: bytes, where: str, limits: Limits) -> _Plan:
     if width * height > limits.max_image_pixels:
         raise too_large(f"{where}: image is {width}x{height} = {width * height} pixels, over the limit of "
                         f"max_image_pixels={limits.max_image_pixels}", where, "too_many_pixels")
-    return _Plan("image", where, {"max_pixels": limits.max_image_pixels}, width * height * 3)
+    caps = {"max_pixels": limits.max_image_pixels}
+    # The worker's allowance is sized for the header's pixels; an image that decodes larger hits it (422).
+    memory_cap = media_sandbox.default_memory_cap("read_image", len(data), {"max_pixels": max(1, width * height)})
+    return _Plan("image", where, caps, width * height * 3, memory_cap)
 
 
-def _plan_audio(data: bytes, where: str, limits: Limits) -> _Plan:
-    info = _probe(data, where)
+def _plan_audio(data: bytes, where: str, limits: Limits, settings: DecodeSettings, ref: MediaRef | None,
+                num_frames: int) -> _Plan:
+    info = _probe(data, where, settings)
     if not any(s["type"] == "audio" for s in info["streams"]):
         raise invalid(f"{where}: no audio stream", where, "invalid_media")
     _check_audio_header(info, where, limits, "audio")
@@ -250,8 +319,36 @@ def _plan_audio(data: bytes, where: str, limits: Limits) -> _Plan:
     return _Plan("audio", where, {"max_seconds": cap}, _audio_bytes(info, limits, cap))
 
 
-def _plan_video(data: bytes, where: str, limits: Limits) -> _Plan:
-    info = _probe(data, where)
+def _video_target(width: int, height: int, num_frames: int, settings: DecodeSettings) -> media.VideoTarget | None:
+    """What a reference video becomes in the encoder, or None to decode it whole (no canvas rule configured, no
+    size in the header, or a size whose canvas the canvas rule would move again: decoding onto the target is
+    then not known to equal the encoder's own normalisation, so the server keeps the full decode it always did)."""
+    if not (settings.canvas_short_edge and settings.canvas_max_pixels and width > 0 and height > 0):
+        return None
+    rule = (settings.canvas_short_edge, settings.canvas_max_pixels)
+    try:
+        for w, h in ((width, height), (height, width)):  # the display matrix may turn the coded picture
+            media.canvas_size(*media.canvas_size(w, h, *rule), *rule)
+    except media.MediaError:
+        return None
+    return media.VideoTarget(rules.snap_frames_up(max(1, num_frames)), *rule)
+
+
+def _target_pixels(width: int, height: int, target: media.VideoTarget) -> int:
+    """Pixels of one output frame: the canvas of the clip's aspect ratio, or the decoded size when the canvas rule
+    applied to that canvas would pick another one (`media.read_video` keeps the decoded size then); the larger
+    of the two orientations, since the headers do not show the display matrix."""
+    rule = (target.canvas_short_edge, target.canvas_max_pixels, target.canvas_multiple)
+    pixels = 0
+    for w, h in ((width, height), (height, width)):
+        canvas = media.canvas_size(w, h, *rule)
+        pixels = max(pixels, canvas[0] * canvas[1] if media.canvas_size(*canvas, *rule) == canvas else w * h)
+    return pixels
+
+
+def _plan_video(data: bytes, where: str, limits: Limits, settings: DecodeSettings, ref: MediaRef | None,
+                num_frames: int) -> _Plan:
+    info = _probe(data, where, settings)
     if not any(s["type"] == "video" for s in info["streams"]):
         raise invalid(f"{where}: no video stream", where, "invalid_media")
     width, height = info.get("width") or 0, info.get("height") or 0
@@ -279,9 +376,27 @@ def _plan_video(data: bytes, where: str, limits: Limits) -> _Plan:
         raise too_large(f"{where}: video declares {declared} frames, over the limit of {max_frames} decoded frames "
                         f"(max_video_frames={limits.max_video_frames}, "
                         f"max_video_decoded_bytes={limits.max_video_decoded_bytes})", where, "too_many_frames")
-    frames = declared or max_frames  # undeclared: the decoder stops at max_frames
-    caps = {"max_frames": max_frames, "max_pixels": limits.max_video_pixels}
-    return _Plan("video", where, caps, frames * frame_bytes + soundtrack_bytes)
+    fps = None if ref is None else ref.fps
+    caps: dict[str, Any] = {"max_frames": max_frames, "max_pixels": limits.max_video_pixels, "fps": fps}
+    target = _video_target(width, height, num_frames, settings)
+    # The worker's allowance (address space): the frames it may store, 48 decoded frames of the header's size in
+    # flight (reference frames, frame threads, conversions), the soundtrack three times (chunks, joined, transposed).
+    in_flight = media_sandbox.BASE_BYTES + 48 * frame_bytes + 3 * soundtrack_bytes
+    if target is None:
+        frames = declared or max_frames  # undeclared: the decoder stops at max_frames
+        return _Plan("video", where, caps, frames * frame_bytes + soundtrack_bytes,
+                     in_flight + max_frames * frame_bytes)
+    # Decoded onto the target: the server receives at most target.num_frames frames of the output size (fewer for
+    # a clip shorter than the output: its frame count on the 24 fps clock), whatever the source resolution.
+    caps["target"] = target
+    out_frame = _target_pixels(width, height, target) * 3
+    out_frames = target.num_frames
+    source_fps = fps or info.get("fps")
+    if declared and source_fps:
+        out_frames = min(out_frames, math.floor(declared * target.fps / source_fps + 0.5))
+    # The worker stores the output at its largest (the header's frame count may be wrong), never the source.
+    return _Plan("video", where, caps, out_frames * out_frame + soundtrack_bytes,
+                 in_flight + target.num_frames * out_frame)
 
 
 _PLANNERS = {"image": _plan_image, "audio": _plan_audio, "video": _plan_video}
@@ -291,44 +406,50 @@ _PLANNERS = {"image": _plan_image, "audio": _plan_audio, "video": _plan_video}
 # decoding, with the caps planned from the headers
 
 
-def _decode_image(data: bytes, plan: _Plan) -> np.ndarray:
-    return decode_media("image", data, plan.caps)
+def _decode(data: bytes, plan: _Plan, settings: DecodeSettings) -> Any:
+    try:
+        return decode_media(plan.kind, data, plan.caps, settings, plan.memory_cap)
+    except media.MediaError as error:  # a refusal, a crash, the memory cap or the timeout: name the part
+        raise invalid(f"{plan.where}: {error}", plan.where, "invalid_media") from None
 
 
-def _decode_audio(data: bytes, plan: _Plan, limits: Limits) -> AudioInput:
-    waveform, rate = decode_media("audio", data, plan.caps)
+def _decode_audio(data: bytes, plan: _Plan, limits: Limits, settings: DecodeSettings) -> AudioInput:
+    waveform, rate = _decode(data, plan, settings)
     if waveform.shape[1] >= int(plan.caps["max_seconds"] * rate):
         raise too_large(f"{plan.where}: audio is longer than max_media_seconds={limits.max_media_seconds:g}",
                         plan.where, "too_long")
     return AudioInput(waveform=waveform, sample_rate=rate)
 
 
-def _decode_video(data: bytes, plan: _Plan) -> media.VideoClip:
+def _decode_video(data: bytes, plan: _Plan, settings: DecodeSettings) -> media.VideoClip:
     try:
-        return decode_media("video", data, plan.caps)
+        return decode_media("video", data, plan.caps, settings, plan.memory_cap)
     except media.MediaError as error:
         if "max_frames" in str(error):
             raise too_large(f"{plan.where}: {error}", plan.where, "too_many_frames") from None
-        raise
+        raise invalid(f"{plan.where}: {error}", plan.where, "invalid_media") from None
 
 
 def build_request(
     spec: RequestSpec,
     parts: Mapping[str, Part],
-    limits: Limits = Limits(),
+    limits: Limits = _DEFAULT_LIMITS,
     cancel: threading.Event | None = None,
+    settings: DecodeSettings = DecodeSettings(),
 ) -> EncodeRequest:
     """Check every part's header against the caps, then decode the parts into the `EncodeRequest`.
 
     Header-level caps (pixels, seconds, sample rates, declared frames) are checked for every part before any
-    pixel or sample is decoded; decoding runs with caps that only a refused input can reach.
+    pixel or sample is decoded; decoding runs with caps that only a refused input can reach. `settings` says
+    where (sandbox or in-process) and onto what (the pipeline's canvas rule) the media is decoded.
     """
+    videos = {ref.part: ref for ref in spec.ref_videos}
     plans: dict[str, _Plan] = {}
     for name, (kind, where) in spec.part_kinds().items():
         if name not in parts:  # the server checks this while reading; kept for in-process callers
             raise bad(f"{where}: part {name!r} is missing from the request body", where)
         check_cancel(cancel, f"before reading the header of {where}")
-        plans[name] = _PLANNERS[kind](parts[name].data, where, limits)
+        plans[name] = _PLANNERS[kind](parts[name].data, where, limits, settings, videos.get(name), spec.num_frames)
     total = sum(plan.decoded_bytes for plan in plans.values())
     if total > limits.max_request_decoded_bytes:
         largest = max(plans.values(), key=lambda plan: plan.decoded_bytes)
@@ -338,24 +459,26 @@ def build_request(
 
     def image(ref: MediaRef) -> np.ndarray:
         check_cancel(cancel, f"before decoding {ref.field}")
-        return _decode_image(parts[ref.part].data, plans[ref.part])
+        return _decode(parts[ref.part].data, plans[ref.part], settings)
 
     def audio(ref: MediaRef) -> AudioInput:
         check_cancel(cancel, f"before decoding {ref.field}")
-        return _decode_audio(parts[ref.part].data, plans[ref.part], limits)
+        return _decode_audio(parts[ref.part].data, plans[ref.part], limits, settings)
 
     def video(ref: MediaRef) -> VideoInput:
         check_cancel(cancel, f"before decoding {ref.field}")
-        clip = _decode_video(parts[ref.part].data, plans[ref.part])
+        clip = _decode_video(parts[ref.part].data, plans[ref.part], settings)
         sound, rate = clip.audio, clip.sample_rate
         if ref.soundtrack is False:
             sound, rate = None, None
         elif isinstance(ref.soundtrack, str):
             check_cancel(cancel, f"before decoding {ref.field}.soundtrack")
-            track = _decode_audio(parts[ref.soundtrack].data, plans[ref.soundtrack], limits)
+            track = _decode_audio(parts[ref.soundtrack].data, plans[ref.soundtrack], limits, settings)
             sound, rate = track.waveform, track.sample_rate
-        return VideoInput(frames=clip.frames, fps=clip.fps if ref.fps is None else ref.fps, audio=sound,
-                          sample_rate=rate)
+        # A clip decoded onto its target is truncated to the output length: H3's 2-15 s rule reads the length
+        # of the stream as decoded (`source_seconds`), which is what the untruncated frames would show.
+        return VideoInput(frames=clip.frames, fps=clip.fps, audio=sound, sample_rate=rate,
+                          source_seconds=clip.source_seconds)
 
     return EncodeRequest.from_sources(
         spec.prompt,

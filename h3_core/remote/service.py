@@ -58,6 +58,10 @@ class ServerConfig:
     token: str | None = None
     threads: int | None = None  # torch threads in the model thread (None: the creating thread's count)
     drain_timeout_s: float | None = None  # graceful shutdown; None: max_deadline_s + 5
+    # Media is decoded in a sandboxed child process (ingest.DecodeSettings); False decodes in the server process,
+    # for debugging only. One decode runs at most decode_timeout_s, and never past the request's deadline.
+    isolate_media: bool = True
+    decode_timeout_s: float = 120.0
 
     def __post_init__(self):
         if self.queue_size < 1:
@@ -389,11 +393,20 @@ class EncoderService:
         if self.threads:
             torch.set_num_threads(self.threads)
         parts, job.parts = job.parts or {}, None  # drop the compressed bytes as soon as they are decoded
-        request = ingest.build_request(job.spec, parts, self.limits, cancel=job.cancel)
+        request = ingest.build_request(job.spec, parts, self.limits, cancel=job.cancel,
+                                       settings=self._decode_settings(job))
         del parts
         conditioning = self.stage.encode(request, cancel=job.cancel)
         data = conditioning.to_bytes()
         return data, hashlib.sha256(data).hexdigest()
+
+    def _decode_settings(self, job: Job) -> ingest.DecodeSettings:
+        """Sandboxed (unless configured off), within the job's deadline, onto the stage's canvas rule."""
+        deadline = job.spec.deadline_s or self.config.default_deadline_s
+        left = deadline - (time.monotonic() - job.enqueued)
+        return ingest.DecodeSettings.for_pipeline(
+            getattr(self.stage, "pipeline_config", None), isolate=self.config.isolate_media,
+            timeout_s=max(1.0, min(self.config.decode_timeout_s, left)))
 
     def _finish(self, job: Job, result: tuple[bytes, str] | None = None, exception: BaseException | None = None):
         job.state, job.finished = "done", time.monotonic()
