@@ -223,9 +223,11 @@ def _target_size(upright: tuple[int, int], target: VideoTarget) -> tuple[int, in
     stored frames a second time; keeping the decoded size leaves it the single resize it always did)."""
     rule = (target.canvas_short_edge, target.canvas_max_pixels, target.canvas_multiple)
     width, height = canvas_size(upright[1], upright[0], *rule)
-    if canvas_size(width, height, *rule) != (width, height):
-        return upright
-    return height, width
+    try:
+        stable = canvas_size(width, height, *rule) == (width, height)
+    except MediaError:  # rounding pushed the canvas's own aspect past the rule's limits (e.g. 4:1 -> 5:1)
+        stable = False
+    return (height, width) if stable else upright
 
 
 @_releases_on_failure
