@@ -231,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-body-mb", type=float, help="largest request body in MiB (default 512)")
     serve.add_argument("--cache-mb", type=float, help="conditioning cache size in MiB (default 512; 0 disables)")
+    serve.add_argument("--decode-timeout", type=float,
+                       help="seconds one media part may take to decode in the sandbox (default 120)")
+    serve.add_argument("--decode-in-process", action="store_true",
+                       help="decode media in the server process instead of the sandbox (debugging only: a decoder "
+                       "crash then takes the server down)")
     serve.set_defaults(func=_cmd_serve)
     return parser
 

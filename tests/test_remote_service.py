@@ -132,3 +132,15 @@ def test_failed_job_keeps_no_traceback(stage):
 
     assert asyncio.run(_with_service(Refusing(), ServerConfig(threads=1), body)) == 422
     gc.collect()
+
+
+def test_serve_flags_reach_the_config():
+    from h3_core.cli import build_parser
+    from h3_core.remote.server import config_from_args
+
+    args = build_parser().parse_args(["serve", "--models", "x", "--decode-timeout", "5", "--deadline", "60"])
+    config = config_from_args(args, None)
+    assert (config.decode_timeout_s, config.isolate_media) == (5.0, True)  # the sandbox is the default
+    assert config.default_deadline_s == config.max_deadline_s == 60.0  # the operator's deadline caps the client's
+    args = build_parser().parse_args(["serve", "--models", "x", "--decode-in-process"])
+    assert config_from_args(args, None).isolate_media is False

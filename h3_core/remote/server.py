@@ -175,6 +175,10 @@ def config_from_args(args, token: str | None) -> ServerConfig:
         kwargs["default_deadline_s"] = kwargs["max_deadline_s"] = float(args.deadline)
     if getattr(args, "cache_mb", None) is not None:
         kwargs["cache_bytes"] = int(args.cache_mb * protocol.MiB)
+    if getattr(args, "decode_timeout", None):
+        kwargs["decode_timeout_s"] = float(args.decode_timeout)
+    if getattr(args, "decode_in_process", False):
+        kwargs["isolate_media"] = False
     return ServerConfig(**kwargs)
 
 
