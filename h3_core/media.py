@@ -283,17 +283,11 @@ def write_mp4(
     return path
 
 
-def encode_mp4_bytes(
-    frames: Any,
-    audio: Any = None,
-    fps: float = FPS,
-    sample_rate: int = AUDIO_SAMPLE_RATE,
-    crf: int = 18,
-    audio_bitrate: int = 192_000,
-) -> bytes:
-    """The bytes :func:`write_mp4` would write for the same arguments (it goes through a temporary file)."""
+def encode_mp4_bytes(frames: Any, audio: Any = None, **options: Any) -> bytes:
+    """The bytes :func:`write_mp4` would write for the same arguments (`options`: its ``fps``, ``sample_rate``,
+    ``crf``, ``audio_bitrate``); it goes through a temporary file."""
     with tempfile.TemporaryDirectory(prefix="h3-mp4-") as directory:
-        path = write_mp4(os.path.join(directory, "clip.mp4"), frames, audio, fps, sample_rate, crf, audio_bitrate)
+        path = write_mp4(os.path.join(directory, "clip.mp4"), frames, audio, **options)
         with open(path, "rb") as file:
             return file.read()
 

@@ -13,6 +13,7 @@ The class keeps one-line delegate methods (`cond.to_vllm()`, `H3Conditioning.loa
 import only from `h3_core.contract`. Nothing here imports ComfyUI, diffusers or vLLM.
 """
 
+from . import layout
 from .comfy import COMFY_PACK_KEY
 from .conditioning import (
     KEYFRAME_ANCHOR_SETS,
@@ -23,14 +24,7 @@ from .conditioning import (
     H3Reference,
 )
 from .errors import ContractError
-from .layout import (
-    audio_latent_frames,
-    audio_latent_to_rows,
-    audio_rows_to_latent,
-    patchify_video_latent,
-    unpatchify_video_rows,
-    video_latent_frames,
-)
+from .layout import *  # noqa: F403 (the layout helpers are part of the contract's public surface)
 from .vllm import VLLM_LAYOUT_KEY, VLLM_STAGE_SCHEMA_VERSION, VLLM_WIRE_SCHEMA_ID
 from .wire import FORMAT_ID, FORMAT_VERSION, HEADER_KEY
 
@@ -49,10 +43,5 @@ __all__ = [
     "ContractError",
     "H3Conditioning",
     "H3Reference",
-    "audio_latent_frames",
-    "audio_latent_to_rows",
-    "audio_rows_to_latent",
-    "patchify_video_latent",
-    "unpatchify_video_rows",
-    "video_latent_frames",
+    *layout.__all__,
 ]
