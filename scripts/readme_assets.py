@@ -98,6 +98,8 @@ def waveform(clip: media.VideoClip, path: Path) -> Path:
         raise SystemExit("the mp4 has no audio stream: nothing to draw for demo_waveform.png")
     plt = _pyplot()
     audio = clip.audio if clip.audio.shape[0] > 1 else np.repeat(clip.audio, 2, axis=0)
+    # AAC decodes whole 1024-sample frames: drop the padding past the video's end (the length the mp4 writer wrote).
+    audio = audio[:, : int(round(clip.num_frames / clip.fps * clip.sample_rate))]
     seconds = audio.shape[1] / clip.sample_rate
     bins = int(WAVEFORM_INCHES[0] * DPI)
     fig, axes = plt.subplots(2, 1, figsize=WAVEFORM_INCHES, dpi=DPI, sharex=True)

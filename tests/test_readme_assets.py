@@ -120,8 +120,14 @@ def test_readme_shows_the_pictures_from_files_in_the_repository():
 
 def test_readme_links_resolve():
     assert "docs/ARCHITECTURE.md" in LINKS and "docs/REAL_WEIGHTS.md" in LINKS
+    # GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens.
+    anchors = {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+               for heading in re.findall(r"^#+ (.+)$", README, flags=re.MULTILINE)}
     for target in LINKS:
-        assert (REPO / target.split("#")[0]).exists(), f"README.md links {target}, which is not in the repository"
+        if target.startswith("#"):
+            assert target[1:] in anchors, f"README.md links {target}, which is no heading of README.md"
+        else:
+            assert (REPO / target.split("#")[0]).exists(), f"README.md links {target}, which is not in the repository"
 
 
 def test_committed_pictures_have_the_sizes_the_script_draws():
