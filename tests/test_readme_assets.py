@@ -71,6 +71,27 @@ def test_contact_sheet_shows_evenly_spaced_frames_in_order(clip_mp4, rendered):
     assert (sheet[:, 260:264] == 255).all() and (sheet[132:136, :] == 255).all()
 
 
+def test_noise_like_the_tiny_models_stays_under_the_budget(tmp_path):
+    # The tiny model's frames are noise, which barely compresses: the sheet falls back to a 256-colour palette.
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (24, 64, 128, 3), dtype=np.uint8)
+    clip = media.write_mp4(tmp_path / "noise.mp4", frames, testing.tone(1.0), 24)
+    done = render("--mp4", clip, "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    sheet = tmp_path / "demo_contact_sheet.png"
+    assert sheet.stat().st_size < MAX_PNG_BYTES
+    with Image.open(sheet) as image:
+        assert image.mode == "P" and image.size == (1044, 268)
+        pixels = np.asarray(image.convert("RGB")).astype(np.int16)
+    decoded = media.read_video(clip).frames
+
+    def enlarged(index):
+        return np.asarray(Image.fromarray(decoded[index]).resize((256, 128), Image.Resampling.NEAREST)).astype(np.int16)
+
+    own = np.abs(pixels[4 + 64 : 4 + 128, 4:260] - enlarged(0)[64:]).mean()
+    assert own < 12 < np.abs(pixels[4 + 64 : 4 + 128, 4:260] - enlarged(23)[64:]).mean()  # frame 0, fewer colours
+
+
 def test_waveform_draws_both_channels(rendered):
     pixels = np.asarray(Image.open(rendered / "demo_waveform.png").convert("RGB")).astype(np.int16)
     height = pixels.shape[0]
