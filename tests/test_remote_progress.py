@@ -12,6 +12,7 @@ import http.client
 import json
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from test_remote_server import CASES, SlowStage, _raw, _wire
@@ -218,3 +219,81 @@ def test_polling_overhead_is_small(stage):
     print(f"\n[progress] overhead: median {plain_s * 1000:.0f} ms without polling, {polled_s * 1000:.0f} ms with "
           f"({counts} events per request)")
     assert polled_s < plain_s * 1.5 + 0.3
+
+
+class HostileProgressFront(ThreadingHTTPServer):
+    """A front for a real server: capabilities and encodes are forwarded unchanged, progress polls get `answer`."""
+
+    daemon_threads = True
+
+    def __init__(self, backend: str, answer):
+        self.backend, self.answer, self.polls = backend, answer, 0
+        super().__init__(("127.0.0.1", 0), _FrontHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _FrontHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _forward(self):
+        front: HostileProgressFront = self.server  # type: ignore[assignment]
+        if self.path.endswith("/progress"):
+            front.polls += 1
+            status, body = front.answer()
+        else:
+            length = int(self.headers.get("Content-Length") or 0)
+            data = self.rfile.read(length) if length else None
+            host, port = front.backend.split("//", 1)[1].rsplit(":", 1)
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+            conn.request(self.command, self.path, body=data, headers=headers)
+            response = conn.getresponse()
+            status, body = response.status, response.read()
+            if self.path == "/v1/capabilities":
+                body = json.dumps(dict(json.loads(body), progress=tracking.capability())).encode()
+            conn.close()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json" if self.path.endswith("/progress") or
+                         self.command == "GET" else "application/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _forward
+
+
+HOSTILE_ANSWERS = {
+    "deep": lambda: (200, b"[" * 100_000 + b"]" * 100_000),
+    "not_json": lambda: (200, b"\xff\xfe<html>"),
+    "wrong_shapes": lambda: (200, json.dumps({"history": [1, None, {"phase": ["x"]}, {"phase": "text", "at_s": [1]},
+                                                          {"phase": "p" * 10_000, "done": True}],
+                                              "phase": "queued", "queue_position": "many"}).encode()),
+    "endless_history": lambda: (200, json.dumps({"history": [{"phase": f"x{i}"} for i in range(20_000)]}).encode()),
+    "error": lambda: (500, b"{}"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(HOSTILE_ANSWERS))
+def test_hostile_progress_answers_never_break_the_encode(mode, stage):
+    request = EncodeRequest(prompt=f"Hostile progress {mode}.", width=64, height=64)
+    with ServerThread(PacedStage(stage, 0.2), ServerConfig(threads=SERVER_THREADS)) as srv:
+        front = HostileProgressFront(srv.url, HOSTILE_ANSWERS[mode])
+        try:
+            events, steps = [], []
+            cond = EncoderClient(front.url).encode(request, progress=lambda d, t: steps.append(d),
+                                                   on_server_progress=events.append)
+        finally:
+            front.shutdown()
+    assert cond.to_bytes() == stage.encode(request).to_bytes()
+    assert front.polls >= 2  # it was polled while the encode ran
+    assert len(events) <= polling.MAX_EVENTS
+    assert all(isinstance(e["phase"], str) and len(e["phase"]) <= 32 for e in events)
+    assert all(e["at_s"] is None or isinstance(e["at_s"], float) for e in events)
+    assert steps == sorted(set(steps)) and steps[-1] == polling.STEPS

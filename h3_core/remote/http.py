@@ -108,7 +108,9 @@ async def _request_log(request: web.Request, handler):
     """One line per request (never the prompt or the token): id, method, path, status, cache, seconds, bytes."""
     started = time.monotonic()
     response = await handler(request)
-    if request.path != protocol.HEALTH_PATH:
+    if "progress_id" in request.match_info:  # several polls a second per request: debug only, id not logged
+        log.debug("%s GET %s -> %d", _request_id(request), tracking.PATH_TEMPLATE, response.status)
+    elif request.path != protocol.HEALTH_PATH:
         log.info("%s %s %s -> %d%s %.3f s %s B", _request_id(request), request.method, request.path[:100],
                  response.status, f" cache={response.headers[protocol.H_CACHE]}" if protocol.H_CACHE in response.headers
                  else "", time.monotonic() - started, response.content_length or 0)

@@ -120,7 +120,7 @@ class Poller:
             if not isinstance(entry, dict) or not isinstance(entry.get("phase"), str):
                 continue
             phase = entry["phase"][:32]
-            event = {"phase": phase, "at_s": entry.get("at_s")}
+            event = {"phase": phase, "at_s": _seconds(entry.get("at_s"))}
             for key in ("done", "total"):
                 if isinstance(entry.get(key), int):
                     event[key] = entry[key]
@@ -130,7 +130,7 @@ class Poller:
         self.seen = max(self.seen, len(history))
         if body.get("phase") == "queued" and position is not None and position != self.queue_position:
             self.queue_position = position
-            self._emit({"phase": "queued", "at_s": body.get("elapsed_s"), "queue_position": position})
+            self._emit({"phase": "queued", "at_s": _seconds(body.get("elapsed_s")), "queue_position": position})
 
     def _emit(self, event: dict) -> None:
         if len(self.events) >= MAX_EVENTS or self.stopped.is_set():
@@ -141,3 +141,7 @@ class Poller:
         step = _SERVER_STEPS.get(event["phase"])
         if step is not None:
             self.report(step, STEPS)
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
