@@ -84,7 +84,7 @@ def test_server_phases_arrive_in_order_and_the_answer_is_unchanged(task, stage):
     phases = [event["phase"] for event in events]
     assert [ORDER[p] for p in phases] == sorted(ORDER[p] for p in phases), phases  # in order
     assert {"queued", "decode", "text", "video", "audio"}.issubset(phases), phases
-    assert len(phases) == len(set(phases))  # each phase once (no queue position changes here)
+    assert phases[:2] == ["receiving", "queued"]
     done = [d for d, _ in steps]
     assert done == sorted(set(done)) and done[0] == 0 and done[-1] == polling.STEPS
     assert {3, 4, 5, 6, 7}.issubset(done), steps  # the server's phases moved the client's progress

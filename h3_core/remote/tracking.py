@@ -86,17 +86,11 @@ class PhaseLog:
 
         def report(done: int, total: int, *args: Any, **kwargs: Any) -> None:
             name = kwargs.get("phase") or next((a for a in args if isinstance(a, str)), None)
-            phase = next((p for p in ENCODER_PHASES if isinstance(name, str) and name.startswith(p)), None)
-            if phase is None:
-                if not (isinstance(done, int) and isinstance(total, int)) or done >= total or total <= 0:
-                    return
-                if total == len(ENCODER_PHASES):
-                    phase = ENCODER_PHASES[done]
-                else:
-                    return
-                self.enter(phase)
-            else:
-                self.enter(phase, done, total)
+            named = next((p for p in ENCODER_PHASES if isinstance(name, str) and name.startswith(p)), None)
+            if named is not None:
+                self.enter(named, done, total)
+            elif total == len(ENCODER_PHASES) and type(done) is int and 0 <= done < total:
+                self.enter(ENCODER_PHASES[done])
 
         return report
 
