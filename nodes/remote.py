@@ -6,7 +6,8 @@ here. The bearer token comes only from the environment (H3_ENCODER_TOKEN), never
 a saved workflow, and goes only to endpoints the environment lists beside it (h3_core.remote.credentials): a
 shared workflow naming its own URL gets no token, and a failure's message is built from structured fields, not
 from whatever the endpoint answered. The call runs in a worker thread while this node polls ComfyUI's interrupt flag
-and forwards a cancel to the server.
+and forwards a cancel to the server. The progress bar follows the client's steps (polling.STEPS), the server's own
+phases included (queued, decode, text, video, audio) when the server publishes them.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
   (idempotent: the server's answer is a pure function of the request); several endpoints with failover.
 * `cancel` (a `threading.Event`) aborts promptly, in any phase: the HTTP call runs in a helper thread and the
   caller's thread closes the socket when the event is set, which the server sees as a disconnect and answers by
-  abandoning the work. `progress(done, total)` reports the phases (pack, upload, server work, download).
+  abandoning the work. `progress(done, total)` reports the phases (pack, upload, the server's own phases while
+  it works - polled from servers that publish them, docs/PROTOCOL.md "Progress" - and download).
 * The bearer token comes from the environment (H3_ENCODER_TOKEN by default), never from a workflow widget.
 
 Errors are `RemoteEncodeError` (a RuntimeError) carrying the server's JSON error, with subclasses for the cases a
@@ -28,7 +29,7 @@ from typing import Any, Callable
 from ..contract import ContractError, H3Conditioning
 from ..progress import Cancelled, ProgressFn, check_cancel
 from ..request import EncodeRequest
-from . import credentials, packing, protocol
+from . import credentials, packing, polling, protocol, tracking
 from .transport import (
     MAX_SMALL_RESPONSE_BYTES,
     Endpoint,
@@ -161,15 +162,19 @@ class EncoderClient:
             raise transient.error or RemoteUnavailableError(f"{endpoint.url}: {transient}", url=endpoint.url) from None
 
     def encode(self, request: EncodeRequest, cancel: threading.Event | None = None,
-               progress: ProgressFn | None = None) -> H3Conditioning:
+               progress: ProgressFn | None = None,
+               on_server_progress: Callable[[dict], None] | None = None) -> H3Conditioning:
         """Encode remotely; bit-identical to `EncoderStage.encode(request)` on the same weights (lossless media).
 
+        `progress(done, 10)` counts the steps in `polling.STEPS` (never backwards; called from helper threads);
+        `on_server_progress(event)` gets each server phase passed, as a dict (`phase`, `at_s`, `queue_position`
+        while queued). Both are fed only by servers that publish progress; others go from step 2 to 9.
         Raises `Cancelled` when `cancel` is set, `RemoteEncodeError` (or a subclass) on failure, and
         `h3_core.rules.H3InputError` for requests that break H3's rules (checked locally first).
         """
         task = request.validate()  # H3's rules, locally, before any upload
-        steps = 4
-        report = progress or (lambda done, total: None)
+        steps = polling.STEPS
+        report = polling.Monotonic(progress)
         report(0, steps)
         body_json, parts = packing.request_to_wire(request, lossless_video=self.lossless_video, cancel=cancel)
         content_type, buffers = packing.encode_multipart(body_json, parts)
@@ -187,7 +192,7 @@ class EncoderClient:
                 self._check_request_fits(endpoint, caps, needs, size)
                 report(1, steps)
                 conditioning = self._encode_once(endpoint, caps, body_json, content_type, buffers, cancel, report,
-                                                 steps, deadline, answer_cap)
+                                                 deadline, answer_cap, on_server_progress)
             except (ProtocolMismatchError, ModelMismatchError) as error:
                 tried.skipped[endpoint.url] = error  # this endpoint can never serve it: no retry is used up
                 continue
@@ -334,8 +339,8 @@ class EncoderClient:
                 status=413, code="too_large", field="body", url=endpoint.url)
 
     def _encode_once(self, endpoint: Endpoint, caps: dict, body_json: dict, content_type: str,
-                     buffers: list[bytes], cancel: threading.Event | None, report: ProgressFn, steps: int,
-                     deadline: float, answer_cap: int) -> H3Conditioning:
+                     buffers: list[bytes], cancel: threading.Event | None, report: polling.Monotonic,
+                     deadline: float, answer_cap: int, on_event: Callable[[dict], None] | None) -> H3Conditioning:
         server_deadline = self.deadline_s or max(1.0, self.read_timeout - 1.0)
         server_max = caps["deadline_s"].get("max")
         if isinstance(server_max, (int, float)) and server_max > 0:
@@ -345,11 +350,24 @@ class EncoderClient:
         # The JSON part changes per attempt (deadline, model): only that buffer is rebuilt.
         payload = [buffers[0], packing.json_part(fields), *buffers[2:]]
         headers = {**self._headers(), "Content-Type": content_type}
-        reply = self._call(endpoint, "POST", protocol.ENCODE_PATH, payload, headers, cancel,
-                           self.read_timeout, deadline, answer_cap, on_sent=lambda: report(2, steps))
+        poller = self._poller(endpoint, caps, report, on_event, cancel, deadline)
+        if poller is not None:
+            headers[tracking.HEADER] = poller.progress_id
+
+        def sent() -> None:
+            report(polling.STEP_UPLOADED, polling.STEPS)
+            if poller is not None:
+                poller.start()
+
+        try:
+            reply = self._call(endpoint, "POST", protocol.ENCODE_PATH, payload, headers, cancel,
+                               self.read_timeout, deadline, answer_cap, on_sent=sent)
+        finally:
+            if poller is not None:
+                poller.stop()
         if reply.status != 200:
             raise self._status_error(endpoint, reply)
-        report(3, steps)
+        report(polling.STEP_ANSWERED, polling.STEPS)
         digest = reply.headers.get(protocol.H_SHA256)
         if digest and hashlib.sha256(reply.body).hexdigest() != digest:
             raise Transient("the conditioning arrived corrupted (sha256 mismatch)")
@@ -363,6 +381,22 @@ class EncoderClient:
             raise ModelMismatchError(f"{endpoint.url} encoded with model {short(str(model))}, expected "
                                      f"{self._pinned}", url=endpoint.url)
         return conditioning
+
+    def _poller(self, endpoint: Endpoint, caps: dict, report: polling.Monotonic,
+                on_event: Callable[[dict], None] | None, cancel: threading.Event | None,
+                deadline: float) -> polling.Poller | None:
+        """A progress poller for one POST, when someone listens and the server publishes progress."""
+        interval = polling.interval(caps.get("progress"))
+        if interval is None or (report.report is None and on_event is None):
+            return None
+
+        def call(path: str, stop: threading.Event, poll_deadline: float) -> Reply:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("cancelled")
+            return self._call(endpoint, "GET", path, None, {}, stop, min(5.0, self.read_timeout), poll_deadline,
+                              MAX_SMALL_RESPONSE_BYTES)
+
+        return polling.Poller(call, tracking.new_id(), interval, report, on_event, deadline)
 
     def _status_error(self, endpoint: Endpoint, reply: Reply) -> Exception:
         error = reply.error()

@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import re
 import secrets
 import time
@@ -26,7 +25,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from .. import __version__, rules
 from ..progress import Cancelled
-from . import ingest, protocol
+from . import ingest, protocol, tracking
+from .connections import AcceptErrorLimiter, ConnectionReaper  # noqa: F401 - re-exported for server.py
 from .ingest import Part
 from .protocol import Limits, ProtocolError
 from .service import Admission, EncoderService, Job, QueueFull, ServerConfig, _Abandoned
@@ -34,6 +34,7 @@ from .service import Admission, EncoderService, Job, QueueFull, ServerConfig, _A
 log = logging.getLogger("h3_core.remote.server")
 
 SERVICE_KEY = web.AppKey("h3_service", EncoderService)
+TRACKERS_KEY = web.AppKey("h3_trackers", dict)  # progress id -> tracking.Tracker, for open encode requests
 REQUEST_ID_KEY = web.RequestKey("h3_request_id", str) if hasattr(web, "RequestKey") else "h3_request_id"
 
 
@@ -107,7 +108,9 @@ async def _request_log(request: web.Request, handler):
     """One line per request (never the prompt or the token): id, method, path, status, cache, seconds, bytes."""
     started = time.monotonic()
     response = await handler(request)
-    if request.path != protocol.HEALTH_PATH:
+    if "progress_id" in request.match_info:  # several polls a second per request: debug only, id not logged
+        log.debug("%s GET %s -> %d", _request_id(request), tracking.PATH_TEMPLATE, response.status)
+    elif request.path != protocol.HEALTH_PATH:
         log.info("%s %s %s -> %d%s %.3f s %s B", _request_id(request), request.method, request.path[:100],
                  response.status, f" cache={response.headers[protocol.H_CACHE]}" if protocol.H_CACHE in response.headers
                  else "", time.monotonic() - started, response.content_length or 0)
@@ -148,6 +151,7 @@ def capabilities(service: EncoderService) -> dict[str, Any]:
         "deadline_s": {"default": service.config.default_deadline_s, "max": service.config.max_deadline_s},
         "cache": {"enabled": service.config.cache_bytes > 0, "max_bytes": service.config.cache_bytes},
         "auth": {"scheme": "bearer" if service.config.token else None},
+        **({"progress": tracking.capability()} if service.config.track_progress else {}),
     }
 
 
@@ -286,8 +290,49 @@ def _gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+async def handle_progress(request: web.Request) -> web.Response:
+    """`GET /v1/encode/{id}/progress`: the phases of the open encode request that sent this progress id."""
+    progress_id = request.match_info["progress_id"]
+    if not tracking.is_id(progress_id):
+        raise ProtocolError(400, "bad_request", "a progress id is 32 lowercase hex digits", "progress_id")
+    tracker = request.app[TRACKERS_KEY].get(progress_id)
+    if tracker is None:
+        raise ProtocolError(404, "not_found", "no open encode request has this progress id (not arrived yet, or "
+                                              "already answered)", "progress_id")
+    service = request.app[SERVICE_KEY]
+    position = service.queue_position(tracker.job) if tracker.job is not None else None
+    return _json(tracker.answer(progress_id, position), headers={"Cache-Control": "no-store"})
+
+
+def _tracker(request: web.Request, service: EncoderService) -> tuple[str | None, tracking.Tracker | None]:
+    """The request's progress tracker, registered under the id its `X-H3-Progress-Id` header names (if any)."""
+    progress_id = request.headers.get(tracking.HEADER)
+    if progress_id is None or not service.config.track_progress:
+        return None, None
+    if not tracking.is_id(progress_id):
+        raise ProtocolError(400, "bad_request", f"{tracking.HEADER} must be 32 lowercase hex digits (128 random "
+                                                "bits)", tracking.HEADER)
+    trackers = request.app[TRACKERS_KEY]
+    if progress_id in trackers:
+        raise ProtocolError(400, "bad_request", f"{tracking.HEADER} is already used by an open request; pick a new "
+                                                "random id for every request", tracking.HEADER)
+    tracker = trackers[progress_id] = tracking.Tracker()
+    tracker.own.enter("receiving")
+    return progress_id, tracker
+
+
 async def handle_encode(request: web.Request) -> web.StreamResponse:
     service: EncoderService = request.app[SERVICE_KEY]
+    progress_id, tracker = _tracker(request, service)
+    try:
+        return await _encode(request, service, tracker)
+    finally:
+        if progress_id is not None:
+            request.app[TRACKERS_KEY].pop(progress_id, None)
+
+
+async def _encode(request: web.Request, service: EncoderService, tracker: tracking.Tracker | None
+                  ) -> web.StreamResponse:
     rid = _request_id(request)
     declared = _declared_length(request, service.limits)
     async with service.admit(declared, client=request.remote or "") as slot:
@@ -310,6 +355,9 @@ async def handle_encode(request: web.Request) -> web.StreamResponse:
         hit = service.cache.get(key)
         if hit is not None:
             service.counters["cache_hits"] += 1
+            if tracker is not None:
+                tracker.cache = "hit"
+                tracker.own.enter("sending")
             return _conditioning(hit, service, rid, "hit", 0.0, 0.0)
         try:
             job, joined = service.submit(key, spec, parts)
@@ -318,8 +366,13 @@ async def handle_encode(request: web.Request) -> web.StreamResponse:
                                              f"retry after {full.retry_after} s", None, rid,
                           {"Retry-After": str(full.retry_after)})
         del parts
+        if tracker is not None:
+            tracker.job, tracker.cache = job, "joined" if joined else "miss"
         seconds = spec.deadline_s or service.config.default_deadline_s
-        return await _answer(request, service, job, joined, received, seconds, rid)
+        response = await _answer(request, service, job, joined, received, seconds, rid)
+        if tracker is not None and response.status == 200:
+            tracker.own.enter("sending")
+        return response
 
 
 async def _answer(request: web.Request, service: EncoderService, job: Job, joined: bool, received: float,
@@ -400,82 +453,6 @@ def _job_error(error: BaseException, rid: str, service: EncoderService) -> web.R
                                          f"(request id {rid}; see the server log)", None, rid)
 
 
-class ConnectionReaper:
-    """Closes connections that hold a slot without sending a request: slow headers (slowloris) or idle.
-
-    A connection must deliver complete request headers within `header_timeout_s` of opening or of its previous
-    answer being sent; aiohttp itself has no such deadline (it waits for headers forever and keeps idle
-    connections an hour). Connections with a request in progress are left to the request's own deadlines.
-    """
-
-    def __init__(self, server: web.Server, service: EncoderService, interval_s: float = 0.25):
-        self.server, self.service, self.interval_s = server, service, interval_s
-        self.timeout_s = service.config.header_timeout_s
-
-    async def run(self) -> None:
-        idle_since: dict[Any, float] = {}
-        while True:
-            await asyncio.sleep(self.interval_s)
-            now = time.monotonic()
-            live = self.server.connections
-            for handler in live:
-                # aiohttp sets `_request_in_progress` from a request's headers until its answer is written;
-                # if a future version drops it, nothing is reaped (the default True).
-                if getattr(handler, "_request_in_progress", True):
-                    idle_since.pop(handler, None)
-                    continue
-                since = idle_since.setdefault(handler, now)
-                if now - since > self.timeout_s:
-                    handler.force_close()
-                    idle_since.pop(handler, None)
-                    self.service.counters["connections_reaped"] += 1
-            for handler in set(idle_since) - set(live):
-                del idle_since[handler]
-
-
-class AcceptErrorLimiter:
-    """The event loop's exception handler, with accept() failures (EMFILE, ENFILE, ENOBUFS storms) logged at most
-    once per `every_s` seconds, with the count of the ones not logged. asyncio retries the accept by itself."""
-
-    def __init__(self, previous=None, every_s: float = 30.0):
-        self.previous, self.every_s = previous, every_s
-        self.last, self.suppressed = -math.inf, 0
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        if not str(context.get("message", "")).startswith("socket.accept()"):
-            if self.previous is not None:
-                self.previous(loop, context)
-            else:
-                loop.default_exception_handler(context)
-            return
-        now = time.monotonic()
-        if now - self.last < self.every_s:
-            self.suppressed += 1
-            return
-        error = context.get("exception")
-        log.error("accepting connections fails: %s (%d more since the last report); raise the file-descriptor limit "
-                  "(LimitNOFILE, docs/DEPLOY.md) or lower the load", error, self.suppressed)
-        self.last, self.suppressed = now, 0
-
-
-class _QuietBadRequests(logging.Filter):
-    """aiohttp logs every malformed HTTP message (bad request line, Content-Length, ...) with a traceback at
-    ERROR; its parser has already answered 400. Keep one debug line instead, so hostile traffic cannot flood the
-    log. Handler errors are logged by this module's own logger and are not affected."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            log.debug("malformed HTTP request refused by the parser: %s", str(exc).splitlines()[0][:200])
-            return False
-        return True
-
-
-_aiohttp_server_log = logging.getLogger("aiohttp.server")
-if not any(isinstance(f, _QuietBadRequests) for f in _aiohttp_server_log.filters):
-    _aiohttp_server_log.addFilter(_QuietBadRequests())
-
-
 def create_app(stage: Any, config: ServerConfig = ServerConfig(), model_info: dict | None = None) -> web.Application:
     """The aiohttp application around a loaded `EncoderStage` (or anything with .encode/.fingerprint).
 
@@ -486,6 +463,7 @@ def create_app(stage: Any, config: ServerConfig = ServerConfig(), model_info: di
                           client_max_size=config.limits.max_json_bytes + 1)
     service = EncoderService(stage, config, model_info)
     app[SERVICE_KEY] = service
+    app[TRACKERS_KEY] = {}
 
     async def on_startup(app):
         await service.start()
@@ -498,5 +476,7 @@ def create_app(stage: Any, config: ServerConfig = ServerConfig(), model_info: di
     app.router.add_get(protocol.HEALTH_PATH, handle_health)
     app.router.add_get(protocol.CAPABILITIES_PATH, handle_capabilities)
     app.router.add_post(protocol.ENCODE_PATH, handle_encode)
+    if config.track_progress:
+        app.router.add_get(tracking.ROUTE, handle_progress)
     return app
 

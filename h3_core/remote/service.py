@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator
 from . import ingest, protocol
 from .ingest import Part
 from .protocol import Limits, ProtocolError, is_loopback
+from .tracking import PhaseLog
 
 MIN_TOKEN_CHARS = 16
 
@@ -62,6 +63,8 @@ class ServerConfig:
     # for debugging only. One decode runs at most decode_timeout_s, and never past the request's deadline.
     isolate_media: bool = True
     decode_timeout_s: float = 120.0
+    # Progress polls (tracking.py, `GET /v1/encode/{id}/progress`); False serves as a server without them did.
+    track_progress: bool = True
 
     def __post_init__(self):
         if self.queue_size < 1:
@@ -223,6 +226,7 @@ class Job:
     started: float | None = None
     finished: float | None = None
     logged: bool = False  # a server fault already logged with its traceback
+    phases: PhaseLog = field(default_factory=PhaseLog)  # what progress polls report (tracking.py)
 
 
 class _Abandoned(Exception):
@@ -393,10 +397,12 @@ class EncoderService:
         if self.threads:
             torch.set_num_threads(self.threads)
         parts, job.parts = job.parts or {}, None  # drop the compressed bytes as soon as they are decoded
+        job.phases.enter("decode")
         request = ingest.build_request(job.spec, parts, self.limits, cancel=job.cancel,
                                        settings=self._decode_settings(job))
         del parts
-        conditioning = self.stage.encode(request, cancel=job.cancel)
+        conditioning = self.stage.encode(request, cancel=job.cancel, progress=job.phases.encoder_callback())
+        job.phases.enter("serialise")
         data = conditioning.to_bytes()
         return data, hashlib.sha256(data).hexdigest()
 
@@ -436,10 +442,18 @@ class EncoderService:
             self.counters["rejected_queue_full"] += 1
             raise QueueFull(self.retry_after())
         job = Job(key=key, spec=spec, parts=parts, future=asyncio.get_running_loop().create_future())
+        job.phases.enter("queued")
         self._inflight[key] = job
         self._pending.append(job)
         self._wakeup.set()
         return job, False
+
+    def queue_position(self, job: Job) -> int | None:
+        """Jobs ahead of `job` (the running one included) while it is queued; None otherwise."""
+        try:
+            return self._pending.index(job) + self.running
+        except ValueError:
+            return None
 
     def release(self, job: Job) -> None:
         """A waiter gave up (disconnect or deadline); the last one cancels the job."""
