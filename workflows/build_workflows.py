@@ -389,7 +389,7 @@ def render_thumbnail(graph: Graph) -> bytes:
     image = Image.new("RGB", THUMB_SIZE, (24, 24, 28))
     draw = ImageDraw.Draw(image)
     title_font = ImageFont.load_default(size=26)
-    font = ImageFont.load_default(size=11)
+    font = ImageFont.load_default(size=10)
     draw.text((16, 12), f"MiniMax H3 · {graph.name}", fill=(235, 235, 235), font=title_font)
     depth = graph._depths()
     columns = max(depth.values()) + 1
@@ -414,7 +414,9 @@ def render_thumbnail(graph: Graph) -> bytes:
     for node in graph.nodes:
         draw.rounded_rectangle(boxes[node.id], radius=4, fill=COLOURS[_role(node.class_type)])
         label = node.class_type.removeprefix("H3Split")
-        draw.text((boxes[node.id][0] + 4, boxes[node.id][1] + 3), label[:14], fill=(255, 255, 255), font=font)
+        while font.getlength(label) > box_w - 8:  # clip to the box
+            label = label[:-1]
+        draw.text((boxes[node.id][0] + 4, boxes[node.id][1] + 3), label, fill=(255, 255, 255), font=font)
     out = io.BytesIO()
     image.save(out, format="JPEG", quality=80, optimize=True)
     return out.getvalue()
