@@ -2,6 +2,8 @@
 //
 //   COMFY_URL=http://127.0.0.1:PORT CHROMIUM_PATH=/usr/bin/chromium \
 //     node tests/ui/load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]...
+//     node tests/ui/load_workflow.mjs --template PACK/NAME [...]   (as the template browser does; the report
+//                                                                   adds templates_listed and thumbnail)
 //
 // Prints one JSON line on stdout:
 //   { ok, node_count, expected_node_count, missing_types: [type], missing_nodes: [{id, type}],
@@ -21,18 +23,19 @@ import { randomUUID } from "node:crypto";
 import { chromium } from "playwright-core";
 
 const args = process.argv.slice(2);
-const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null };
+const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null };
 for (let i = 0; i < args.length; i++) {
   const a = args[i];
   if (a === "--run") opt.run = true;
   else if (a === "--timeout") opt.timeout = Number(args[++i]);
   else if (a === "--screenshot") opt.screenshot = args[++i];
   else if (a === "--wait-type") opt.waitTypes.push(args[++i]);
+  else if (a === "--template") opt.template = args[++i];
   else if (!opt.workflow) opt.workflow = a;
   else throw new Error(`unexpected argument ${a}`);
 }
 const BASE = (process.env.COMFY_URL || "").replace(/\/$/, "");
-if (!BASE || !opt.workflow) {
+if (!BASE || !(opt.workflow || opt.template)) {
   console.error("usage: COMFY_URL=... CHROMIUM_PATH=... node load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]");
   process.exit(3);
 }
@@ -68,7 +71,7 @@ function fileLinkProblems(wf) {
 }
 
 async function main() {
-  workflow = JSON.parse(readFileSync(opt.workflow, "utf8"));
+  if (opt.workflow) workflow = JSON.parse(readFileSync(opt.workflow, "utf8"));
   const browser = await chromium.launch({
     executablePath: process.env.CHROMIUM_PATH || "chromium",
     headless: true,
@@ -123,10 +126,29 @@ async function main() {
     );
     report.timings.frontend_ready_s = since();
 
-    const loaded = await page.evaluate(async ({ wf, name }) => {
+    if (opt.template) {
+      // What the template browser does: list the custom nodes' templates, fetch one, show its thumbnail.
+      const [module, name] = opt.template.split("/");
+      const t = await page.evaluate(async ({ module, name }) => {
+        const api = window.app.api;
+        const listed = await api.getWorkflowTemplates();
+        const thumb = await fetch(api.apiURL(`/workflow_templates/${module}/${name}.jpg`));
+        const wf = await fetch(api.apiURL(`/workflow_templates/${module}/${name}.json`));
+        return {
+          listed, thumbnail: { status: thumb.status, type: thumb.headers.get("content-type"), bytes: (await thumb.arrayBuffer()).byteLength },
+          workflow: wf.status === 200 ? await wf.json() : null, workflow_status: wf.status,
+        };
+      }, { module, name });
+      report.templates_listed = t.listed;
+      report.thumbnail = t.thumbnail;
+      if (!t.workflow) throw new Error(`template ${opt.template}: HTTP ${t.workflow_status}`);
+      workflow = t.workflow;
+    }
+    const loaded = await page.evaluate(async ({ wf, name, template }) => {
       const app = window.app, LG = window.LiteGraph;
+      if (template) await app.loadGraphData(wf, true, true, name, { openSource: "template" });
       // The path a file dropped onto the canvas takes (schema validation, missing-model check, workflow tab).
-      await app.handleFile(new File([JSON.stringify(wf)], name, { type: "application/json" }), "file_drop");
+      else await app.handleFile(new File([JSON.stringify(wf)], name, { type: "application/json" }), "file_drop");
       const graph = app.graph;
       const nodes = graph.nodes || graph._nodes || [];
       const reg = LG.registered_node_types;
@@ -157,7 +179,7 @@ async function main() {
         promptError = String(e?.stack || e);
       }
       return { node_count: nodes.length, missing, dangling, errors, prompt, promptError };
-    }, { wf: workflow, name: basename(opt.workflow) });
+    }, { wf: workflow, name: opt.template ? opt.template.split("/")[1] : basename(opt.workflow), template: !!opt.template });
     report.timings.loaded_s = since();
     await page.waitForTimeout(500); // toasts and dialogs render on the next frames
     const seen = await page.evaluate(() => window.__h3Seen);
