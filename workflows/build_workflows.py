@@ -409,7 +409,7 @@ def render_thumbnail(graph: Graph) -> bytes:
     for node in graph.nodes:  # links under the boxes
         for value in node.inputs.values():
             if _is_link(value):
-                (x0, y0), (x1, y1) = centre[value[0].id], centre[node.id]
+                y0, y1 = centre[value[0].id][1], centre[node.id][1]
                 draw.line([(boxes[value[0].id][2], y0), (boxes[node.id][0], y1)], fill=(150, 150, 150), width=2)
     for node in graph.nodes:
         draw.rounded_rectangle(boxes[node.id], radius=4, fill=COLOURS[_role(node.class_type)])
