@@ -335,23 +335,28 @@ class ComfyServer:
     # ---------------------------------------------------------------- frontend
     def load_workflow_ui(
         self,
-        workflow: Mapping | str | os.PathLike,
+        workflow: Mapping | str | os.PathLike | None = None,
         *,
+        template: str | None = None,
         run: bool = False,
         timeout: float = 240.0,
         screenshot: str | os.PathLike | None = None,
         wait_for_types: Iterable[str] = (),
     ) -> dict:
         """Load a UI-format workflow into the real frontend in headless chromium
-        (tests/ui/load_workflow.mjs) and return its JSON report (see that file), plus
-        `returncode` and `stderr_tail`. run=True also queues app.graphToPrompt()'s output and
-        waits for it. Skips (fails in CI) when chromium/node/playwright-core is missing."""
+        (tests/ui/load_workflow.mjs) the way a dropped file is loaded, or `template="NAME"` (one of
+        this pack's example_workflows/) the way the template browser loads it, and return the
+        script's JSON report (see that file: `problems` lists alerts, toasts, page errors and
+        unexpected console errors), plus `returncode` and `stderr_tail`. run=True also queues
+        app.graphToPrompt()'s output and waits for it. Skips (fails in CI) when
+        chromium/node/playwright-core is missing."""
         ok, reason = ui_available()
         if not ok:
             _unavailable(reason)
         return run_ui_loader(
             self.url,
             workflow,
+            template=f"{PACK_NAME}/{template}" if template else None,
             run=run,
             timeout=timeout,
             screenshot=screenshot,
@@ -483,8 +488,9 @@ def start_comfy(
 
 def run_ui_loader(
     url: str,
-    workflow: Mapping | str | os.PathLike,
+    workflow: Mapping | str | os.PathLike | None,
     *,
+    template: str | None = None,
     run: bool = False,
     timeout: float = 240.0,
     screenshot: str | os.PathLike | None = None,
@@ -494,12 +500,15 @@ def run_ui_loader(
     """Run tests/ui/load_workflow.mjs against a server at `url`; returns its JSON report with
     `returncode` and `stderr_tail` added. Raises ComfyError if it printed no report."""
     with tempfile.TemporaryDirectory(prefix="h3-ui-") as tmp:
-        if isinstance(workflow, Mapping):
+        argv = ["node", str(UI_DIR / "load_workflow.mjs"), "--timeout", str(int(timeout))]
+        if template:
+            argv += ["--template", template]
+        elif isinstance(workflow, Mapping):
             path = Path(tmp) / "workflow.json"
             path.write_text(json.dumps(workflow))
+            argv.append(str(path))
         else:
-            path = Path(workflow).resolve()
-        argv = ["node", str(UI_DIR / "load_workflow.mjs"), str(path), "--timeout", str(int(timeout))]
+            argv.append(str(Path(workflow).resolve()))
         if run:
             argv.append("--run")
         if screenshot:

@@ -13,18 +13,20 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from comfy_harness import comfy, free_port  # noqa: F401  (session fixture)
+from comfy_harness import PACK_NAME, comfy, free_port  # noqa: F401  (session fixture)
 
 from h3_core import media
 from h3_core.contract import H3Conditioning
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO / "workflows"
+TEMPLATES = REPO / "example_workflows"
 sys.path.insert(0, str(WORKFLOWS))
 import build_workflows  # noqa: E402
 
@@ -117,9 +119,41 @@ def test_object_info_declares_every_node(server):
 
 def test_workflows_are_generated_from_one_source(server):
     rendered = build_workflows.render_all(server.object_info())
-    for name, text in rendered.items():
-        assert (WORKFLOWS / name).read_text() == text, f"workflows/{name} drifted: rerun workflows/build_workflows.py"
-    assert sorted(rendered) == sorted([f"{n}.json" for n in NAMES] + [f"api/{n}.json" for n in NAMES])
+    for name, content in rendered.items():
+        path = REPO / name
+        committed = path.read_bytes() if isinstance(content, bytes) else path.read_text()
+        assert committed == content, f"{name} drifted: rerun workflows/build_workflows.py"
+    # ComfyUI lists every *.json of a pack's workflows/ folder as a template too: a UI copy left there
+    # would show each template twice.
+    templates = [f"example_workflows/{n}.{ext}" for n in NAMES for ext in ("json", "jpg")]
+    assert sorted(rendered) == sorted(templates + [f"workflows/api/{n}.json" for n in NAMES])
+    assert sorted(p.name for p in WORKFLOWS.glob("*.json")) == []
+    assert sorted(p.name for p in TEMPLATES.iterdir()) == sorted(n.split("/")[-1] for n in rendered if "example" in n)
+
+
+HF = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
+
+
+def test_templates_carry_the_model_list_the_frontend_reads():
+    # The frontend's schema of a model entry: {name, url (a URL), directory, hash?, hash_type?}; its missing-model
+    # dialog downloads only from allowed hosts and only *.safetensors, into models/<directory>/.
+    for name in NAMES:
+        workflow = json.loads((TEMPLATES / f"{name}.json").read_text())
+        assert str(uuid.UUID(workflow["id"])) == workflow["id"]  # the schema wants a UUID
+        models = workflow["models"]
+        expected_dit = "minimax_h3_ref2va_bf16.safetensors" if "ref2va" in name else "minimax_h3_fl2va_bf16.safetensors"
+        assert [m["name"] for m in models if m["directory"] == "diffusion_models"] == [expected_dit]
+        assert ("qwen3vl_32b_minimax_h3_bf16.safetensors" in {m["name"] for m in models}) == (name != "ref2va_remote")
+        for model in models:
+            assert set(model) == {"name", "url", "directory"}
+            assert model["url"] == f"{HF}/{model['directory']}/{model['name']}"
+            assert model["directory"] in {"diffusion_models", "text_encoders", "vae"}
+            assert model["name"].endswith(".safetensors")
+        loaders = [n for n in workflow["nodes"] if n["type"] in build_workflows.LOADER_MODEL_KEY]
+        per_node = sorted(m["name"] for n in loaders for m in n["properties"]["models"])
+        assert per_node == sorted(m["name"] for m in models)
+        thumbnail = (TEMPLATES / f"{name}.jpg").read_bytes()
+        assert thumbnail[:3] == b"\xff\xd8\xff" and len(thumbnail) < 50_000  # a JPEG, small
 
 
 def test_shipped_workflows_hold_no_secrets(server):
@@ -152,11 +186,21 @@ def test_api_workflow_runs_to_an_mp4(server, encoder_url, name):
     assert info["sample_rate"] == 32000 and info["channels"] == 2
 
 
+def missing_models_dialog(report: dict) -> list[str]:
+    """The "directory / file" lines of the frontend's missing-models dialog, if it opened."""
+    dialogs = [d for d in report["dialogs"] if d.startswith("Missing Models")]
+    return [line for d in dialogs for line in d.splitlines() if " / " in line]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_ui_workflow_loads_in_the_real_frontend(server, encoder_url, name):
-    workflow = json.loads((WORKFLOWS / f"{name}.json").read_text())
-    report = server.load_workflow_ui(workflow, run=False)
+    workflow = json.loads((TEMPLATES / f"{name}.json").read_text())
+    report = server.load_workflow_ui(workflow, run=False)  # dropped onto the canvas
     assert report["missing_types"] == [] and report["dangling_links"] == [], report
+    # No alert, toast or page error (schema validation included), nothing unexpected on the console.
+    assert report["problems"] == [] and report["returncode"] == 0, report["problems"]
+    # The frontend read the model list: it offers exactly the real files (none is installed here).
+    assert missing_models_dialog(report) == [f"{m['directory']} / {m['name']}" for m in workflow["models"]]
     assert report["node_count"] == len(workflow["nodes"])
     prompt = report["prompt"]
     assert {node["class_type"] for node in prompt.values()} == {node["type"] for node in workflow["nodes"]}
@@ -165,6 +209,26 @@ def test_ui_workflow_loads_in_the_real_frontend(server, encoder_url, name):
     # graphToPrompt's graph runs (with a fresh seed so nothing is served from cache)
     node_of(prompt, "H3SplitSampler")["inputs"]["seed"] = 11
     assert server.run_prompt(prompt, timeout=600).status == "success"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_templates_are_listed_and_load_from_the_template_browser(server, name):
+    report = server.load_workflow_ui(template=name)
+    assert sorted(report["templates_listed"][PACK_NAME]) == sorted(NAMES)  # each once
+    assert report["thumbnail"]["status"] == 200 and report["thumbnail"]["type"] == "image/jpeg"
+    assert report["missing_types"] == [] and report["dangling_links"] == [] and report["error_nodes"] == []
+    assert report["node_count"] == report["expected_node_count"] > 0
+    assert report["problems"] == [] and report["returncode"] == 0, report["problems"]
+    assert len(missing_models_dialog(report)) == len(json.loads((TEMPLATES / f"{name}.json").read_text())["models"])
+
+
+def test_frontend_test_fails_on_a_workflow_alert(server):
+    # The check above would catch the old files: a top-level id that is not a UUID raises the schema alert.
+    workflow = json.loads((TEMPLATES / "t2va.json").read_text())
+    workflow["id"] = "minimax-h3-split-t2va"
+    report = server.load_workflow_ui(workflow)
+    assert report["returncode"] == 4 and not report["ok"]
+    assert any("Invalid workflow against zod schema" in p and "Invalid uuid" in p for p in report["problems"])
 
 
 def test_interrupt_stops_the_sampler_within_one_step(server):

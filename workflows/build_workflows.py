@@ -1,11 +1,15 @@
-"""The one source of the shipped workflows: each graph is declared once here and written as both
-a UI-format JSON (drag and drop) and an API-format JSON (headless `POST /prompt`).
+"""The one source of the shipped workflows: each graph is declared once here and written as
+- a UI-format JSON in `example_workflows/` (drag and drop; ComfyUI lists that folder in its template
+  browser), with a generated thumbnail `<name>.jpg` and the list of real model files (name, Comfy-Org
+  download URL, target folder) that the frontend offers to download when they are missing;
+- an API-format JSON in `workflows/api/` (headless `POST /prompt`).
 
 The UI form needs every node's sockets and widget order, which come from a live ComfyUI's
 `/object_info`, so the files cannot drift from the node definitions: the test suite regenerates
-them against the real server and fails if a committed file differs.
+them against the real server and fails if a committed file differs. The UI files are valid against
+the frontend's workflow schema (top-level `id` a UUID, `models` entries {name, url, directory}).
 
-    python workflows/build_workflows.py --server http://127.0.0.1:8188   # rewrite workflows/*.json
+    python workflows/build_workflows.py --server http://127.0.0.1:8188   # rewrite all generated files
     python workflows/build_workflows.py --inputs-only                    # (re)write the example media
 
 The example media (`workflows/inputs/h3_example_*`) are synthesised deterministically; the pack
@@ -18,11 +22,14 @@ import argparse
 import json
 import sys
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 INPUTS = HERE / "inputs"
+TEMPLATES = "example_workflows"  # relative to the repo root; ComfyUI serves it as the pack's templates
 TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
 FL2VA = "fl2va (t2va, first/last frame)"
 REF2VA = "ref2va (references)"
@@ -38,6 +45,28 @@ EXAMPLE_MEDIA = {
 }
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+# The real files each loader stands for (the shipped graphs select the embedded tiny model). The frontend
+# offers the missing ones for download into models/<directory>/; it only accepts safetensors files.
+HF = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
+REAL_MODELS = {
+    "text_encoder": ("qwen3vl_32b_minimax_h3_bf16.safetensors", "text_encoders"),
+    "vae": ("minimax_h3_video_vae_fp16.safetensors", "vae"),
+    "audio_vae": ("minimax_h3_audio_vae_fp32.safetensors", "vae"),
+    FL2VA: ("minimax_h3_fl2va_bf16.safetensors", "diffusion_models"),
+    REF2VA: ("minimax_h3_ref2va_bf16.safetensors", "diffusion_models"),
+}
+LOADER_MODEL_KEY = {
+    "H3SplitTextEncoderLoader": lambda inputs: "text_encoder",
+    "H3SplitVideoVAELoader": lambda inputs: "vae",
+    "H3SplitAudioVAELoader": lambda inputs: "audio_vae",
+    "H3SplitDiTLoader": lambda inputs: inputs["partition"],
+}
+
+
+def model_entry(key: str) -> dict:
+    name, directory = REAL_MODELS[key]
+    return {"name": name, "url": f"{HF}/{directory}/{name}", "directory": directory}
 
 
 @dataclass
@@ -142,11 +171,14 @@ class Graph:
                 "properties": {"Node name for S&R": node.class_type},
                 "widgets_values": widgets,
             }
+            if node.class_type in LOADER_MODEL_KEY:
+                entry["properties"]["models"] = [model_entry(LOADER_MODEL_KEY[node.class_type](node.inputs))]
             if node.title:
                 entry["title"] = node.title
             ui_nodes.append(entry)
         return {
-            "id": f"minimax-h3-split-{self.name}",
+            # The frontend's schema wants a UUID; a name-based one keeps the file reproducible.
+            "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"minimax-h3-split/workflows/{self.name}")),
             "revision": 0,
             "last_node_id": len(self.nodes),
             "last_link_id": len(links),
@@ -156,7 +188,13 @@ class Graph:
             "config": {},
             "extra": {"info": {"name": self.name, "description": self.description}},
             "version": 0.4,
+            "models": self.models(),
         }
+
+    def models(self) -> list[dict]:
+        """The real files this graph's loaders stand for, in node order, once each."""
+        keys = [LOADER_MODEL_KEY[n.class_type](n.inputs) for n in self.nodes if n.class_type in LOADER_MODEL_KEY]
+        return [model_entry(key) for key in dict.fromkeys(keys)]
 
     def _order(self) -> list[int]:
         return [node.id for node in sorted(self.nodes, key=lambda n: (self._depths()[n.id], n.id))]
@@ -319,12 +357,79 @@ def write_example_media(folder: Path = INPUTS) -> list[Path]:
     return written
 
 
-def render_all(object_info: dict) -> dict[str, str]:
-    """File name -> JSON text for every shipped workflow (UI and API form)."""
-    files = {}
+# --- thumbnails --------------------------------------------------------------------------------
+
+THUMB_SIZE = (480, 360)
+COLOURS = {  # by role, so the four graphs are told apart at a glance
+    "loader": (52, 101, 164),
+    "media": (78, 154, 6),
+    "encode": (206, 92, 0),
+    "sample": (117, 80, 123),
+    "save": (85, 87, 83),
+}
+
+
+def _role(class_type: str) -> str:
+    if class_type.endswith("Loader"):
+        return "loader"
+    if class_type.startswith("Load") or class_type in ("H3SplitKeyframes", "H3SplitReferences"):
+        return "media"
+    if "Encode" in class_type:
+        return "encode"
+    return "save" if class_type.startswith("Save") else "sample"
+
+
+def render_thumbnail(graph: Graph) -> bytes:
+    """The graph drawn as a diagram (one column per depth, a box per node, its links), as a small JPEG."""
+    import io
+
+    from PIL import Image, ImageDraw, ImageFont
+
+    width, height = THUMB_SIZE
+    image = Image.new("RGB", THUMB_SIZE, (24, 24, 28))
+    draw = ImageDraw.Draw(image)
+    title_font = ImageFont.load_default(size=26)
+    font = ImageFont.load_default(size=10)
+    draw.text((16, 12), f"MiniMax H3 · {graph.name}", fill=(235, 235, 235), font=title_font)
+    depth = graph._depths()
+    columns = max(depth.values()) + 1
+    by_column: dict[int, list[Node]] = {}
+    for node in graph.nodes:
+        by_column.setdefault(depth[node.id], []).append(node)
+    box_w = (width - 24) / columns - 8
+    centre = {}
+    boxes = {}
+    for column, nodes in by_column.items():
+        box_h = min(34, (height - 64) / len(nodes) - 6)
+        for row, node in enumerate(nodes):
+            x0 = 12 + column * (box_w + 8)
+            y0 = 56 + row * (box_h + 6)
+            boxes[node.id] = (x0, y0, x0 + box_w, y0 + box_h)
+            centre[node.id] = (x0 + box_w / 2, y0 + box_h / 2)
+    for node in graph.nodes:  # links under the boxes
+        for value in node.inputs.values():
+            if _is_link(value):
+                y0, y1 = centre[value[0].id][1], centre[node.id][1]
+                draw.line([(boxes[value[0].id][2], y0), (boxes[node.id][0], y1)], fill=(150, 150, 150), width=2)
+    for node in graph.nodes:
+        draw.rounded_rectangle(boxes[node.id], radius=4, fill=COLOURS[_role(node.class_type)])
+        label = node.class_type.removeprefix("H3Split")
+        while font.getlength(label) > box_w - 8:  # clip to the box
+            label = label[:-1]
+        draw.text((boxes[node.id][0] + 4, boxes[node.id][1] + 3), label, fill=(255, 255, 255), font=font)
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=80, optimize=True)
+    return out.getvalue()
+
+
+def render_all(object_info: dict) -> dict[str, str | bytes]:
+    """Repo-relative path -> content of every generated workflow file: the UI form and its thumbnail in
+    example_workflows/, the API form in workflows/api/."""
+    files: dict[str, str | bytes] = {}
     for graph in build_graphs():
-        files[f"{graph.name}.json"] = json.dumps(graph.ui(object_info), indent=2) + "\n"
-        files[f"api/{graph.name}.json"] = json.dumps(graph.api(), indent=2) + "\n"
+        files[f"{TEMPLATES}/{graph.name}.json"] = json.dumps(graph.ui(object_info), indent=2) + "\n"
+        files[f"{TEMPLATES}/{graph.name}.jpg"] = render_thumbnail(graph)
+        files[f"workflows/api/{graph.name}.json"] = json.dumps(graph.api(), indent=2) + "\n"
     return files
 
 
@@ -340,11 +445,14 @@ def main(argv=None) -> int:
         parser.error("--server is required to render the UI format")
     with urllib.request.urlopen(args.server.rstrip("/") + "/object_info", timeout=60) as response:
         object_info = json.loads(response.read())
-    for name, text in render_all(object_info).items():
-        path = HERE / name
+    for name, content in render_all(object_info).items():
+        path = REPO / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        print(path.relative_to(HERE.parent))
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8")
+        print(name)
     return 0
 
 

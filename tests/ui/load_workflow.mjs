@@ -2,35 +2,54 @@
 //
 //   COMFY_URL=http://127.0.0.1:PORT CHROMIUM_PATH=/usr/bin/chromium \
 //     node tests/ui/load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]...
+//     node tests/ui/load_workflow.mjs --template PACK/NAME [...]   (as the template browser does; the report
+//                                                                   adds templates_listed and thumbnail)
 //
 // Prints one JSON line on stdout:
 //   { ok, node_count, expected_node_count, missing_types: [type], missing_nodes: [{id, type}],
 //     dangling_links: [{id, why}], error_nodes: [{id, type}], prompt: <graphToPrompt().output>,
 //     prompt_node_count, run: null | {prompt_id, status_str, completed, outputs, messages, error},
-//     console_errors: [..], timings: {...} }
+//     console_errors: [..], alerts, toasts, dialogs, page_errors, failed_requests, problems: [..],
+//     boot_console_errors, boot_failed_requests,
+//     timings: {...} }
+// The workflow is loaded the way a file dropped onto the canvas is (app.handleFile).
 // Exit status: 0 ok; 1 missing node types or dangling links; 2 the run failed (--run);
-// 3 anything else went wrong (the report then has `error`).
+// 3 anything else went wrong (the report then has `error`); 4 the load raised an alert, a toast,
+// a page error, an unexpected console error or a failed request (listed in `problems`).
 // Every request that is not for COMFY_URL is aborted (the page stays on loopback).
 import { readFileSync } from "node:fs";
+import { basename } from "node:path";
 import { randomUUID } from "node:crypto";
 import { chromium } from "playwright-core";
 
 const args = process.argv.slice(2);
-const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null };
+const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null };
 for (let i = 0; i < args.length; i++) {
   const a = args[i];
   if (a === "--run") opt.run = true;
   else if (a === "--timeout") opt.timeout = Number(args[++i]);
   else if (a === "--screenshot") opt.screenshot = args[++i];
   else if (a === "--wait-type") opt.waitTypes.push(args[++i]);
+  else if (a === "--template") opt.template = args[++i];
   else if (!opt.workflow) opt.workflow = a;
   else throw new Error(`unexpected argument ${a}`);
 }
 const BASE = (process.env.COMFY_URL || "").replace(/\/$/, "");
-if (!BASE || !opt.workflow) {
+if (!BASE || !(opt.workflow || opt.template)) {
   console.error("usage: COMFY_URL=... CHROMIUM_PATH=... node load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]");
   process.exit(3);
 }
+// Console noise of an offline machine, excepted by name; anything else a load prints as an error is a problem.
+const OFFLINE_NOISE = [
+  /^Connecting to 'https:\/\/api\.comfy\.org\/[^']*' violates the following Content Security Policy/, // registry look-ups
+  /^Connecting to 'https:\/\/huggingface\.co\/[^']*' violates the following Content Security Policy/, // the
+  /^Fetch API cannot load https:\/\/huggingface\.co\/\S* Refused to connect/, // missing-models dialog asks
+  /^Error fetching file size: TypeError: Failed to fetch/, // for each download's size
+  /^Failed to load resource: net::ERR_FAILED/, // off-loopback requests this script aborts
+  /^Failed to load resource: the server responded with a status of/, // judged by URL in failed_requests
+];
+// A fresh user's missing settings files: the frontend probes them at boot.
+const EXPECTED_404 = [/\/user\.css$/, /\/api\/userdata(\/|\?)/];
 let workflow = null;
 const t0 = Date.now();
 const since = () => (Date.now() - t0) / 1000;
@@ -52,7 +71,7 @@ function fileLinkProblems(wf) {
 }
 
 async function main() {
-  workflow = JSON.parse(readFileSync(opt.workflow, "utf8"));
+  if (opt.workflow) workflow = JSON.parse(readFileSync(opt.workflow, "utf8"));
   const browser = await chromium.launch({
     executablePath: process.env.CHROMIUM_PATH || "chromium",
     headless: true,
@@ -62,8 +81,38 @@ async function main() {
   try {
     const page = await browser.newPage({ viewport: { width: 1400, height: 900 } });
     await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());
-    page.on("console", (m) => { if (m.type() === "error") report.console_errors.push(m.text().slice(0, 300)); });
-    page.on("pageerror", (e) => report.console_errors.push(`pageerror: ${String(e.message).slice(0, 300)}`));
+    // What a user would see or what broke: window.alert/confirm, toasts (the frontend's alerts),
+    // dialogs (missing nodes / missing models), uncaught page errors, console errors.
+    report.alerts = []; report.toasts = []; report.dialogs = []; report.page_errors = [];
+    report.failed_requests = [];
+    // Until the frontend is ready nothing of the workflow has run: what the frontend's own boot logs
+    // (frontend 1.32.9 sets LiteGraph.Canvas.MinFontSizeForLOD before defining it, a TypeError; a fresh
+    // user's settings files are 404s) is reported apart and judged by nobody here.
+    report.boot_console_errors = []; report.boot_failed_requests = [];
+    const booting = () => report.timings.frontend_ready_s === undefined;
+    page.on("console", (m) => {
+      if (m.type() !== "error") return;
+      (booting() ? report.boot_console_errors : report.console_errors).push(m.text().slice(0, 300));
+    });
+    page.on("response", (r) => {
+      if (r.status() >= 400) (booting() ? report.boot_failed_requests : report.failed_requests).push(`${r.status()} ${r.url()}`);
+    });
+    page.on("pageerror", (e) => report.page_errors.push(String(e.message).slice(0, 300)));
+    page.on("dialog", async (d) => { report.alerts.push(`${d.type()}: ${d.message().slice(0, 300)}`); await d.dismiss(); });
+    await page.addInitScript(() => {
+      window.__h3Seen = { toasts: [], dialogs: [] };
+      const record = (el) => {
+        if (!(el instanceof Element)) return;
+        for (const t of [el, ...el.querySelectorAll(".p-toast-message")]) {
+          if (t.classList?.contains("p-toast-message")) window.__h3Seen.toasts.push(t.innerText.slice(0, 400));
+        }
+        for (const d of [el, ...el.querySelectorAll(".p-dialog")]) {
+          if (d.classList?.contains("p-dialog")) window.__h3Seen.dialogs.push(d.innerText.slice(0, 600));
+        }
+      };
+      new MutationObserver((muts) => muts.forEach((m) => m.addedNodes.forEach(record)))
+        .observe(document, { childList: true, subtree: true });
+    });
     page.setDefaultTimeout(opt.timeout * 1000);
 
     await page.goto(BASE + "/", { waitUntil: "domcontentloaded" });
@@ -77,9 +126,29 @@ async function main() {
     );
     report.timings.frontend_ready_s = since();
 
-    const loaded = await page.evaluate(async (wf) => {
+    if (opt.template) {
+      // What the template browser does: list the custom nodes' templates, fetch one, show its thumbnail.
+      const [module, name] = opt.template.split("/");
+      const t = await page.evaluate(async ({ module, name }) => {
+        const api = window.app.api;
+        const listed = await api.getWorkflowTemplates();
+        const thumb = await fetch(api.apiURL(`/workflow_templates/${module}/${name}.jpg`));
+        const wf = await fetch(api.apiURL(`/workflow_templates/${module}/${name}.json`));
+        return {
+          listed, thumbnail: { status: thumb.status, type: thumb.headers.get("content-type"), bytes: (await thumb.arrayBuffer()).byteLength },
+          workflow: wf.status === 200 ? await wf.json() : null, workflow_status: wf.status,
+        };
+      }, { module, name });
+      report.templates_listed = t.listed;
+      report.thumbnail = t.thumbnail;
+      if (!t.workflow) throw new Error(`template ${opt.template}: HTTP ${t.workflow_status}`);
+      workflow = t.workflow;
+    }
+    const loaded = await page.evaluate(async ({ wf, name, template }) => {
       const app = window.app, LG = window.LiteGraph;
-      await app.loadGraphData(wf);
+      if (template) await app.loadGraphData(wf, true, true, name, { openSource: "template" });
+      // The path a file dropped onto the canvas takes (schema validation, missing-model check, workflow tab).
+      else await app.handleFile(new File([JSON.stringify(wf)], name, { type: "application/json" }), "file_drop");
       const graph = app.graph;
       const nodes = graph.nodes || graph._nodes || [];
       const reg = LG.registered_node_types;
@@ -110,8 +179,12 @@ async function main() {
         promptError = String(e?.stack || e);
       }
       return { node_count: nodes.length, missing, dangling, errors, prompt, promptError };
-    }, workflow);
+    }, { wf: workflow, name: opt.template ? opt.template.split("/")[1] : basename(opt.workflow), template: !!opt.template });
     report.timings.loaded_s = since();
+    await page.waitForTimeout(500); // toasts and dialogs render on the next frames
+    const seen = await page.evaluate(() => window.__h3Seen);
+    report.toasts = seen.toasts;
+    report.dialogs = seen.dialogs;
 
     report.node_count = loaded.node_count;
     report.expected_node_count = (workflow.nodes || []).length;
@@ -123,6 +196,13 @@ async function main() {
     report.prompt_node_count = loaded.prompt ? Object.keys(loaded.prompt).length : 0;
     if (loaded.promptError) report.prompt_error = loaded.promptError;
 
+    report.problems = [
+      ...report.alerts.map((a) => `alert: ${a}`),
+      ...report.toasts.map((t) => `toast: ${t}`),
+      ...report.page_errors.map((e) => `page error: ${e}`),
+      ...report.console_errors.filter((e) => !OFFLINE_NOISE.some((re) => re.test(e))).map((e) => `console: ${e}`),
+      ...report.failed_requests.filter((r) => !EXPECTED_404.some((re) => re.test(r))).map((r) => `request: ${r}`),
+    ];
     if (opt.screenshot) await page.screenshot({ path: opt.screenshot });
 
     const structural = report.missing_types.length || report.dangling_links.length;
@@ -130,6 +210,7 @@ async function main() {
     report.timings.total_s = since();
     if (structural) return 1;
     if (loaded.promptError) { report.error = "graphToPrompt failed"; return 3; }
+    if (report.problems.length) return 4;
     if (opt.run && report.run?.status_str !== "success") return 2;
     report.ok = true;
     return 0;
