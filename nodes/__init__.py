@@ -27,7 +27,7 @@ except ImportError as error:  # pragma: no cover - reported in the ComfyUI log
 
 def install_example_inputs() -> None:
     """Copy the shipped workflows' example media into ComfyUI's input/ (never overwriting), so the
-    workflows in workflows/ run as soon as they are dropped onto the canvas."""
+    templates in example_workflows/ run as soon as they are opened or dropped onto the canvas."""
     import shutil
     from pathlib import Path
 
