@@ -71,16 +71,20 @@ class Counter:
     """Counts units of one phase towards a total and reports each change (0 at construction).
 
     `total` may be an estimate: a count that passes it raises the total with it, so a bar never
-    shows more than 100 %."""
+    shows more than 100 %. Reports are thinned to whole percents (a checkpoint read tensor by tensor
+    would otherwise send thousands of progress events); the last unit is always reported."""
 
     def __init__(self, phase: str, total: int):
-        self.phase, self.total, self.done = phase, max(int(total), 1), 0
+        self.phase, self.total, self.done, self._percent = phase, max(int(total), 1), 0, 0
         report(self.phase, 0, self.total)
 
     def advance(self, units: int = 1) -> None:
         self.done += int(units)
         self.total = max(self.total, self.done)
-        report(self.phase, self.done, self.total)
+        percent = self.done * 100 // self.total
+        if percent != self._percent or self.done == self.total:
+            self._percent = percent
+            report(self.phase, self.done, self.total)
 
     def finish(self) -> None:
         if self.done < self.total:
