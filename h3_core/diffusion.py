@@ -75,7 +75,9 @@ class SamplingOptions:
     lora_strength: float = 1.0
     progress: ProgressFn | None = None
     cancel: threading.Event | None = None
-    preview: PreviewFn | None = None  # called after every step with the clean-video estimate (h3_core/previews.py)
+    # Called after every step with the clean-video estimate (h3_core/previews.py), instead of `progress`
+    # for that step (it carries the same counts).
+    preview: PreviewFn | None = None
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
@@ -107,15 +109,18 @@ class _StepReporter:
     def after(self, module, args, kwargs, output):
         step = self.done
         self.done += 1
-        if self.progress is not None:
+        video = self._estimate(step, kwargs, output) if self.preview is not None else None
+        if video is not None:
+            self.preview(self.done, self.total, video)  # carries the step count: it stands for `progress` here
+        elif self.progress is not None:
             self.progress(self.done, self.total)
-        if self.preview is not None and self.scheduler is not None and self.geometry is not None:
-            sigmas = getattr(self.scheduler, "sigmas", None)
-            hidden = kwargs.get("hidden_states")
-            if sigmas is not None and step < len(sigmas) and hidden is not None:
-                video = previews.denoised_video(hidden[0], output[0][0], float(sigmas[step]), self.geometry)
-                if video is not None:
-                    self.preview(self.done, self.total, video)
+
+    def _estimate(self, step: int, kwargs: dict, output) -> torch.Tensor | None:
+        sigmas = getattr(self.scheduler, "sigmas", None)
+        hidden = kwargs.get("hidden_states")
+        if sigmas is None or step >= len(sigmas) or hidden is None or self.geometry is None:
+            return None
+        return previews.denoised_video(hidden[0], output[0][0], float(sigmas[step]), self.geometry)
 
 
 class DiffusionStage:
