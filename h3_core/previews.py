@@ -35,7 +35,8 @@ LATENT_CHANNELS = 24
 def generated_video_geometry(num_frames: int, height: int, width: int) -> tuple[int, int, int]:
     """(latent_t, latent_h, latent_w) of the video a request generates (frames snapped up like stage 1)."""
     frames = rules.snap_frames_up(int(num_frames))
-    return facts.video_latent_frames(frames), int(height) // facts.VAE_SPATIAL_FACTOR, int(width) // facts.VAE_SPATIAL_FACTOR
+    factor = facts.VAE_SPATIAL_FACTOR
+    return facts.video_latent_frames(frames), int(height) // factor, int(width) // factor
 
 
 def denoised_video(

@@ -71,7 +71,8 @@ def test_sampler_previews_every_step_and_changes_nothing(source, ref2va):
     cond, _ = ref2va
     seed = CASES["ref2va-image-video-audio-seed2"][2]
     shown, counted = [], []
-    options = SamplingOptions(steps=STEPS, seed=seed, preview=lambda done, total, video: shown.append((done, total, video)),
+    options = SamplingOptions(steps=STEPS, seed=seed,
+                              preview=lambda done, total, video: shown.append((done, total, video)),
                               progress=lambda done, total: counted.append((done, total)))
     with_preview = DiffusionStage(source).sample(cond, options)
     plain = DiffusionStage(source).sample(cond, SamplingOptions(steps=STEPS, seed=seed))
@@ -103,7 +104,7 @@ def test_loading_reports_bytes_up_to_the_file_size(ref2va, source):
     assert starts == expected  # every byte of each file, in the order the encoder stage loads them
     ends = [(done, total) for done, total in loads if done == total]
     assert [total for _, total in ends] == starts
-    assert all(b[0] >= a[0] for a, b in zip(loads, loads[1:]) if a[1] == b[1] and b[0] != 0)
+    assert all(b[0] >= a[0] for a, b in zip(loads, loads[1:], strict=False) if a[1] == b[1] and b[0] != 0)
     assert len(loads) <= 3 * 102  # thinned to whole percents, not one event per tensor
 
 
