@@ -199,9 +199,8 @@ class EncoderStage:
             inputs["keyframes"] = prepared.keyframes
         elif prepared.task == "ref2va":
             inputs["normalized_references"] = prepared.references
-        counter = progress.Counter("text", 1)  # one forward of the text model: start and end
-        state = run_blocks(pipe, **inputs)
-        counter.advance()
+        with _LayerCounter(self.text_encoder, "text"):
+            state = run_blocks(pipe, **inputs)
         return state.get("prompt_embeds").cpu(), state.get("text_token_tags").cpu()
 
     @torch.no_grad()
@@ -287,6 +286,32 @@ class EncoderStage:
             outputs["audio"],
             metadata={"model": self.fingerprint, **(metadata or {})} if self.fingerprint else dict(metadata or {}),
         )
+
+
+class _LayerCounter:
+    """Reports a model's forward as a progress phase, one unit per decoder layer (the text encoder's
+    `layers` stack: 50 at release), through forward hooks that read nothing; inert without a sink."""
+
+    def __init__(self, model: torch.nn.Module, phase: str):
+        self.model, self.phase, self.handles = model, phase, []
+
+    def __enter__(self):
+        if not progress.active():
+            return self
+        stacks = [m for name, m in self.model.named_modules()
+                  if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"]
+        layers = max(stacks, key=len) if stacks else []
+        counter = progress.Counter(self.phase, max(len(layers), 1))
+        self.handles = [layer.register_forward_hook(lambda *_: counter.advance()) for layer in layers]
+        self.counter = counter
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        if exc[0] is None and getattr(self, "counter", None) is not None:
+            self.counter.finish()
+        return False
 
 
 def _pixels(image) -> torch.Tensor:

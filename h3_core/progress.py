@@ -24,7 +24,7 @@ PhaseFn = Callable[[str, int, int], None]  # (phase, units done, total units)
 # phase -> what its units are (the CLI prints these; every phase any module reports is listed here)
 PHASES = {
     "load": "bytes",  # weights read from safetensors files
-    "text": "steps",  # text encoder: tokenise + forward
+    "text": "layers",  # text encoder forward, one unit per decoder layer
     "video_vae": "clips",  # video VAE encode, one unit per keyframe / reference image / reference video
     "audio_vae": "clips",  # audio VAE encode, one unit per soundtrack / reference audio
     "denoise": "steps",  # DiT forwards

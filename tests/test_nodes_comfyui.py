@@ -249,7 +249,7 @@ def test_local_nodes_equal_the_cli(server, tiny_dir, tmp_path):
     assert enc.returncode == 0, enc.stderr
     # The CLI prints each long phase: weights read (bytes), the text encode, the video VAE per clip (2 keyframes).
     assert "load: 0.0/" in enc.stderr and "(100%)" in enc.stderr, enc.stderr
-    assert "text: step 1/1" in enc.stderr and "video_vae: clip 2/2" in enc.stderr, enc.stderr
+    assert "text: layer 51/51" in enc.stderr and "video_vae: clip 2/2" in enc.stderr, enc.stderr
     gen = run(
         "generate",
         "--models",

@@ -65,7 +65,7 @@ def test_every_long_node_reports_progress(ref2va_run):
     for node in ("1", "2", "3", "4"):  # loaders: bytes, start to end
         values = events[node]
         assert values[0][0] == 0 and values[-1][0] == values[-1][1] > 1000, (graph[node]["class_type"], values)
-    assert events["9"] == [(0, 1), (1, 1)]  # text encode
+    assert events["9"] == [(k, 51) for k in range(52)]  # text encode: one event per layer of the tiny stack
     assert events["10"] == [(0, 2), (1, 2), (2, 2)]  # video VAE: the reference image and the reference video
     assert events["11"] == [(0, 2), (1, 2), (2, 2)]  # audio VAE: the video's soundtrack and the reference audio
     decode = events["13"]
