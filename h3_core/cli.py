@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from . import facts
+from . import facts, progress
 
 
 def _log(message: str) -> None:
@@ -28,6 +28,25 @@ def _progress(label: str):
         _log(f"{label}: step {done}/{total}")
 
     return report
+
+
+def _phase_printer():
+    """The CLI's `progress.reporting` sink: one stderr line per phase start, end and tenth in between."""
+    from .progress import PHASES
+
+    last = {}
+
+    def sink(phase: str, done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if done not in (0, total) and last.get(phase) == tenth:
+            return
+        last[phase] = tenth
+        if PHASES[phase] == "bytes":
+            _log(f"{phase}: {done / 1e6:.1f}/{total / 1e6:.1f} MB ({done * 100 // max(total, 1)}%)")
+        else:
+            _log(f"{phase}: {PHASES[phase].rstrip('s')} {done}/{total}")
+
+    return sink
 
 
 def _cmd_tiny(args) -> int:
@@ -73,8 +92,9 @@ def _cmd_encode(args) -> int:
         from .models import ModelSource
 
         request.validate()  # cheap rules before loading any weights
-        stage = EncoderStage(ModelSource.from_path(args.models, layout=args.layout))
-        cond = stage.encode(request)
+        with progress.reporting(_phase_printer()):
+            stage = EncoderStage(ModelSource.from_path(args.models, layout=args.layout))
+            cond = stage.encode(request)
     cond.save(args.out)
     _log(
         f"encoded {cond.task} ({cond.width}x{cond.height}, {cond.num_frames} frames, "
@@ -103,7 +123,8 @@ def _cmd_generate(args) -> int:
         lora=LoRA.load(args.lora) if args.lora else None,
         lora_strength=args.lora_strength,
     )
-    latents, decoded = stage.generate(cond, options)
+    with progress.reporting(_phase_printer()):
+        latents, decoded = stage.generate(cond, options)
     media.write_mp4(args.out, decoded.video, decoded.audio, fps=decoded.fps, sample_rate=decoded.sample_rate)
     if args.dump:
         from safetensors.torch import save_file

@@ -17,17 +17,22 @@ one request generator drawing condition noise, then video noise, then audio nois
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from . import configs, rules
+from . import configs, previews, progress, rules
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning
 from .lora import LoRA
 from .models import PARTITION_OF_TASK, ModelSource, ModelSourceError
 from .progress import ProgressFn, check_cancel
+
+# (step done, total steps, the step's clean-video estimate [1, 24, T, H/16, W/16] float32 CPU)
+PreviewFn = Callable[[int, int, torch.Tensor], None]
 
 
 @dataclass
@@ -70,6 +75,9 @@ class SamplingOptions:
     lora_strength: float = 1.0
     progress: ProgressFn | None = None
     cancel: threading.Event | None = None
+    # Called after every step with the clean-video estimate (h3_core/previews.py), instead of `progress`
+    # for that step (it carries the same counts).
+    preview: PreviewFn | None = None
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
@@ -82,24 +90,37 @@ class SamplingOptions:
 
 
 class _StepReporter:
-    """A forward pre-hook on the DiT: reports progress and honours cancellation at every step.
+    """Hooks on the DiT: report progress, send previews and honour cancellation at every step.
 
-    diffusers' loop has no callback, but every step is exactly one DiT forward (no CFG), so a hook
-    on the transformer sees each step without changing the loop.
+    diffusers' loop has no callback, but every step is exactly one DiT forward (no CFG), so hooks
+    on the transformer see each step without changing the loop. The preview reads the forward's
+    input rows and predicted velocity and writes nothing, so results are the same with or without it.
     """
 
-    def __init__(self, total: int, progress: ProgressFn | None, cancel: threading.Event | None):
-        self.total, self.progress, self.cancel, self.done = total, progress, cancel, 0
+    def __init__(self, total: int, options: SamplingOptions, scheduler=None, geometry=None):
+        self.total, self.progress, self.cancel, self.done = total, options.progress, options.cancel, 0
+        self.preview, self.scheduler, self.geometry = options.preview, scheduler, geometry
 
     def __call__(self, module, args, kwargs):
         check_cancel(self.cancel, f"after {self.done} of {self.total} denoising steps")
         if self.progress is not None and self.done == 0:
             self.progress(0, self.total)
 
-    def after(self, module, args, output):
+    def after(self, module, args, kwargs, output):
+        step = self.done
         self.done += 1
-        if self.progress is not None:
+        video = self._estimate(step, kwargs, output) if self.preview is not None else None
+        if video is not None:
+            self.preview(self.done, self.total, video)  # carries the step count: it stands for `progress` here
+        elif self.progress is not None:
             self.progress(self.done, self.total)
+
+    def _estimate(self, step: int, kwargs: dict, output) -> torch.Tensor | None:
+        sigmas = getattr(self.scheduler, "sigmas", None)
+        hidden = kwargs.get("hidden_states")
+        if sigmas is None or step >= len(sigmas) or hidden is None or self.geometry is None:
+            return None
+        return previews.denoised_video(hidden[0], output[0][0], float(sigmas[step]), self.geometry)
 
 
 class DiffusionStage:
@@ -171,9 +192,10 @@ class DiffusionStage:
         # `cond` validated itself on construction / receipt; here only its fit to the loaded DiT is left.
         transformer = self.transformer(cond.task)
         cond.check_compatible(text_dim=transformer.config.text_dim, latent_channels=transformer.config.in_channels)
+        video_scheduler = MiniMaxH3Scheduler(shift=_or(options.video_shift, configs.VIDEO_SHIFT))
         components = {
             "transformer_ref" if cond.task == "ref2va" else "transformer": transformer,
-            "scheduler": MiniMaxH3Scheduler(shift=_or(options.video_shift, configs.VIDEO_SHIFT)),
+            "scheduler": video_scheduler,
             "audio_scheduler": MiniMaxH3Scheduler(shift=_or(options.audio_shift, configs.AUDIO_SHIFT)),
         }
         pipe = self._pipeline(cond.task, ("denoise",), components)
@@ -203,10 +225,13 @@ class DiffusionStage:
             }
             inputs["normalized_references"] = [stubs[ref.kind](ref.has_audio) for ref in cond.references]
 
-        reporter = _StepReporter(options.steps - 1, options.progress, options.cancel)
+        geometry = None
+        if options.preview is not None:
+            geometry = previews.generated_video_geometry(cond.num_frames, cond.height, cond.width)
+        reporter = _StepReporter(options.steps - 1, options, video_scheduler, geometry)
         handles = [
             transformer.register_forward_pre_hook(reporter, with_kwargs=True),
-            transformer.register_forward_hook(reporter.after),
+            transformer.register_forward_hook(reporter.after, with_kwargs=True),
         ]
         lora = options.lora
         lora_context = contextlib.nullcontext() if lora is None else lora.applied(transformer, options.lora_strength)
@@ -224,9 +249,10 @@ class DiffusionStage:
     def decode(self, latents: AVLatents, task: str = "t2va") -> Decoded:
         """Decode video (the VAE's own tiling) and audio; audio trimmed to the video's duration."""
         pipe = self._pipeline(task, ("decode",), {"vae": self.vae, "audio_vae": self.audio_vae})
-        state = pipe(
-            latents=latents.video.to(self.device), audio_latents=latents.audio.to(self.device), output_type="pt"
-        )
+        with _DecodeReporter(self.vae, self.audio_vae, latents.video.shape):
+            state = pipe(
+                latents=latents.video.to(self.device), audio_latents=latents.audio.to(self.device), output_type="pt"
+            )
         video = state.get("videos")[0].permute(0, 2, 3, 1).float().cpu().contiguous()  # [F, H, W, 3]
         audio = state.get("audio")[0].float().cpu()  # [2, S], S = audio_t * 800 (not trimmed by diffusers)
         samples = round(video.shape[0] / rules.FPS * rules.AUDIO_SAMPLE_RATE)
@@ -235,6 +261,62 @@ class DiffusionStage:
     def generate(self, cond: H3Conditioning, options: SamplingOptions) -> tuple[AVLatents, Decoded]:
         latents = self.sample(cond, options)
         return latents, self.decode(latents, cond.task)
+
+
+class _DecodeReporter:
+    """Counts decoder calls as the `decode_video` (one per spatial tile of each temporal chunk) and
+    `decode_audio` progress phases, through forward hooks that read nothing; inert without a sink."""
+
+    def __init__(self, vae, audio_vae, latent_shape):
+        self.vae, self.audio_vae, self.latent_shape, self.handles = vae, audio_vae, latent_shape, []
+
+    def __enter__(self):
+        if not progress.active():
+            return self
+        video = progress.Counter("decode_video", _video_decoder_calls(self.vae, self.latent_shape))
+        audio = {}
+        self.handles.append(self.vae.decoder.register_forward_hook(lambda *_: video.advance()))
+
+        def audio_start(*_):
+            audio["counter"] = progress.Counter("decode_audio", 1)
+
+        def audio_done(*_):
+            (audio.pop("counter", None) or progress.Counter("decode_audio", 1)).advance()
+
+        decoder = getattr(self.audio_vae, "decoder", None)
+        if decoder is not None:
+            self.handles.append(decoder.register_forward_pre_hook(audio_start))
+            self.handles.append(decoder.register_forward_hook(audio_done))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return False
+
+
+def _video_decoder_calls(vae, latent_shape) -> int:
+    """How many times the video VAE will run its decoder for a latent of `latent_shape`, from its public
+    chunk and tile settings (an estimate for the progress bar only: the counter never passes 100 %)."""
+    chunk = int(getattr(vae, "tokens_chunk_size", 0) or 1)
+    token_drop = int(getattr(vae.config, "token_drop", 0) or 0)
+    tokens = int(latent_shape[2]) + token_drop
+    chunks = max(1, (tokens + (-tokens) % chunk) // chunk - int(token_drop > 0))
+    if not getattr(vae, "use_tiling", False):
+        return chunks
+    ratio = int(getattr(vae, "spatial_compression_ratio", 16))
+
+    def tiles(length: int, size: int, overlap: int) -> int:
+        if size >= length:
+            return 1
+        count = math.ceil(length / size)
+        while size * count - overlap * (count - 1) < length:
+            count += 1
+        return count
+
+    rows = tiles(int(latent_shape[3]) * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height)
+    cols = tiles(int(latent_shape[4]) * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width)
+    return chunks * rows * cols
 
 
 def _or(value: float | None, default: float) -> float:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import facts, media, rules
+from . import facts, media, progress, rules
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning, H3Reference
 from .models import ModelSource
@@ -199,7 +199,8 @@ class EncoderStage:
             inputs["keyframes"] = prepared.keyframes
         elif prepared.task == "ref2va":
             inputs["normalized_references"] = prepared.references
-        state = run_blocks(pipe, **inputs)
+        with _LayerCounter(self.text_encoder, "text"):
+            state = run_blocks(pipe, **inputs)
         return state.get("prompt_embeds").cpu(), state.get("text_token_tags").cpu()
 
     @torch.no_grad()
@@ -218,11 +219,13 @@ class EncoderStage:
                 # Snap *down* to 17k+5 so the VAE encodes without padding (diffusers' reference step).
                 count = rules.snap_frames_down(ref.frames.shape[0])
                 pixels.append(torch.from_numpy(np.ascontiguousarray(ref.frames[:count])).permute(3, 0, 1, 2)[None])
-        return [
-            encode_vae_condition(self.vae, p.to(self.device), facts.PIXEL_MEAN, facts.PIXEL_STD,
-                                 encode_seed=facts.KEYFRAME_ENCODE_SEED)
-            for p in pixels
-        ]
+        counter = progress.Counter("video_vae", len(pixels))
+        latents = []
+        for p in pixels:
+            latents.append(encode_vae_condition(self.vae, p.to(self.device), facts.PIXEL_MEAN, facts.PIXEL_STD,
+                                                encode_seed=facts.KEYFRAME_ENCODE_SEED))
+            counter.advance()
+        return latents
 
     @torch.no_grad()
     def encode_audio(self, prepared: Prepared) -> list[torch.Tensor]:
@@ -234,6 +237,7 @@ class EncoderStage:
         mean = torch.tensor(config.latents_mean).view(1, 1, -1)
         std = torch.tensor(config.latents_std).view(1, 1, -1)
         rows = []
+        counter = progress.Counter("audio_vae", sum(1 for ref in prepared.references if ref.has_audio))
         for ref in prepared.references:
             if not ref.has_audio:
                 continue
@@ -241,6 +245,7 @@ class EncoderStage:
             posterior = self.audio_vae.encode(ref.audio.to(self.device)[:, None], return_dict=False)[0]
             latents = posterior.mode().float().cpu().transpose(1, 2)
             rows.append(((latents - mean) / std).reshape(-1, config.latent_channels))
+            counter.advance()
         return rows
 
     # --- whole requests --------------------------------------------------------------------------
@@ -281,6 +286,32 @@ class EncoderStage:
             outputs["audio"],
             metadata={"model": self.fingerprint, **(metadata or {})} if self.fingerprint else dict(metadata or {}),
         )
+
+
+class _LayerCounter:
+    """Reports a model's forward as a progress phase, one unit per decoder layer (the text encoder's
+    `layers` stack: 50 at release), through forward hooks that read nothing; inert without a sink."""
+
+    def __init__(self, model: torch.nn.Module, phase: str):
+        self.model, self.phase, self.handles = model, phase, []
+
+    def __enter__(self):
+        if not progress.active():
+            return self
+        stacks = [m for name, m in self.model.named_modules()
+                  if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"]
+        layers = max(stacks, key=len) if stacks else []
+        counter = progress.Counter(self.phase, max(len(layers), 1))
+        self.handles = [layer.register_forward_hook(lambda *_: counter.advance()) for layer in layers]
+        self.counter = counter
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        if exc[0] is None and getattr(self, "counter", None) is not None:
+            self.counter.finish()
+        return False
 
 
 def _pixels(image) -> torch.Tensor:

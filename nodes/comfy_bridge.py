@@ -15,7 +15,7 @@ import folder_paths
 import numpy as np
 import torch
 
-from ..h3_core import media, rules, safe_paths
+from ..h3_core import media, previews, progress, rules, safe_paths
 from ..h3_core.progress import Cancelled
 
 PACK_FOLDER = "minimax_h3"  # models/minimax_h3/: diffusers roots, native partitions, the embedded tiny H3
@@ -116,12 +116,68 @@ class InterruptFlag:
 def progress_callback(node_id: str | None):
     bar = {}
 
-    def report(done: int, total: int) -> None:
+    def report(done: int, total: int, preview=None) -> None:
         if "bar" not in bar:
             bar["bar"] = comfy.utils.ProgressBar(total, node_id=node_id)
-        bar["bar"].update_absolute(done, total)
+        bar["bar"].update_absolute(done, total, preview)
 
     return report
+
+
+def phase_progress(node_id: str | None):
+    """A `progress.reporting` sink: every named phase h3_core reports inside a node drives that node's bar
+    (one bar per phase, restarted when the phase changes: e.g. decode tiles, then the audio decode)."""
+    state = {"phase": None, "bar": None}
+
+    def sink(phase: str, done: int, total: int) -> None:
+        if state["phase"] != phase:
+            state["phase"], state["bar"] = phase, comfy.utils.ProgressBar(total, node_id=node_id)
+        state["bar"].update_absolute(done, total)
+
+    return progress.reporting(sink)
+
+
+# --- live previews --------------------------------------------------------------------------------
+
+
+def preview_method() -> str:
+    """The user's preview setting (`--preview-method`: none / auto / latent2rgb / taesd), as a string."""
+    from comfy.cli_args import args
+
+    method = getattr(args, "preview_method", None)
+    return str(getattr(method, "value", method) or "none").lower()
+
+
+def rgb_factors():
+    """(factors [24, 3], bias [3] or None, where from): the running core's own H3 table when it has one
+    (`latent_formats.MiniMaxH3Video`), else the pack's fallback (h3_core/previews.py says what it is)."""
+    import comfy.latent_formats as formats
+
+    for name in ("MiniMaxH3Video", "MiniMaxH3"):
+        fmt = getattr(formats, name, None)
+        factors = getattr(fmt, "latent_rgb_factors", None) if fmt is not None else None
+        if factors is not None and len(factors) == previews.LATENT_CHANNELS and len(factors[0]) == 3:
+            return factors, getattr(fmt, "latent_rgb_factors_bias", None), f"core {name}"
+    return previews.TINY_RGB_FACTORS, previews.TINY_RGB_BIAS, "pack (tiny H3 fit)"
+
+
+def preview_callback(node_id: str | None, report):
+    """An h3_core `PreviewFn` sending ComfyUI's own preview with each step's progress, or None when the
+    user's preview method is `none`. H3 has no TAESD here: `taesd` falls back to the linear map (as core's
+    previewer does when it finds no TAESD decoder)."""
+    if preview_method() in ("none", "nopreviews", ""):
+        return None
+    from comfy.cli_args import args
+    from PIL import Image
+
+    factors, bias, _ = rgb_factors()
+    max_size = int(getattr(args, "preview_size", 512) or 512)
+
+    def send(done: int, total: int, video: torch.Tensor) -> None:
+        image = Image.fromarray(previews.preview_rgb(video, factors, bias))
+        report(done, total, ("JPEG", image, max_size))
+
+    return send
 
 
 def run_interruptible(fn, *args, **kwargs):

@@ -34,7 +34,8 @@ class Decode(io.ComfyNode):
         device = bridge.use(vae.patcher, audio_vae.patcher)
         stage = DiffusionStage(modules={"vae": vae.module, "audio_vae": audio_vae.module},
                                pipeline_config=vae.pipeline_config, device=device)
-        decoded = stage.decode(AVLatents(video=video, audio=AVLatents.audio_from_comfy(audio), num_frames=0))
+        with bridge.phase_progress(None):  # decode tiles, then the audio decode
+            decoded = stage.decode(AVLatents(video=video, audio=AVLatents.audio_from_comfy(audio), num_frames=0))
         return io.NodeOutput(*bridge.to_video(decoded.video, decoded.audio, decoded.sample_rate, rules.FPS))
 
 

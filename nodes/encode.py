@@ -127,7 +127,8 @@ class TextEncode(io.ComfyNode):
             fingerprint=text_encoder.fingerprint,
             device=device,
         )
-        return io.NodeOutput(assembly.to_core(assembly.add_text(parts, stage)))
+        with bridge.phase_progress(None):  # None: the running node (ComfyUI's executing context)
+            return io.NodeOutput(assembly.to_core(assembly.add_text(parts, stage)))
 
 
 class _VAEEncode(io.ComfyNode):
@@ -160,7 +161,8 @@ class _VAEEncode(io.ComfyNode):
         stage = EncoderStage(
             modules={cls.STAGE_KEY: model.module}, pipeline_config=parts.pipeline_config, device=device
         )
-        return io.NodeOutput(assembly.to_core(cls.ADD(parts, stage)))
+        with bridge.phase_progress(None):
+            return io.NodeOutput(assembly.to_core(cls.ADD(parts, stage)))
 
 
 class VideoVAEEncode(_VAEEncode):

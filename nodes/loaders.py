@@ -45,7 +45,8 @@ def _source(folder: str, choice: str, component: str) -> ModelSource:
 
 def _load(folder: str, choice: str, component: str, load_device, offload_device, dtype=torch.float32):
     source = _source(folder, choice, component)
-    module = source.load(component, dtype=dtype)
+    with bridge.phase_progress(None):  # bytes read
+        module = source.load(component, dtype=dtype)
     patcher = bridge.managed(module, load_device, offload_device)
     return source, patcher
 
@@ -184,7 +185,8 @@ class DiTLoader(io.ComfyNode):
         if dtype is None:
             dtype = torch.float32 if load_device.type == "cpu" else torch.bfloat16
         source = _source("diffusion_models", dit, component)  # a single file of the other partition is refused here
-        module = source.load(component, dtype=dtype)
+        with bridge.phase_progress(None):  # bytes read
+            module = source.load(component, dtype=dtype)
         patcher = bridge.managed(module, load_device, offload_device)
         return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {"partition": component}))
 

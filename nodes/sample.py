@@ -96,12 +96,14 @@ class Sampler(io.ComfyNode):
             device=device,
             dtype=next(dit.module.parameters()).dtype,
         )
+        report = bridge.progress_callback(cls.hidden.unique_id)
         options = SamplingOptions(
             steps=steps,
             seed=seed,
             video_shift=video_shift,
             audio_shift=audio_shift,
-            progress=bridge.progress_callback(cls.hidden.unique_id),
+            progress=report,
+            preview=bridge.preview_callback(cls.hidden.unique_id, report),
             cancel=bridge.InterruptFlag(),
             lora=adapter,
             lora_strength=lora_strength,

@@ -15,7 +15,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.h3-setup-$(cat "$REPO"/requirements*.txt "$REPO/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+  # Everything pip says goes to stderr: stdout carries only the venv path (callers capture it).
+  pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither" >&2 || true; }
   echo "[setup] installing torch 2.14.1 + torchvision 0.29.1, then the pack's requirements" >&2
   pip install --upgrade pip
   pip install torch==2.14.1 torchvision==0.29.1

@@ -231,6 +231,20 @@ def test_frontend_test_fails_on_a_workflow_alert(server):
     assert any("Invalid workflow against zod schema" in p and "Invalid uuid" in p for p in report["problems"])
 
 
+def test_no_previews_unless_the_user_asks(server):
+    # This server runs with ComfyUI's default `--preview-method none`: progress, but no preview pictures
+    # (tests/test_previews_comfyui.py runs one with `auto`).
+    graph = api("t2va")
+    node_of(graph, "H3SplitSampler")["inputs"].update(seed=17, steps=4)
+    sampler, decode = id_of(graph, "H3SplitSampler"), id_of(graph, "H3SplitDecode")
+    result = server.run_prompt(graph, timeout=600)
+    assert result.binary == []
+    assert [(m["value"], m["max"]) for m in result.of_type("progress") if m["node"] == sampler] == [
+        (k, 3) for k in range(4)
+    ]
+    assert any(m["node"] == decode and m["max"] > 1 for m in result.of_type("progress"))  # decode tiles
+
+
 def test_interrupt_stops_the_sampler_within_one_step(server):
     graph = api("t2va")
     node_of(graph, "H3SplitSampler")["inputs"].update(steps=200, seed=5)
@@ -297,6 +311,9 @@ def test_local_nodes_equal_the_cli(server, tiny_dir, tmp_path):
         str(cond_path),
     )
     assert enc.returncode == 0, enc.stderr
+    # The CLI prints each long phase: weights read (bytes), the text encode, the video VAE per clip (2 keyframes).
+    assert "load: 0.0/" in enc.stderr and "(100%)" in enc.stderr, enc.stderr
+    assert "text: layer 51/51" in enc.stderr and "video_vae: clip 2/2" in enc.stderr, enc.stderr
     gen = run(
         "generate",
         "--models",
@@ -313,6 +330,8 @@ def test_local_nodes_equal_the_cli(server, tiny_dir, tmp_path):
         str(dump),
     )
     assert gen.returncode == 0, gen.stderr
+    assert "denoise: step 3/3" in gen.stderr and "load: 0.0/" in gen.stderr, gen.stderr
+    assert "decode_video: tile 0/" in gen.stderr and "decode_audio: clip 1/1" in gen.stderr, gen.stderr
 
     node_cond, cli_cond = H3Conditioning.load(saved_cond), H3Conditioning.load(cond_path)
     assert torch.equal(node_cond.prompt_embeds, cli_cond.prompt_embeds)

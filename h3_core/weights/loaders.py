@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from .. import progress
 from . import components
 from .check import check_detection
 from .detect import Detection, detect, scan
@@ -144,10 +145,14 @@ def load(path, component: str, dtype: torch.dtype = torch.float32, partition: st
     checked.raise_if_failed()
     stats = _latent_stats(det)
     if det.layout == "comfyui" and handler.load_single_file is not None:
+        # diffusers' single-file loader reads the file itself: the bar shows its start and its end only.
+        counter = progress.Counter("load", det.header.total_bytes) if progress.active() else None
         model = handler.load_single_file(det, checked.config)
         cast_module(model, dtype, handler.keep_in_fp32(type(model)))
+        if counter is not None:
+            counter.finish()
     else:
-        converted, unexpected = components.to_model_names(det, load_tensors(det.header), checked.config)
+        converted, unexpected = components.to_model_names(det, load_tensors(det.header, report=True), checked.config)
         if unexpected:  # already excluded by the check; kept as a guard for future converters
             raise H3WeightsError(f"{det.path}: unexpected tensors {unexpected[:5]}")
         model = _assign(checked.model, det, converted, dtype)

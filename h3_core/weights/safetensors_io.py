@@ -18,14 +18,18 @@ import tempfile
 import torch
 from safetensors import safe_open
 
+from .. import progress
 from .errors import H3WeightsError
 from .headers import Header
 
 SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 
 
-def load_tensors(header: Header, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Load the named tensors (all by default) of a checkpoint whose header was read earlier."""
+def load_tensors(header: Header, names: set[str] | None = None, *, report: bool = False) -> dict[str, torch.Tensor]:
+    """Load the named tensors (all by default) of a checkpoint whose header was read earlier.
+
+    `report`: count the bytes read as the `load` progress phase (whole-model loads only, so the
+    small reads of statistics and check tables do not start bars of their own)."""
     wanted = set(header.tensors) if names is None else set(names)
     unknown = wanted - set(header.tensors)
     if unknown:
@@ -33,11 +37,18 @@ def load_tensors(header: Header, names: set[str] | None = None) -> dict[str, tor
     by_file: dict[str, list[str]] = {}
     for name in sorted(wanted):
         by_file.setdefault(header.tensors[name].file, []).append(name)
+    counter = None
+    if report and progress.active():
+        counter = progress.Counter("load", sum(header.tensors[name].nbytes for name in wanted))
     tensors: dict[str, torch.Tensor] = {}
     for path, file_names in by_file.items():
         with safe_open(path, framework="pt", device="cpu") as handle:
             for name in file_names:
                 tensors[name] = handle.get_tensor(name)
+                if counter is not None:
+                    counter.advance(header.tensors[name].nbytes)
+    if counter is not None:
+        counter.finish()
     return tensors
 
 
