@@ -144,3 +144,19 @@ def test_serve_flags_reach_the_config():
     assert config.default_deadline_s == config.max_deadline_s == 60.0  # the operator's deadline caps the client's
     args = build_parser().parse_args(["serve", "--models", "x", "--decode-in-process"])
     assert config_from_args(args, None).isolate_media is False
+
+
+def test_jobs_record_the_encoders_fine_phases(stage, one_thread):
+    """A job's phase log (what progress polls answer from) holds the text encoder's layers, not only one step."""
+
+    async def body(service: EncoderService):
+        spec = _spec()
+        job, _ = service.submit(protocol.cache_key(spec, {}, service.fingerprint), spec, {})
+        await job.future
+        return job.phases.entries
+
+    entries = asyncio.run(_with_service(stage, ServerConfig(threads=1), body))
+    text = [e for e in entries if e["phase"] == "text" and "total" in e]
+    layers = stage.text_encoder.config.text_config.num_hidden_layers
+    assert text and text[-1]["done"] == text[-1]["total"] == layers
+    assert [e["phase"] for e in entries][-1] == "serialise"

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from .. import progress as progress_phases
 from . import ingest, protocol
 from .ingest import Part
 from .protocol import Limits, ProtocolError, is_loopback
@@ -401,7 +402,15 @@ class EncoderService:
         request = ingest.build_request(job.spec, parts, self.limits, cancel=job.cancel,
                                        settings=self._decode_settings(job))
         del parts
-        conditioning = self.stage.encode(request, cancel=job.cancel, progress=job.phases.encoder_callback())
+        encoder_progress = job.phases.encoder_callback()
+
+        def fine_phases(phase: str, done: int, total: int) -> None:
+            # The encoders' named phases (text layers, VAE clips) refine the coarse per-encoder steps in the polls.
+            if phase in ("text", "video_vae", "audio_vae"):
+                encoder_progress(done, total, phase)
+
+        with progress_phases.reporting(fine_phases):
+            conditioning = self.stage.encode(request, cancel=job.cancel, progress=encoder_progress)
         job.phases.enter("serialise")
         data = conditioning.to_bytes()
         return data, hashlib.sha256(data).hexdigest()
