@@ -243,19 +243,21 @@ def _references(graph: Graph):
     return graph.add("H3SplitReferences", ref_image_1=(image, 0), ref_video_1=(video, 0), ref_audio_1=(audio, 0))
 
 
+def _text_encode(graph: Graph, text_encoder, prompt: str, task: str, media=None):
+    """The Text Encode node every example uses: the canvas from H3's rule (0 x 0), the shortest output (124)."""
+    inputs = {"text_encoder": (text_encoder, 0), "prompt": prompt, "width": 0, "height": 0, "length": 124}
+    if media is not None:
+        inputs["media"] = (media, 0)
+    return graph.add("H3SplitTextEncode", **inputs, task=task)
+
+
 def build_graphs() -> list[Graph]:
     graphs = []
 
     g = Graph("t2va", "Text to video + audio (FL2VA DiT). Tiny model: replace each loader's choice with real weights.")
     te, vae, audio_vae, dit = _models(g, FL2VA)
-    cond = g.add(
-        "H3SplitTextEncode",
-        text_encoder=(te, 0),
-        prompt="A red fox trots through fresh snow at dawn; wind in the pines, crunching steps.",
-        width=0,
-        height=0,
-        length=124,
-        task="t2va",
+    cond = _text_encode(
+        g, te, "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps.", "t2va"
     )
     _finish(g, dit, cond, vae, audio_vae, "t2va")
     graphs.append(g)
@@ -265,16 +267,7 @@ def build_graphs() -> list[Graph]:
     first = g.add("LoadImage", image=EXAMPLE_MEDIA["first"])
     last = g.add("LoadImage", image=EXAMPLE_MEDIA["last"])
     keyframes = g.add("H3SplitKeyframes", first_frame=(first, 0), last_frame=(last, 0))
-    text = g.add(
-        "H3SplitTextEncode",
-        text_encoder=(te, 0),
-        prompt="The test card slides into the night sky; a low hum rises.",
-        width=0,
-        height=0,
-        length=124,
-        media=(keyframes, 0),
-        task="fl2va",
-    )
+    text = _text_encode(g, te, "The test card slides into the night sky; a low hum rises.", "fl2va", media=keyframes)
     cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0))
     _finish(g, dit, cond, vae, audio_vae, "fl2va")
     graphs.append(g)
@@ -282,15 +275,8 @@ def build_graphs() -> list[Graph]:
     g = Graph("ref2va", "References (image, video with soundtrack, audio) to video + audio (Ref2VA DiT).")
     te, vae, audio_vae, dit = _models(g, REF2VA)
     refs = _references(g)
-    text = g.add(
-        "H3SplitTextEncode",
-        text_encoder=(te, 0),
-        prompt="<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>.",
-        width=0,
-        height=0,
-        length=124,
-        media=(refs, 0),
-        task="ref2va",
+    text = _text_encode(
+        g, te, "<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>.", "ref2va", media=refs
     )
     video_cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0))
     cond = g.add("H3SplitAudioVAEEncode", conditioning=(video_cond, 0), audio_vae=(audio_vae, 0))
