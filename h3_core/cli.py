@@ -257,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-in-process", action="store_true",
                        help="decode media in the server process instead of the sandbox (debugging only: a decoder "
                        "crash then takes the server down)")
+    from .remote.config import add_scheduling_args
+
+    add_scheduling_args(serve)
     serve.set_defaults(func=_cmd_serve)
     return parser
 

@@ -4,6 +4,8 @@
     ingest.py    server side: received parts -> EncodeRequest (content types, header caps, the decoding seam)
     packing.py   client side: EncodeRequest -> multipart body (lossless media, no pickle)
     service.py   the service without HTTP: admission, bounded queue, one model thread, cache (pure asyncio)
+                 (config.py settings, admission.py body budgets, fair_queue.py turns per client, cache.py)
+    metrics.py   Prometheus metrics of one server (its own registry); http_metrics.py serves `GET /metrics`
     http.py      aiohttp transport: middleware, capped body reading, handlers, create_app
     server.py    running it: ServerThread (tests, embedding), main (CLI, signals, graceful drain)
     client.py    EncoderClient: handshake, one deadline per call, retries with backoff, failover, cancel

@@ -25,7 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from .. import __version__, rules
 from ..progress import Cancelled
-from . import ingest, protocol, tracking
+from . import http_metrics, ingest, protocol, tracking
 from .connections import AcceptErrorLimiter, ConnectionReaper  # noqa: F401 - re-exported for server.py
 from .ingest import Part
 from .protocol import Limits, ProtocolError
@@ -77,6 +77,8 @@ async def _errors_and_auth(request: web.Request, handler):
                 service.counters["unauthorized"] += 1
                 return _error(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)",
                               "Authorization", rid, {**headers, "WWW-Authenticate": 'Bearer realm="h3-encoder"'})
+        if request.path not in (protocol.HEALTH_PATH, http_metrics.PATH):
+            service.check_ready()  # 503 "loading" until the models are loaded
         response = await handler(request)
     except ProtocolError as error:
         service.counters[f"status_{error.status}"] += 1
@@ -110,7 +112,7 @@ async def _request_log(request: web.Request, handler):
     response = await handler(request)
     if "progress_id" in request.match_info:  # several polls a second per request: debug only, id not logged
         log.debug("%s GET %s -> %d", _request_id(request), tracking.PATH_TEMPLATE, response.status)
-    elif request.path != protocol.HEALTH_PATH:
+    elif request.path not in (protocol.HEALTH_PATH, http_metrics.PATH):  # probes and scrapes: not logged
         log.info("%s %s %s -> %d%s %.3f s %s B", _request_id(request), request.method, request.path[:100],
                  response.status, f" cache={response.headers[protocol.H_CACHE]}" if protocol.H_CACHE in response.headers
                  else "", time.monotonic() - started, response.content_length or 0)
@@ -119,10 +121,12 @@ async def _request_log(request: web.Request, handler):
 
 async def handle_health(request: web.Request) -> web.Response:
     service = request.app[SERVICE_KEY]
-    body = {"status": "draining" if service.draining else "ok", "protocol": protocol.PROTOCOL_VERSION,
-            "load": service.load()}
-    if service.draining:
-        body.update(protocol.error_body("shutting_down", "the server is shutting down", None, _request_id(request)))
+    status = "draining" if service.draining else "ok" if service.ready else "loading"
+    body = {"status": status, "protocol": protocol.PROTOCOL_VERSION, "load": service.load()}
+    if status != "ok":
+        message = "the server is shutting down" if service.draining else "the server is loading its models"
+        body.update(protocol.error_body("shutting_down" if service.draining else "loading", message, None,
+                                        _request_id(request)))
         return _json(body, status=503, headers={"Retry-After": "5"})
     return _json(body)
 
@@ -335,7 +339,8 @@ async def _encode(request: web.Request, service: EncoderService, tracker: tracki
                   ) -> web.StreamResponse:
     rid = _request_id(request)
     declared = _declared_length(request, service.limits)
-    async with service.admit(declared, client=request.remote or "") as slot:
+    client = service.client_key(request.remote, request.headers.get("X-Forwarded-For"))
+    async with service.admit(declared, client=client) as slot:
         try:
             async with asyncio.timeout(service.config.upload_timeout_s):
                 spec, parts = await _read_body(request, service, slot)
@@ -347,6 +352,8 @@ async def _encode(request: web.Request, service: EncoderService, tracker: tracki
             return _error(408, "upload_timeout", f"the request body did not arrive within "
                                                  f"upload_timeout_s={service.config.upload_timeout_s:g}", "body", rid)
         received = time.monotonic()
+        request[http_metrics.TASK_KEY] = spec.resolved_task
+        service.metrics.observe_phase("receive", received - slot.started)
         if spec.model is not None and spec.model != service.fingerprint:
             return _error(409, "model_mismatch", f"the request expects model {spec.model!r}; this server has "
                                                  f"{service.fingerprint!r}", "model", rid)
@@ -360,7 +367,7 @@ async def _encode(request: web.Request, service: EncoderService, tracker: tracki
                 tracker.own.enter("sending")
             return _conditioning(hit, service, rid, "hit", 0.0, 0.0)
         try:
-            job, joined = service.submit(key, spec, parts)
+            job, joined = service.submit(key, spec, parts, client=client)
         except QueueFull as full:
             return _error(429, "queue_full", f"the encoder queue is full ({service.config.queue_size} requests); "
                                              f"retry after {full.retry_after} s", None, rid,
@@ -443,7 +450,8 @@ def _job_error(error: BaseException, rid: str, service: EncoderService) -> web.R
     mapped = protocol.error_from_exception(error)
     if mapped is not None:
         service.counters[f"status_{mapped.status}"] += 1
-        return _json(mapped.body(rid), status=mapped.status, headers={protocol.H_REQUEST_ID: rid})
+        retry = {"Retry-After": str(service.retry_after())} if mapped.status == 429 else {}  # pushed out of the queue
+        return _json(mapped.body(rid), status=mapped.status, headers={protocol.H_REQUEST_ID: rid, **retry})
     if isinstance(error, (_Abandoned, Cancelled)):
         return _error(503, "abandoned", "the work was abandoned", None, rid, {"Retry-After": "1"})
     log.error("request %s: encode failed: %s: %s (traceback logged with the job)", rid, type(error).__name__,
@@ -459,7 +467,7 @@ def create_app(stage: Any, config: ServerConfig = ServerConfig(), model_info: di
     Usable in-process (tests, embedding) through `ServerThread`, or by `main` for the CLI.
     """
     # aiohttp's own body cap applies to request.read()/post(); we stream multipart with our own caps.
-    app = web.Application(middlewares=[_request_log, _errors_and_auth],
+    app = web.Application(middlewares=[_request_log, http_metrics.middleware(SERVICE_KEY), _errors_and_auth],
                           client_max_size=config.limits.max_json_bytes + 1)
     service = EncoderService(stage, config, model_info)
     app[SERVICE_KEY] = service
@@ -476,6 +484,7 @@ def create_app(stage: Any, config: ServerConfig = ServerConfig(), model_info: di
     app.router.add_get(protocol.HEALTH_PATH, handle_health)
     app.router.add_get(protocol.CAPABILITIES_PATH, handle_capabilities)
     app.router.add_post(protocol.ENCODE_PATH, handle_encode)
+    app.router.add_get(http_metrics.PATH, http_metrics.handler(SERVICE_KEY))
     if config.track_progress:
         app.router.add_get(tracking.ROUTE, handle_progress)
     return app
