@@ -18,6 +18,7 @@ audio VAE's posterior mean, split per encoder so each can run (and be loaded) on
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,14 +170,21 @@ class EncoderStage:
         self.pipeline_config = dict(source.pipeline_config)
         self.fingerprint = source.fingerprint()  # identity of the weights, for caches and handshakes
         self.text_encoder = self.tokenizer = self.processor = self.vae = self.audio_vae = None
+        self.load_seconds: dict[str, float] = {}  # per component, for the server's metrics
         if "text" in components:
+            started = time.perf_counter()
             self.text_encoder = source.load("text_encoder", dtype=dtype).to(self.device)
             self.tokenizer = source.load_tokenizer()
             self.processor = source.load_processor()
+            self.load_seconds["text"] = time.perf_counter() - started
         if "video" in components:
+            started = time.perf_counter()
             self.vae = source.load("vae", dtype=torch.float32).to(self.device)
+            self.load_seconds["video"] = time.perf_counter() - started
         if "audio" in components:
+            started = time.perf_counter()
             self.audio_vae = source.load("audio_vae", dtype=torch.float32).to(self.device)
+            self.load_seconds["audio"] = time.perf_counter() - started
 
     # --- the three encoders ----------------------------------------------------------------------
 

@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
 
 if TYPE_CHECKING:
     from .service import EncoderService, Job
 
 PATH = "/metrics"
+# The classic text format every Prometheus reads (the metric names here need none of the newer format's escaping).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "h3_encoder"
 PHASES = ("receive", "queue", "media_decode", "text", "video_vae", "audio_vae", "serialise", "send")
 UNKNOWN_TASK = "unknown"  # refused before its JSON was read (auth, size, malformed body)
@@ -116,7 +118,7 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) in Prometheus' text format 0.0.4."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE
 
 
 class _StateCollector:
