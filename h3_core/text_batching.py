@@ -91,7 +91,7 @@ class TextBatcher:
         for index, ids in enumerate(tokens):
             groups[len(ids)].append(index)
         texts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for length, members in groups.items():
+        for members in groups.values():
             for start in range(0, len(members), self.max_batch):
                 chunk = members[start:start + self.max_batch]
                 results = self._encode_group([prepared[i] for i in chunk], [tokens[i] for i in chunk])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 
 
-
 class ConditioningCache:
     """LRU of conditioning bytes by content address, bounded in bytes and entries. Event-loop thread only."""
 

@@ -239,15 +239,18 @@ async def _load_in_background(load, service: EncoderService, stop: asyncio.Event
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
+    def settle(outcome, value) -> None:  # on the loop
+        if not done.done():
+            outcome(value)
+
     def run():
         start = time.perf_counter()
         try:
             stage = load()
         except BaseException as error:  # noqa: BLE001 - reported on the loop
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(error))
+            loop.call_soon_threadsafe(settle, done.set_exception, error)
         else:
-            seconds = time.perf_counter() - start
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result((stage, seconds)))
+            loop.call_soon_threadsafe(settle, done.set_result, (stage, time.perf_counter() - start))
 
     threading.Thread(target=run, name="h3-model-load", daemon=True).start()
     stopped = loop.create_task(stop.wait())

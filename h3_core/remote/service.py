@@ -19,6 +19,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import math
 import threading
@@ -256,9 +257,8 @@ class EncoderService:
                 continue
             jobs = [job]
             if job.batch_key is not None and self.batcher is not None:
-                jobs += self._pending.take_matching(
-                    lambda other: other.batch_key == job.batch_key and not other.cancel.is_set(),
-                    self.batcher.max_batch - 1)
+                jobs += self._pending.take_matching(functools.partial(_same_batch, job.batch_key),
+                                                    self.batcher.max_batch - 1)
             started = time.monotonic()
             for member in jobs:
                 member.state, member.started = "running", started
@@ -446,6 +446,10 @@ class EncoderService:
             self._pending.remove(job)
             self._finish(job, exception=_Abandoned())
         self.counters["abandoned"] += 1
+
+
+def _same_batch(key: tuple, job: Job) -> bool:
+    return job.batch_key == key and not job.cancel.is_set()
 
 
 def _without_frames(error: BaseException, job: Job) -> BaseException:
