@@ -194,3 +194,12 @@ def test_service_batches_queued_prompts_of_equal_length(stage):
         assert answers == [stage.encode(_request(p)).to_bytes() for p in prompts]
     assert stats["batched_forwards"] == 1 and stats["batched_requests"] == 3
     assert sorted(seen) == [1] * 5 + [3]  # round 1: 3 checked singles + 1 alone; round 2: a batch of 3 + 1 alone
+
+
+def test_a_batch_takes_its_owner_jobs_and_one_per_other_client():
+    queue = FairQueue()
+    for name in ("l0", "f0", "f1", "f2", "g0", "g1", "l1"):
+        queue.push(SimpleNamespace(client=name[0], name=name))
+    taken = queue.take_matching(lambda job: True, 5, owner="l")
+    assert [job.name for job in taken] == ["l0", "f0", "g0", "l1"]  # one job each of f and g, all of l's own
+    assert [job.name for job in queue] == ["f1", "g1", "f2"]

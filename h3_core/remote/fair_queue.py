@@ -108,18 +108,24 @@ class FairQueue:
         self._take(job.client, index)
         return True
 
-    def take_matching(self, accept: Callable[[Any], bool], limit: int) -> list[Any]:
+    def take_matching(self, accept: Callable[[Any], bool], limit: int, owner: str | None = None) -> list[Any]:
         """Up to `limit` queued jobs that `accept`, in the order they would be taken, removed from the queue.
 
-        For batching: the jobs pulled into a batch are those that would have come next anyway, so no client's
-        share grows beyond one batch slot per turn. Their clients count as served.
+        For batching the turn of `owner`'s job: more of `owner`'s own jobs, and at most one job of each other client
+        (its next turn, taken early). So a client with one request does not wait for a full batch of a flooding
+        client's jobs in its own turn, and 16 clients with a request each still share one forward. Their clients
+        count as served.
         """
-        chosen = []
+        chosen, others = [], set()
         for job in self:
             if len(chosen) >= limit:
                 break
+            if job.client != owner and job.client in others:
+                continue
             if accept(job):
                 chosen.append(job)
+                if job.client != owner:
+                    others.add(job.client)
         for job in chosen:
             self.remove(job)
             self._last_served[job.client] = next(self._ticks)

@@ -258,7 +258,7 @@ class EncoderService:
             jobs = [job]
             if job.batch_key is not None and self.batcher is not None:
                 jobs += self._pending.take_matching(functools.partial(_same_batch, job.batch_key),
-                                                    self.batcher.max_batch - 1)
+                                                    self.batcher.max_batch - 1, owner=job.client)
             started = time.monotonic()
             for member in jobs:
                 member.state, member.started = "running", started
