@@ -203,3 +203,23 @@ def test_a_batch_takes_its_owner_jobs_and_one_per_other_client():
     taken = queue.take_matching(lambda job: True, 5, owner="l")
     assert [job.name for job in taken] == ["l0", "f0", "g0", "l1"]  # one job each of f and g, all of l's own
     assert [job.name for job in queue] == ["f1", "g1", "f2"]
+
+
+def test_bench_clients_reach_the_server_as_distinct_clients(stage):
+    """bench/fairness.py tells its simulated clients apart by loopback source address (127.0.x.y)."""
+    from bench import fairness
+    from h3_core.remote.server import ServerThread
+
+    with ServerThread(stage, ServerConfig(threads=1)) as server:
+        seen = []
+        submit = server.service.submit
+
+        def recording(key, spec, parts, client=""):
+            seen.append(client)
+            return submit(key, spec, parts, client=client)
+
+        server.call(lambda: setattr(server.service, "submit", recording))
+        result = fairness.many(server.url, "fair", 3, 2, [0])
+        assert len(result["latencies"]) == 6 and result["batching"]["requests"] == 6
+        fairness.single(server.url, "fifo", 1, [100])
+    assert sorted(set(seen)) == ["127.0.0.1", "127.0.10.2", "127.0.10.3", "127.0.10.4"]
