@@ -223,3 +223,16 @@ def test_bench_clients_reach_the_server_as_distinct_clients(stage):
         assert len(result["latencies"]) == 6 and result["batching"]["requests"] == 6
         fairness.single(server.url, "fifo", 1, [100])
     assert sorted(set(seen)) == ["127.0.0.1", "127.0.10.2", "127.0.10.3", "127.0.10.4"]
+
+
+def test_scheduling_flags_and_client_keys():
+    from h3_core.cli import build_parser
+    from h3_core.remote.server import config_from_args
+
+    args = build_parser().parse_args(["serve", "--models", "x", "--client-key", "forwarded", "--text-batch", "1"])
+    config = config_from_args(args, None)
+    assert (config.client_key, config.text_batch) == ("forwarded", 1)
+    service = EncoderService(None, config)
+    assert not service.ready and service.client_key("127.0.0.1", "6.6.6.6, 10.0.0.7") == "10.0.0.7"
+    assert service.client_key("10.0.0.9", "10.0.0.7") == "10.0.0.9"  # only a loopback proxy is believed
+    assert EncoderService(None, ServerConfig()).client_key("127.0.0.1", "10.0.0.7") == "127.0.0.1"
