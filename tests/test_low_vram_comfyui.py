@@ -1,0 +1,171 @@
+"""Low VRAM inside a real ComfyUI (0.3.75, CPU, loopback): the H3 DiT and text encoder stream their layers under
+ComfyUI's own partial loading and give the fully loaded run's results bit for bit.
+
+On CPU, ComfyUI always loads a model whole; tests/comfy_lowvram_probe.py (a test-only extension in this server's
+custom_nodes/) hands `LoadedModel.model_load` the budget a GPU short of VRAM would get, so ComfyUI's ModelPatcher
+runs its partial load (`load(lowvram_model_memory=...)`) and marks the layers that do not fit `comfy_cast_weights`;
+the probe records what stays resident, what is fetched through `comfy.ops.cast_bias_weight` during each forward,
+and the memory each node asks `load_models_gpu` for. On a GPU the same code moves the streamed weights from the
+offload device per call (waits for a GPU: bench/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from comfy_harness import comfy_available, start_comfy
+
+from h3_core import configs, planner
+
+HERE = Path(__file__).resolve().parent
+TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
+DIT, TE = "MiniMaxH3Transformer3DModel", "Qwen3VLForConditionalGeneration"
+BF16_TE = "qwen3vl_minimax_h3_tiny_bf16.safetensors"
+PROMPT = "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps."
+CANVAS, FRAMES = (128, 64), 124  # the tiny H3's automatic t2va canvas at 124 frames
+# ComfyUI 0.3.75's minimum_inference_memory() on Linux without --reserve-vram: 0.8 GiB + its default 400 MiB reserve
+COMFY_INFERENCE_MINIMUM = 0.8 * 1024**3 + 400 * 1024**2
+
+
+@pytest.fixture(scope="module")
+def lowvram(tiny_dir, tmp_path_factory):
+    ok, reason = comfy_available()
+    if not ok:
+        pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("lowvram")
+    base = tmp / "base"
+    (base / "custom_nodes").mkdir(parents=True)
+    shutil.copyfile(HERE / "comfy_lowvram_probe.py", base / "custom_nodes" / "h3_lowvram_probe.py")
+    budgets = tmp / "budgets.json"
+    budgets.write_text("{}")
+    env = {
+        "H3_TINY_DIR": str(tiny_dir),
+        "H3_PROBE_BUDGETS": str(budgets),
+        **{k: os.environ.get(k, "2") for k in ("OMP_NUM_THREADS", "H3_THREADS")},
+    }
+    server = start_comfy(base, models_src=Path(tiny_dir) / "comfyui", env=env)
+    server.add_model("minimax_h3", tiny_dir, "tiny")
+    server.add_model("text_encoders", _bf16_copy(tiny_dir, tmp), BF16_TE)
+    yield server, budgets
+    server.stop()
+
+
+def _bf16_copy(tiny_dir: Path, tmp: Path) -> Path:
+    """The tiny text encoder file stored in bf16 (same names and metadata)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = Path(tiny_dir) / "comfyui" / "text_encoders" / "qwen3vl_minimax_h3_tiny_fp32.safetensors"
+    with safe_open(str(source), framework="pt") as handle:
+        tensors = {k: handle.get_tensor(k).to(torch.bfloat16).contiguous() for k in handle.keys()}
+        metadata = handle.metadata()
+    target = tmp / BF16_TE
+    save_file(tensors, str(target), metadata=metadata)
+    return target
+
+
+def graph(te: str = TINY, te_dtype: str = "default", steps: int = 3) -> dict:
+    return {
+        "1": {"class_type": "H3SplitTextEncoderLoader", "inputs": {"text_encoder": te, "weight_dtype": te_dtype}},
+        "2": {"class_type": "H3ProbeArmTextEncoder", "inputs": {"text_encoder": ["1", 0]}},
+        "3": {"class_type": "H3SplitTextEncode", "inputs": {"text_encoder": ["2", 0], "prompt": PROMPT, "width": 0,
+                                                           "height": 0, "length": FRAMES, "task": "t2va"}},
+        "4": {"class_type": "H3ProbeReportConditioning", "inputs": {"conditioning": ["3", 0]}},
+        "5": {"class_type": "H3SplitDiTLoader", "inputs": {"dit": TINY, "partition": "fl2va (t2va, first/last frame)",
+                                                          "weight_dtype": "default"}},
+        "6": {"class_type": "H3ProbeArmDiT", "inputs": {"dit": ["5", 0]}},
+        "7": {"class_type": "H3SplitSampler", "inputs": {"dit": ["6", 0], "conditioning": ["3", 0], "seed": 0,
+                                                        "steps": steps, "video_shift": 12.0, "audio_shift": 3.0}},
+        "8": {"class_type": "H3ProbeReportLatent", "inputs": {"latent": ["7", 0]}},
+    }  # fmt: skip
+
+
+def run(server, budgets: Path, budget: dict, g: dict | None = None, only_text: bool = False):
+    budgets.write_text(json.dumps(budget))
+    g = dict(g or graph())
+    if only_text:
+        g = {k: v for k, v in g.items() if k in ("1", "2", "3", "4")}
+    result = server.run_prompt(g, timeout=300)
+    reports = {key: json.loads(result.outputs[key]["h3_probe"][0]) for key in ("4", "8") if key in result.outputs}
+    return result, reports
+
+
+def forward_stats(report: dict) -> list[dict]:
+    assert report["forwards"], "the armed model never ran"
+    return report["forwards"]
+
+
+def module_bytes(report: dict) -> int:
+    return report["forwards"][0]["at_start"]["bytes"]
+
+
+def test_full_load_streams_nothing_and_asks_for_the_jobs_activations(lowvram):
+    server, budgets = lowvram
+    result, reports = run(server, budgets, {})
+    cond, latent = reports["4"], reports["8"]
+    for report in (cond, latent):
+        for forward in forward_stats(report):
+            assert forward["at_start"]["resident_fraction"] == 1.0 and forward["cast_layers"] == 0
+            # Every parameter-holding layer speaks the protocol (nothing the patcher could strand on the offload device).
+            assert forward["at_start"]["layers"] == forward["at_start"]["all_layers"]
+    assert len(forward_stats(latent)) == 2  # steps - 1 DiT forwards
+    # The Sampler's request: the planner's activations for this canvas, frames and prompt, +20 %, + ComfyUI's minimum.
+    tokens = cond["shape"][1]
+    activations = planner.activation_bytes(
+        width=CANVAS[0], height=CANVAS[1], frames=FRAMES, text_tokens=tokens, dtype=torch.float32,
+        component="transformer", config=configs.get("transformer", tiny=True),
+    )  # fmt: skip
+    requests = {entry["models"][0]: entry["memory_required"] for entry in latent["loads"] if len(entry["models"]) == 1}
+    assert requests[DIT] == int(activations * 1.2) + int(COMFY_INFERENCE_MINIMUM)
+    text = planner.activation_bytes(
+        width=CANVAS[0], height=CANVAS[1], frames=FRAMES, text_tokens=tokens, dtype=torch.float32,
+        component="text_encoder", config=configs.get("text_encoder", tiny=True),
+    )  # fmt: skip
+    assert requests[TE] >= int(text * 1.2) + int(COMFY_INFERENCE_MINIMUM)  # the token count is estimated from above
+    # Reading the weights drives each loader node's own progress bar up to the file's bytes.
+    for loader in ("1", "5"):
+        bars = [m for m in result.of_type("progress") if m.get("node") == loader]
+        assert bars and bars[-1]["value"] == bars[-1]["max"] > 100_000, (loader, bars[-1:])
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.0], ids=["partial", "novram"])
+def test_forced_low_vram_streams_and_gives_the_same_bits(lowvram, fraction):
+    server, budgets = lowvram
+    _, full = run(server, budgets, {})
+    sizes = {DIT: module_bytes(full["8"]), TE: module_bytes(full["4"])}
+    _, low = run(server, budgets, {name: int(size * fraction) for name, size in sizes.items()})
+    for key in ("4", "8"):
+        assert low[key]["digest"] == full[key]["digest"], f"streamed run differs ({key})"
+        for forward in forward_stats(low[key]):
+            start = forward["at_start"]
+            assert 0 < start["layers_streamed"] and start["streamed_bytes"] > 0
+            # The layers ComfyUI left on the offload device were fetched per call, and only those (a t2va prompt
+            # leaves the text encoder's vision tower unused: its streamed layers are never fetched).
+            assert 0 < forward["cast_layers"] <= start["layers_streamed"]
+            assert 0 < forward["cast_bytes"] <= start["streamed_bytes"]
+            if key == "8":
+                assert (forward["cast_layers"], forward["cast_bytes"]) == (start["layers_streamed"],
+                                                                         start["streamed_bytes"])
+            if fraction == 0.0:
+                assert start["resident_fraction"] == 0.0 and start["layers_streamed"] == start["layers"]
+            else:
+                assert 0.0 < start["resident_fraction"] < 1.0, start
+    print({key: forward_stats(low[key])[0]["at_start"] for key in ("4", "8")})
+
+
+def test_bf16_text_encoder_keeps_bf16_and_streams_bitwise(lowvram):
+    server, budgets = lowvram
+    _, full = run(server, budgets, {}, graph(te=BF16_TE, te_dtype="bf16"), only_text=True)
+    forward = forward_stats(full["4"])[0]
+    assert forward["param_dtypes"] == ["torch.bfloat16"] and full["4"]["dtype"] == "torch.bfloat16"
+    _, low = run(server, budgets, {TE: 0}, graph(te=BF16_TE, te_dtype="bf16"), only_text=True)
+    assert low["4"]["digest"] == full["4"]["digest"]
+    assert forward_stats(low["4"])[0]["at_start"]["resident_fraction"] == 0.0
+    # "default" on CPU is the float32 rule: the bf16 file is widened.
+    _, widened = run(server, budgets, {}, graph(te=BF16_TE, te_dtype="default"), only_text=True)
+    assert forward_stats(widened["4"])[0]["param_dtypes"] == ["torch.float32"]
