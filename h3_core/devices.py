@@ -92,6 +92,12 @@ class Placement:
         )
 
 
+def stage_kwargs(args, component: str) -> dict:
+    """EncoderStage / DiffusionStage keyword arguments from parsed CLI flags."""
+    placement = Placement.from_args(args)
+    return {"device": placement.device, "dtype": placement.dtype_of(component), "offload": placement.offload}
+
+
 def add_arguments(parser, *, offload_default: str = "auto", dtype_default: str = "auto",
                   dtype_help: str | None = None) -> None:
     """The placement flags every model-running command takes (encode, generate, serve)."""

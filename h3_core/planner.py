@@ -230,8 +230,9 @@ def plan_component(component: str, tensors: Mapping, *, name: str = "", width: i
     """Plan one component from its tensor table (`{name: entry}` with `.dtype` tags and `.nbytes`).
 
     Loaded bytes follow `dtypes`: integer (quantised) tensors stay as stored; floating tensors take the
-    compute dtype when the file is float32 throughout (the tiny H3, fp32 exports), otherwise they stay as
-    stored (a bf16 release file's float32 islands are the modules kept in float32)."""
+    compute dtype when the file is float32 throughout (the tiny H3, fp32 exports) and in the VAEs (loaded in
+    float32 by the official rule), otherwise they stay as stored (a bf16 release file's float32 islands are
+    the modules kept in float32)."""
     from .dtypes import compute_dtype
 
     compute = compute_dtype(component, device, dtype)
@@ -241,7 +242,7 @@ def plan_component(component: str, tensors: Mapping, *, name: str = "", width: i
     device_bytes = rest = 0
     for tensor_name, entry in tensors.items():
         nbytes = _entry_bytes(entry)
-        if entry.dtype in floating and all_fp32:
+        if entry.dtype in floating and (all_fp32 or component in ("vae", "audio_vae")):
             nbytes = nbytes // _dtype_tag_bytes(entry.dtype) * compute.itemsize
         device_bytes += nbytes
         block = _block_of(tensor_name) if component in STREAMABLE else None
