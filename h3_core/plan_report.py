@@ -91,13 +91,11 @@ def _decide(role: str, plan: planner.ComponentPlan, extra_for, vram: int, ram: i
             return Verdict(role, offload, peak, host, "")
     offload = "block" if plan.streamable else "none"
     peak, host = max(plan.peak(offload), extra_for(offload)), plan.host_bytes(offload)
-    advice = []
-    if peak > vram:
-        advice.append(_alternatives(plan, max(0, extra_for(offload) - plan.peak(offload)), vram, ram))
-        if plan.component == "text_encoder":
-            advice.append("or run the text encoder on an encoder server (`serve`) and `encode --server URL`")
+    advice = [_alternatives(plan, max(0, extra_for(offload) - plan.peak(offload)), vram, ram)]
+    if plan.component == "text_encoder":
+        advice.append("or run the text encoder on an encoder server (`serve`) and `encode --server URL`")
     if ram is not None and host > ram:
-        advice.append(f"host RAM {host / GB:.0f} GB needed to stream (or a smaller file)")
+        advice.append(f"streaming this file needs {host / GB:.0f} GB host RAM")
     return Verdict(role, None, peak, host, "; ".join(a for a in advice if a) or "no published file fits")
 
 
