@@ -18,11 +18,14 @@ on top of its widest phase, the MLP (gate, up and their product: 3 x intermediat
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from . import configs, facts
+from .safetensors_header import DTYPES
 
 # A prompt's Qwen presentation length when the caller does not know it: a few hundred words of
 # prompt plus the chat template.
@@ -157,3 +160,119 @@ def _audio_vae_bytes(frames: int, size: int, config: Mapping) -> int:
 
 def transformer_config(tiny: bool = False) -> dict:
     return configs.get("transformer", tiny=tiny)
+
+
+# --- per-component plans (headers only) ------------------------------------------------------------
+
+# Allocator slack, CUDA context and kernel workspaces on top of weights and activations.
+RESERVE_BYTES = 1 << 30
+# Host RAM the process needs besides weights (interpreter, torch, tokenizer, media).
+HOST_OVERHEAD_BYTES = 3 << 30
+STREAMABLE = (*DIT_COMPONENTS, "text_encoder")
+
+# The ModuleLists block streaming walks (file names after dropping `model.` / `language_model.`).
+_BLOCK = re.compile(r"^(layers|visual\.blocks|visual\.deepstack_merger_list|blocks|transformer_blocks)\.(\d+)\.")
+
+
+def _block_of(name: str) -> tuple[str, int] | None:
+    for prefix in ("model.", "language_model."):
+        name = name.removeprefix(prefix)
+    match = _BLOCK.match(name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def _dtype_tag_bytes(tag: str) -> int:
+    dtype = DTYPES.get(tag)
+    return dtype.itemsize if dtype is not None else 1
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """One component's memory on the device (resident or streamed) and in host RAM, for one job."""
+
+    component: str
+    name: str  # file name (or a label)
+    stored_bytes: int  # bytes in the file
+    device_bytes: int  # bytes once loaded at the compute dtype
+    rest_bytes: int  # device bytes outside the streamed block lists
+    largest_block: int
+    blocks: int
+    activation: int
+    dtype: torch.dtype
+
+    @property
+    def streamable(self) -> bool:
+        return self.component in STREAMABLE and self.blocks > 0
+
+    @property
+    def resident_peak(self) -> int:
+        return self.device_bytes + self.activation + RESERVE_BYTES
+
+    @property
+    def streamed_peak(self) -> int:
+        """The unstreamed rest, the running block and the one prefetched behind it."""
+        if not self.streamable:
+            return self.resident_peak
+        return self.rest_bytes + 2 * self.largest_block + self.activation + RESERVE_BYTES
+
+    def peak(self, offload: str) -> int:
+        return self.streamed_peak if offload == "block" else self.resident_peak
+
+    def host_bytes(self, offload: str) -> int:
+        """Host RAM to run well: streamed weights live in host RAM (pinned copies, or the file's pages);
+        a resident load passes through it tensor by tensor (memory-mapped, no full copy)."""
+        return HOST_OVERHEAD_BYTES + (self.device_bytes if offload == "block" else 0)
+
+
+def plan_component(component: str, tensors: Mapping, *, name: str = "", width: int, height: int, frames: int,
+                   text_tokens: int = DEFAULT_TEXT_TOKENS, device: str = "cuda", dtype=None,
+                   config: Mapping | None = None) -> ComponentPlan:
+    """Plan one component from its tensor table (`{name: entry}` with `.dtype` tags and `.nbytes`).
+
+    Loaded bytes follow `dtypes`: integer (quantised) tensors stay as stored; floating tensors take the
+    compute dtype when the file is float32 throughout (the tiny H3, fp32 exports) and in the VAEs (loaded in
+    float32 by the official rule), otherwise they stay as stored (a bf16 release file's float32 islands are
+    the modules kept in float32)."""
+    from .dtypes import compute_dtype
+
+    compute = compute_dtype(component, device, dtype)
+    floating = {"F64", "F32", "F16", "BF16"}
+    all_fp32 = all(entry.dtype == "F32" for entry in tensors.values() if entry.dtype in floating)
+    per_block: dict[tuple[str, int], int] = {}
+    device_bytes = rest = 0
+    for tensor_name, entry in tensors.items():
+        nbytes = _entry_bytes(entry)
+        if entry.dtype in floating and (all_fp32 or component in ("vae", "audio_vae")):
+            nbytes = nbytes // _dtype_tag_bytes(entry.dtype) * compute.itemsize
+        device_bytes += nbytes
+        block = _block_of(tensor_name) if component in STREAMABLE else None
+        if block is None:
+            rest += nbytes
+        else:
+            per_block[block] = per_block.get(block, 0) + nbytes
+    activation = activation_bytes(width=width, height=height, frames=frames, text_tokens=text_tokens,
+                                  dtype=torch.float32 if component == "audio_vae" else compute,
+                                  component=component, config=config)
+    return ComponentPlan(
+        component=component,
+        name=name,
+        stored_bytes=sum(_entry_bytes(entry) for entry in tensors.values()),
+        device_bytes=device_bytes,
+        rest_bytes=rest,
+        largest_block=max(per_block.values(), default=0),
+        blocks=len(per_block),
+        activation=activation,
+        dtype=compute,
+    )
+
+
+def plan_file(path, *, width: int, height: int, frames: int, text_tokens: int = DEFAULT_TEXT_TOKENS,
+              device: str = "cuda", dtype=None) -> ComponentPlan:
+    """`plan_component` for a checkpoint on disk: its header says what it is and its model widths."""
+    from .weights import components, detect
+
+    det = detect(os.fspath(path))
+    config = components.resolve_config(det)
+    return plan_component(det.slot, det.header.tensors, name=os.path.basename(os.fspath(path).rstrip("/")),
+                          width=width, height=height, frames=frames, text_tokens=text_tokens, device=device,
+                          dtype=dtype, config=config)
