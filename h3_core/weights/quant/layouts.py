@@ -93,15 +93,20 @@ class LayerSpec:
         return f"nvfp4 (block 16{awq})"
 
     def row_aligned(self, suffix: str) -> bool | None:
-        """Whether side tensor `suffix` has one entry per output row (so it follows a fused row split or
-        half swap); False: per tensor or per input (copied); None: cannot follow a row change."""
-        if suffix in ("comfy_quant", "input_scale", "weight_scale_2", "pre_quant_scale"):
-            return False
-        if suffix == "weight":
-            return True if self.format != NVFP4 or self.shape[0] % 16 == 0 else None
-        if self.format == NVFP4 and suffix == "weight_scale":
-            return None  # swizzled 128x4 tiles: a row split would have to re-tile them
-        return self.tensors[suffix][1] not in SCALAR
+        return row_aligned(self.format, suffix, self.tensors[suffix][1] if suffix in self.tensors else ())
+
+
+def row_aligned(fmt: str, suffix: str, shape) -> bool | None:
+    """Whether a layer's tensor `suffix` has one entry per output row, so it follows its weight through a
+    fused-row split (qkv) or half swap (fc1); False: per tensor or per input channel (copied to every
+    part); None: it cannot follow a row change (nvfp4's swizzled 128x4 block-scale tiles)."""
+    if suffix in ("comfy_quant", "input_scale", "weight_scale_2", "pre_quant_scale"):
+        return False
+    if suffix == "weight":
+        return True
+    if fmt == NVFP4 and suffix == "weight_scale":
+        return None
+    return tuple(shape) not in SCALAR
 
 
 def _shape(tensors: dict, suffix: str) -> tuple[int, ...]:
