@@ -16,7 +16,8 @@ release's with rotation groups that fit tiny widths: ConvRot uses the largest po
 fp32 weights (what each format costs is then measured against the fp32 model itself); the other
 tensors are stored in the release dtypes. The nvfp4 file's AWQ `pre_quant_scale` (on o_proj and
 down_proj, the layers without a norm to fold it into) is synthetic: the square root of each input
-column's relative magnitude, since no calibration activations exist for random weights.
+column's relative magnitude (stored bf16, as published), since no calibration activations exist for
+random weights.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def _dit_dtype(name: str) -> torch.dtype:
 def _awq_scale(weight: torch.Tensor) -> torch.Tensor:
     """A deterministic stand-in for AWQ's per-input-channel smoothing scale (see the module docstring)."""
     column = weight.abs().amax(dim=0).to(torch.float32)
-    return (column / column.mean()).clamp(min=0.25, max=4.0).sqrt()
+    # bf16, the published file's pre_quant_scale dtype
+    return (column / column.mean()).clamp(min=0.25, max=4.0).sqrt().to(torch.bfloat16)
 
 
 def dit_twin(tensors: dict, variant: str) -> dict:
