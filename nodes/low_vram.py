@@ -161,7 +161,7 @@ def _place_the_rest(patcher, device_to, *_args) -> None:
                 if buffer is not None and buffer.device != torch.device(device_to):
                     module._buffers[name] = buffer.to(device_to)
             if _holds_parameters(module) and not _is_leaf_holder(module):
-                for name, param in module._parameters.items():
+                for param in module._parameters.values():
                     if param is not None and param.device != torch.device(device_to):
                         param.data = param.data.to(device_to)
 

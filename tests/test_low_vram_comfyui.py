@@ -111,7 +111,7 @@ def test_full_load_streams_nothing_and_asks_for_the_jobs_activations(lowvram):
     for report in (cond, latent):
         for forward in forward_stats(report):
             assert forward["at_start"]["resident_fraction"] == 1.0 and forward["cast_layers"] == 0
-            # Every parameter-holding layer speaks the protocol (nothing the patcher could strand on the offload device).
+            # Every parameter-holding layer speaks the protocol (none the patcher could strand on the offload device).
             assert forward["at_start"]["layers"] == forward["at_start"]["all_layers"]
     assert len(forward_stats(latent)) == 2  # steps - 1 DiT forwards
     # The Sampler's request: the planner's activations for this canvas, frames and prompt, +20 %, + ComfyUI's minimum.
