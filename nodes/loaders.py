@@ -54,6 +54,7 @@ def _weight_dtype_input(options: list[str], what: str):
     return io.Combo.Input(
         "weight_dtype",
         options=options,
+        default="default",
         optional=True,
         tooltip=f"Dtype the {what} is loaded and runs in. default: bf16 on a GPU, fp32 on CPU (the pack's one rule; "
         "the video VAE stays fp32 and decodes under fp16 autocast, the audio VAE is fp32 only).",

@@ -26,8 +26,11 @@ HERE = Path(__file__).resolve().parent
 TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
 DIT, TE = "MiniMaxH3Transformer3DModel", "Qwen3VLForConditionalGeneration"
 BF16_TE = "qwen3vl_minimax_h3_tiny_bf16.safetensors"
+INT8_TE = "qwen3vl_minimax_h3_tiny_int8_convrot.safetensors"
+NVFP4_TE = "qwen3vl_minimax_h3_tiny_nvfp4_awq.safetensors"
+INT8_DIT = "minimax_h3_tiny_fl2va_int8_convrot.safetensors"
 PROMPT = "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps."
-CANVAS, FRAMES = (128, 64), 124  # the tiny H3's automatic t2va canvas at 124 frames
+CANVAS, FRAMES = (128, 64), 124  # the tiny H3's own t2va canvas (given: single files do not say they are tiny)
 # ComfyUI 0.3.75's minimum_inference_memory() on Linux without --reserve-vram: 0.8 GiB + its default 400 MiB reserve
 COMFY_INFERENCE_MINIMUM = 0.8 * 1024**3 + 400 * 1024**2
 
@@ -48,35 +51,34 @@ def lowvram(tiny_dir, tmp_path_factory):
         "H3_PROBE_BUDGETS": str(budgets),
         **{k: os.environ.get(k, "2") for k in ("OMP_NUM_THREADS", "H3_THREADS")},
     }
-    server = start_comfy(base, models_src=Path(tiny_dir) / "comfyui", env=env)
+    server = start_comfy(base, models_src=_models_with_twins(Path(tiny_dir), tmp), env=env)
     server.add_model("minimax_h3", tiny_dir, "tiny")
-    server.add_model("text_encoders", _bf16_copy(tiny_dir, tmp), BF16_TE)
     yield server, budgets
     server.stop()
 
 
-def _bf16_copy(tiny_dir: Path, tmp: Path) -> Path:
-    """The tiny text encoder file stored in bf16 (same names and metadata)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+def _models_with_twins(tiny_dir: Path, tmp: Path) -> Path:
+    """The tiny H3's ComfyUI models with the twins of the published precisions (bf16, int8_convrot, nvfp4_awq):
+    a fresh tiny build has them; an older prebuilt one ($H3_TINY_DIR) gets them written into a copy."""
+    models = tiny_dir / "comfyui"
+    if all((models / "text_encoders" / name).is_file() for name in (BF16_TE, INT8_TE, NVFP4_TE)):
+        return models
+    from h3_core import tiny_twins
 
-    source = Path(tiny_dir) / "comfyui" / "text_encoders" / "qwen3vl_minimax_h3_tiny_fp32.safetensors"
-    with safe_open(str(source), framework="pt") as handle:
-        tensors = {k: handle.get_tensor(k).to(torch.bfloat16).contiguous() for k in handle.keys()}
-        metadata = handle.metadata()
-    target = tmp / BF16_TE
-    save_file(tensors, str(target), metadata=metadata)
-    return target
+    copy = tmp / "comfyui"
+    shutil.copytree(models, copy)
+    tiny_twins.write_twins(copy)
+    return copy
 
 
-def graph(te: str = TINY, te_dtype: str = "default", steps: int = 3) -> dict:
+def graph(te: str = TINY, te_dtype: str = "default", dit: str = TINY, steps: int = 3) -> dict:
     return {
         "1": {"class_type": "H3SplitTextEncoderLoader", "inputs": {"text_encoder": te, "weight_dtype": te_dtype}},
         "2": {"class_type": "H3ProbeArmTextEncoder", "inputs": {"text_encoder": ["1", 0]}},
-        "3": {"class_type": "H3SplitTextEncode", "inputs": {"text_encoder": ["2", 0], "prompt": PROMPT, "width": 0,
-                                                           "height": 0, "length": FRAMES, "task": "t2va"}},
+        "3": {"class_type": "H3SplitTextEncode", "inputs": {"text_encoder": ["2", 0], "prompt": PROMPT, "task": "t2va",
+                                                           "width": CANVAS[0], "height": CANVAS[1], "length": FRAMES}},
         "4": {"class_type": "H3ProbeReportConditioning", "inputs": {"conditioning": ["3", 0]}},
-        "5": {"class_type": "H3SplitDiTLoader", "inputs": {"dit": TINY, "partition": "fl2va (t2va, first/last frame)",
+        "5": {"class_type": "H3SplitDiTLoader", "inputs": {"dit": dit, "partition": "fl2va (t2va, first/last frame)",
                                                           "weight_dtype": "default"}},
         "6": {"class_type": "H3ProbeArmDiT", "inputs": {"dit": ["5", 0]}},
         "7": {"class_type": "H3SplitSampler", "inputs": {"dit": ["6", 0], "conditioning": ["3", 0], "seed": 0,
@@ -104,9 +106,15 @@ def module_bytes(report: dict) -> int:
     return report["forwards"][0]["at_start"]["bytes"]
 
 
-def test_full_load_streams_nothing_and_asks_for_the_jobs_activations(lowvram):
+@pytest.fixture(scope="module")
+def full_run(lowvram):
+    """The fully loaded run every streamed run is compared with (the server's first prompt: loaders run in it)."""
     server, budgets = lowvram
-    result, reports = run(server, budgets, {})
+    return run(server, budgets, {})
+
+
+def test_full_load_streams_nothing_and_asks_for_the_jobs_activations(full_run):
+    result, reports = full_run
     cond, latent = reports["4"], reports["8"]
     for report in (cond, latent):
         for forward in forward_stats(report):
@@ -134,15 +142,22 @@ def test_full_load_streams_nothing_and_asks_for_the_jobs_activations(lowvram):
 
 
 @pytest.mark.parametrize("fraction", [0.6, 0.0], ids=["partial", "novram"])
-def test_forced_low_vram_streams_and_gives_the_same_bits(lowvram, fraction):
+def test_forced_low_vram_streams_and_gives_the_same_bits(lowvram, full_run, fraction):
     server, budgets = lowvram
-    _, full = run(server, budgets, {})
+    full = full_run[1]
     sizes = {DIT: module_bytes(full["8"]), TE: module_bytes(full["4"])}
     _, low = run(server, budgets, {name: int(size * fraction) for name, size in sizes.items()})
-    for key in ("4", "8"):
+    check_streamed(full, low, fraction)
+    print({key: forward_stats(low[key])[0]["at_start"] for key in ("4", "8")})
+
+
+def check_streamed(full: dict, low: dict, fraction: float) -> None:
+    """`low` gave `full`'s bits while ComfyUI kept only part (fraction 0: none) of each model's layers resident."""
+    for key in low:
         assert low[key]["digest"] == full[key]["digest"], f"streamed run differs ({key})"
         for forward in forward_stats(low[key]):
             start = forward["at_start"]
+            assert start["layers"] == start["all_layers"]
             assert 0 < start["layers_streamed"] and start["streamed_bytes"] > 0
             # The layers ComfyUI left on the offload device were fetched per call, and only those (a t2va prompt
             # leaves the text encoder's vision tower unused: its streamed layers are never fetched).
@@ -155,7 +170,6 @@ def test_forced_low_vram_streams_and_gives_the_same_bits(lowvram, fraction):
                 assert start["resident_fraction"] == 0.0 and start["layers_streamed"] == start["layers"]
             else:
                 assert 0.0 < start["resident_fraction"] < 1.0, start
-    print({key: forward_stats(low[key])[0]["at_start"] for key in ("4", "8")})
 
 
 def test_bf16_text_encoder_keeps_bf16_and_streams_bitwise(lowvram):
@@ -164,8 +178,22 @@ def test_bf16_text_encoder_keeps_bf16_and_streams_bitwise(lowvram):
     forward = forward_stats(full["4"])[0]
     assert forward["param_dtypes"] == ["torch.bfloat16"] and full["4"]["dtype"] == "torch.bfloat16"
     _, low = run(server, budgets, {TE: 0}, graph(te=BF16_TE, te_dtype="bf16"), only_text=True)
-    assert low["4"]["digest"] == full["4"]["digest"]
-    assert forward_stats(low["4"])[0]["at_start"]["resident_fraction"] == 0.0
+    check_streamed(full, low, 0.0)
     # "default" on CPU is the float32 rule: the bf16 file is widened.
     _, widened = run(server, budgets, {}, graph(te=BF16_TE, te_dtype="default"), only_text=True)
     assert forward_stats(widened["4"])[0]["param_dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.parametrize("te", [INT8_TE, NVFP4_TE], ids=["int8_convrot", "nvfp4_awq"])
+def test_quantised_layers_stream_at_their_stored_size(lowvram, te):
+    """QuantLinear (and the nvfp4 file's int8 token table) speak the protocol too: a novram run fetches the quantised
+    storage per call and dequantises it there, bit for bit the resident run."""
+    server, budgets = lowvram
+    text_only = te == NVFP4_TE  # one quantised DiT is enough; the nvfp4 file differs in its text encoder
+    g = graph(te=te, dit=INT8_DIT)
+    _, full = run(server, budgets, {}, g, only_text=text_only)
+    _, low = run(server, budgets, {TE: 0, DIT: 0}, g, only_text=text_only)
+    check_streamed(full, low, 0.0)
+    for report in low.values():
+        dtypes = forward_stats(report)[0]["param_dtypes"]
+        assert {"torch.int8", "torch.uint8"} & set(dtypes), dtypes  # stored quantised, streamed as stored
