@@ -5,9 +5,10 @@ text_encoders/, vae/), a whole-model folder under models/minimax_h3/ (an officia
 a native partition), or the embedded tiny H3. The weights live under ComfyUI's model management; the DiT's and
 the text encoder's layers stream through it when VRAM is short (low_vram.py).
 
-Dtypes follow h3_core's one rule (`h3_core.dtypes.compute_dtype`: on the device ComfyUI picked, bf16 for the DiT
-and text encoder on a GPU, float32 on CPU, the official float32 video VAE, the float32-only audio VAE); each loader's
-`weight_dtype` widget ("default" = that rule) overrides it. Reading a file drives the loader node's progress bar.
+Dtypes follow h3_core's one rule (`h3_core.dtypes.compute_dtype` for the machine's compute device: bf16 for the
+DiT and text encoder on a GPU, float32 on a CPU-only machine, the official float32 video VAE, the float32-only audio
+VAE); each loader's `weight_dtype` widget ("default" = that rule) overrides it. Reading a file drives the loader
+node's progress bar.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ class _ComponentLoader(io.ComfyNode):
     @classmethod
     def execute(cls, weight_dtype: str = "default", **inputs) -> io.NodeOutput:
         load_device, offload_device = cls.devices()
-        dtype = dtypes.compute_dtype(cls.COMPONENT, load_device, weight_dtype)
+        # The rule is the machine's (its compute device), not the load device's: under --lowvram / --novram ComfyUI
+        # runs text encoders on the CPU, where float32 would make the 32B encoder 4x its bf16 file in RAM.
+        dtype = dtypes.compute_dtype(cls.COMPONENT, mm.get_torch_device(), weight_dtype)
         source = _source(cls.FOLDER, inputs[cls.INPUT_ID], cls.COMPONENT)
         patcher = _load(source, cls.COMPONENT, dtype, load_device, offload_device, cls.STREAM)
         return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), cls.extra(source), dtype))
