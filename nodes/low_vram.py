@@ -175,7 +175,12 @@ def streamed_patcher(holder: torch.nn.Module, model: torch.nn.Module, load_devic
     """A ComfyUI patcher around `holder` (which holds `model`) whose layers stream when VRAM is short."""
     conversion = make_streamable(model, load_device)
     cls = patcher_class()
-    patcher = cls(holder, load_device=load_device, offload_device=offload_device)
+    try:
+        patcher = cls(holder, load_device=load_device, offload_device=offload_device)
+    except Exception as error:  # a newer core's patcher asking for more than a plain module: the legacy one streams
+        log.warning("[MiniMax H3] %s refused the model (%s); using ModelPatcher", cls.__name__, error)
+        cls = comfy.model_patcher.ModelPatcher
+        patcher = cls(holder, load_device=load_device, offload_device=offload_device)
     if CallbacksMP is not None:
         patcher.add_callback(CallbacksMP.ON_LOAD, _place_the_rest)
     log.info(
