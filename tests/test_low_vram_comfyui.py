@@ -15,10 +15,12 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from comfy_harness import comfy_available, start_comfy
+from test_lora import _comfy_lora
 
 from h3_core import configs, planner
 
@@ -71,7 +73,7 @@ def _models_with_twins(tiny_dir: Path, tmp: Path) -> Path:
     return copy
 
 
-def graph(te: str = TINY, te_dtype: str = "default", dit: str = TINY, steps: int = 3) -> dict:
+def graph(te: str = TINY, te_dtype: str = "default", dit: str = TINY, steps: int = 3, lora: str = "none") -> dict:
     return {
         "1": {"class_type": "H3SplitTextEncoderLoader", "inputs": {"text_encoder": te, "weight_dtype": te_dtype}},
         "2": {"class_type": "H3ProbeArmTextEncoder", "inputs": {"text_encoder": ["1", 0]}},
@@ -82,7 +84,8 @@ def graph(te: str = TINY, te_dtype: str = "default", dit: str = TINY, steps: int
                                                           "weight_dtype": "default"}},
         "6": {"class_type": "H3ProbeArmDiT", "inputs": {"dit": ["5", 0]}},
         "7": {"class_type": "H3SplitSampler", "inputs": {"dit": ["6", 0], "conditioning": ["3", 0], "seed": 0,
-                                                        "steps": steps, "video_shift": 12.0, "audio_shift": 3.0}},
+                                                        "steps": steps, "video_shift": 12.0, "audio_shift": 3.0,
+                                                        "lora": lora, "lora_strength": 1.0}},
         "8": {"class_type": "H3ProbeReportLatent", "inputs": {"latent": ["7", 0]}},
     }  # fmt: skip
 
@@ -197,3 +200,16 @@ def test_quantised_layers_stream_at_their_stored_size(lowvram, te):
     for report in low.values():
         dtypes = forward_stats(report)[0]["param_dtypes"]
         assert {"torch.int8", "torch.uint8"} & set(dtypes), dtypes  # stored quantised, streamed as stored
+
+
+def test_lora_hooks_run_on_streamed_layers(lowvram, full_run, tmp_path):
+    """The Sampler's LoRA (forward hooks beside each targeted Linear) composes with streaming: same bits."""
+    server, budgets = lowvram
+    transformer = SimpleNamespace(config=SimpleNamespace(**configs.get("transformer", tiny=True)))
+    _comfy_lora(tmp_path / "lora.safetensors", transformer)
+    server.add_model("loras", tmp_path / "lora.safetensors", "h3_lowvram_test_lora.safetensors")
+    g = graph(lora="h3_lowvram_test_lora.safetensors")
+    _, full = run(server, budgets, {}, g)
+    _, low = run(server, budgets, {DIT: 0}, g)
+    assert full["8"]["digest"] != full_run[1]["8"]["digest"]  # the LoRA took part
+    check_streamed({"8": full["8"]}, {"8": low["8"]}, 0.0)
