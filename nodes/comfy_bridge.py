@@ -1,4 +1,5 @@
-"""The only place that touches ComfyUI internals: model management, progress, interrupts, types.
+"""The place that touches ComfyUI internals: model management, progress, interrupts, types (low_vram.py adds
+the cast-weights protocol its streamed models speak).
 
 Everything else in `nodes/` converts ComfyUI values to h3_core calls through these helpers.
 """
