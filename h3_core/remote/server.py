@@ -206,24 +206,24 @@ def main(args) -> int:
         log.warning("listening on %s beyond loopback: bearer token required; terminate TLS in a reverse proxy "
                     "(docs/DEPLOY.md) - plain HTTP exposes the token and the prompts", host)
 
-    import torch
-
+    from ..devices import DeviceError, Placement
+    from ..dtypes import name as dtype_label
     from ..encoder import ENCODER_COMPONENTS, EncoderStage
     from ..models import ModelSource
 
     components = tuple(getattr(args, "components", None) or ENCODER_COMPONENTS)
-    dtype_name = getattr(args, "dtype", None) or "float32"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     try:
-        device = torch.device(getattr(args, "device", None) or "cpu")
-    except RuntimeError as error:
-        print(f"error: --device: {error}", file=sys.stderr)
+        placement = Placement.from_args(args)
+    except (DeviceError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
+    device, dtype = placement.device, placement.dtype_of("text_encoder")
+    dtype_name = dtype_label(dtype)
     source = ModelSource.from_path(args.models, layout=getattr(args, "layout", None))
     model_info = {"layout": source.layout, "tiny": bool(source.tiny), "dtype": dtype_name, "device": device.type}
 
     def load():
-        stage = EncoderStage(source, components=components, dtype=dtype, device=device)
+        stage = EncoderStage(source, components=components, dtype=dtype, device=device, offload=placement.offload)
         log.info("loaded encoders %s (model %s, %s on %s)", ",".join(stage.components), stage.fingerprint,
                  dtype_name, device)
         return stage
