@@ -1,9 +1,10 @@
 """Weight formats: how tensors are stored, decided from the header before any weight is read.
 
 A component (DiT, VAE, ...) says *what* a file holds; its format says *how* the numbers are stored.
-Every loader supports one format today, "dense": plain bf16 / fp16 / fp32 tensors. The published
-pruned ("AdaLN curve") DiTs and the quantised Comfy-Org files (ConvRot int8, fp8_scaled, w6a8,
-nvfp4/AWQ) are recognised and refused with a message naming the format and what is supported.
+Every loader supports one format today, "dense": plain bf16 / fp16 / fp32 tensors. The quantised
+Comfy-Org files (ConvRot int8, fp8_scaled, w6a8, nvfp4/AWQ) are recognised and refused with a message
+naming the format and what is supported. (The pruned "AdaLN curve" DiTs are dense: their difference is
+a key family of the DiT handler, `pruned.py`.)
 Supporting one of them later is one entry here: mark it supported and give it what the loaders then
 need from a format - the dense shapes its stored tensors stand for (so each component handler still
 derives its config from shapes) and the per-layer modules or dequantisation that run its tensors.
@@ -41,7 +42,7 @@ QUANT_SUFFIXES = (
 # Integer/fp8/fp4 storage for a weight means a quantised (or packed) tensor, whatever its name.
 QUANT_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I4", "U4"}
 DENSE_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "BOOL"}
-PRUNED_TABLE_KEY = "adaln_t_table"
+PRUNED_TABLE_KEY = "adaln_t_table"  # the pruned DiT's table (pruned.TABLE_KEY)
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,6 @@ class WeightFormat:
     name: str
     supported: bool
     recognise: Callable[[Header], str | None]
-
-
-def _pruned(header: Header) -> str | None:
-    if PRUNED_TABLE_KEY not in header.tensors:
-        return None
-    shape = list(header.tensors[PRUNED_TABLE_KEY].shape)
-    return (
-        f"pruned MiniMax-H3 DiT (it replaces time_embedder with {PRUNED_TABLE_KEY} {shape} and feeds every AdaLN "
-        "projection from that table), which MiniMaxH3Transformer3DModel cannot run"
-    )
 
 
 def _quantised(header: Header) -> str | None:
@@ -81,9 +72,8 @@ def _dense(header: Header) -> str | None:
     return "dense" if all(info.dtype in DENSE_DTYPES for info in header.tensors.values()) else None
 
 
-# Checked in order: a pruned file is also stored densely, so it must be recognised first.
+# Checked in order. (The pruned "AdaLN curve" DiT is not a format: it is a key family of the DiT, see pruned.py.)
 FORMATS = (
-    WeightFormat("pruned_adaln", supported=False, recognise=_pruned),
     WeightFormat("quantised", supported=False, recognise=_quantised),
     WeightFormat("dense", supported=True, recognise=_dense),
 )
