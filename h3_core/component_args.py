@@ -48,8 +48,8 @@ def _dit_slot(path: str, task: str | None) -> str:
     return slot
 
 
-def model_source(args, task: str | None = None) -> ModelSource:
-    """`--models` (if given) with the component files put in; `task` picks the DiT's slot."""
+def model_source(args, task: str | None = None):
+    """The `ModelSource` of `--models` (if given) with the component files put in; `task` picks the DiT's slot."""
     from . import weights  # torch and the loaders only when a command loads models
     from .models import ModelSource, ModelSourceError
 

@@ -38,6 +38,7 @@ VARIANTS = {
 }
 # Tensors the release stores float32 in every DiT file: the patch projections, the output heads, the rope table.
 _F32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "final_layer.video_out.", "final_layer.audio_out.", "rope.")
+_FP8_INPUT_SCALE = 8.0 / 448.0
 _BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 
@@ -62,20 +63,27 @@ def block_linears(state: dict) -> list[str]:
     return [f"blocks.{index}.{name}" for index in blocks for name in _BLOCK_LINEARS]
 
 
+def layer_options(fmt: str, layers: list[str]) -> dict[str, dict]:
+    """Per-layer options as the release has them: fp8 fc2 asks for a full-precision matmul, the other fp8
+    linears carry a static activation scale (the tiny's is a fixed stand-in: activations within +-8)."""
+    if fmt != "fp8_scaled":
+        return {layer: {} for layer in layers}
+    return {
+        layer: {"full_precision_matrix_mult": True} if layer.endswith("mlp.fc2") else {"input_scale": _FP8_INPUT_SCALE}
+        for layer in layers
+    }
+
+
 def pruned_twins(full_path: Path, *, grid: int = RELEASE_GRID) -> dict[str, tuple[dict, dict]]:
     """variant -> (tensors, metadata) of every pruned twin of one full tiny DiT file."""
-    try:
-        from .weights.quant import quantise_state_dict
-    except ImportError:  # TEMPORARY until w-q10 (the quantised formats) is merged: bf16 twins only
-        quantise_state_dict = None
+    from .weights.quant import quantise_state_dict
+
     header = read_header([str(full_path)])
     base = release_dtypes(prune_comfy_state_dict(load_tensors(header), grid=grid))
     layers = block_linears(base)
     twins = {}
     for variant, fmt in VARIANTS.items():
-        if fmt is not None and quantise_state_dict is None:
-            continue
-        tensors = base if fmt is None else quantise_state_dict(base, fmt, layers)
+        tensors = base if fmt is None else quantise_state_dict(base, fmt, layer_options(fmt, layers))
         twins[variant] = (tensors, dict(header.metadata))  # the h3.config of the full DiT still holds (K unchanged)
     return twins
 

@@ -50,7 +50,8 @@ def _table_shape(shapes: dict, where: str) -> tuple[int, int]:
     present = [key for key in shapes if key.startswith(_TIME_EMBEDDER_PREFIX)]
     if present:
         raise H3WeightsError(
-            f"{where}: holds both {TABLE_KEY} and time_embedder tensors ({present[:2]}); a pruned DiT has only the table"
+            f"{where}: holds both {TABLE_KEY} and time_embedder tensors ({present[:2]}); "
+            "a pruned DiT has only the table"
         )
     return shape[0], shape[1]
 
