@@ -7,7 +7,8 @@ For each partition, `write_pruned_twins(models_dir)` reads the tiny full DiT's C
                                                                     AdaLN F16, adaln_t_table F32
     minimax_h3_tiny_{fl2va,ref2va}_pruned_{int8_convrot,fp8_scaled,w6a8}.safetensors
                                                                     the same with the 4 linears of every block
-                                                                    quantised (qkv, out, fc1, fc2), as released
+                                                                    quantised (qkv, out, fc1, fc2), as released,
+                                                                    from the float32 weights (as `tiny_twins`)
 
 The table is the tiny full DiT's own time-embedding curve sampled on the release grid (1025 points, K =
 time_embed_dim, `weights.pruned.prune_comfy_state_dict`), so a pruned twin and its full DiT differ only by the
@@ -79,11 +80,15 @@ def pruned_twins(full_path: Path, *, grid: int = RELEASE_GRID) -> dict[str, tupl
     from .weights.quant import quantise_state_dict
 
     header = read_header([str(full_path)])
-    base = release_dtypes(prune_comfy_state_dict(load_tensors(header), grid=grid))
-    layers = block_linears(base)
+    exact = prune_comfy_state_dict(load_tensors(header), grid=grid)
+    released = release_dtypes(exact)
+    layers = block_linears(exact)
     twins = {}
     for variant, fmt in VARIANTS.items():
-        tensors = base if fmt is None else quantise_state_dict(base, fmt, layer_options(fmt, layers))
+        tensors = released
+        if fmt is not None:  # quantised from the float32 weights (as the non-pruned twins); the rest as released
+            quantised = quantise_state_dict(exact, fmt, layer_options(fmt, layers))
+            tensors = {key: released[key] if t is exact.get(key) else t for key, t in quantised.items()}
         twins[variant] = (tensors, dict(header.metadata))  # the h3.config of the full DiT still holds (K unchanged)
     return twins
 

@@ -137,7 +137,9 @@ def test_pruned_dit_header_is_the_pruned_family(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["int8_convrot", "fp8_scaled"])
-def test_quantised_files_are_refused(tiny, tmp_path, variant):
+def test_quantised_files_with_unreadable_markers_are_refused(tiny, tmp_path, variant):
+    """Quantised files load (tests/test_quant_*.py); one whose .comfy_quant markers are not JSON (here: a
+    header-only file, its markers zeros) is refused by name, before any weight is read."""
     shapes = _tiny_dit_shapes(tiny["models"]["transformer"])
     for key in [k for k in shapes if k.startswith("blocks.") and k.endswith(("qkv_proj.weight", "fc1.weight"))]:
         rows = shapes[key][1][0]
@@ -146,9 +148,9 @@ def test_quantised_files_are_refused(tiny, tmp_path, variant):
         shapes[key[: -len("weight")] + "comfy_quant"] = (torch.uint8, (32,))
     path = tmp_path / f"minimax_h3_fl2va_{variant}.safetensors"
     support.write_header_only(str(path), shapes)
-    with pytest.raises(weights.UnsupportedCheckpointError, match="quantised") as excinfo:
+    with pytest.raises(weights.H3WeightsError, match="unreadable .comfy_quant marker") as excinfo:
         weights.detect(path)
-    assert "weight_scale" in str(excinfo.value) and "supported:" in str(excinfo.value)
+    assert "blocks.0." in str(excinfo.value)
     assert not weights.check(path).ok
 
 

@@ -116,7 +116,7 @@ def to_diffusers(state: dict, config: dict, naming: str) -> tuple[dict, list[str
         else:
             parts = follow_rows(state, side[0], side[1], tensor, op, len(targets))
             targets = [name[: -len("weight")] + side[1] for name in targets]
-        out.update(zip(targets, parts))
+        out.update(zip(targets, parts, strict=True))
     return out, unexpected
 
 

@@ -86,7 +86,8 @@ def quantise(fmt: str, weight: torch.Tensor, options: dict) -> tuple[dict, dict]
 
     `options`: int8 `convrot` (default True) / `convrot_groupsize`; w6a8 `group_size` (16) /
     `convrot_groupsize`; fp8 `full_precision_matrix_mult`, `input_scale` (a float); nvfp4
-    `pre_quant_scale` (a [K] tensor: the stored weight is W / s and the input is multiplied by s).
+    `pre_quant_scale` (a [K] float tensor, stored in its own dtype: the stored weight is W / s and the input
+    is multiplied by s).
     """
     layouts = _kitchen()
     if weight.dim() != 2 or not weight.is_floating_point():
@@ -123,8 +124,7 @@ def quantise(fmt: str, weight: torch.Tensor, options: dict) -> tuple[dict, dict]
         stored = {}
         prescale = options.get("pre_quant_scale")
         if prescale is not None:
-            prescale = prescale.to(torch.float32).reshape(k)
-            stored["pre_quant_scale"] = prescale
+            stored["pre_quant_scale"] = prescale.reshape(k)
             weight = weight / prescale.to(weight.dtype)  # x W^T = (x * s) (W / s)^T: AWQ smoothing
         qdata, params = layouts.TensorCoreNVFP4Layout.quantize(weight)
         stored.update(weight=qdata, weight_scale=params.block_scale, weight_scale_2=params.scale.reshape(()))

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 
 import torch
 
+from ...safetensors_header import DTYPE_TAGS
 from ..errors import H3WeightsError
 from . import kitchen, markers
-from .layouts import FP8, INT8, NVFP4, W6A8
+from .layouts import FP8, INT8, NVFP4, W6A8, roundup
 
 # File-level names (as the published file names spell them) and marker names -> (marker format, defaults).
 FILE_FORMATS = {
@@ -67,3 +68,39 @@ def quantise_state_dict(state: dict[str, torch.Tensor], fmt: str, layers) -> dic
             out[f"{prefix}.{suffix}"] = tensor.contiguous()
         out[f"{prefix}.{markers.MARKER_SUFFIX}"] = markers.encode(marker)
     return out
+
+
+def quantised_header(fmt: str, shape: tuple[int, int], options: dict | None = None) -> tuple[dict, dict]:
+    """What `quantise_state_dict` stores for one [N, K] layer, without data: ({suffix: (dtype tag, shape)},
+    marker). The header-only twin of `kitchen.quantise` (a test holds the two equal), used to describe
+    release-size files whose weights are not at hand."""
+    if fmt not in FILE_FORMATS:
+        raise H3WeightsError(f"unknown quantisation format {fmt!r}; one of {sorted(FILE_FORMATS)}")
+    marker_format, defaults = FILE_FORMATS[fmt]
+    options = {**defaults, **(options or {})}
+    n, k = shape
+    if marker_format == INT8:
+        group = (options.get("convrot_groupsize") or kitchen.default_rotation(k)) if options.get("convrot") else 0
+        marker = {"format": INT8, "convrot": True, "convrot_groupsize": group} if group else {"format": INT8}
+        return {"weight": ("I8", (n, k)), "weight_scale": ("F32", (n, 1))}, marker
+    if marker_format == FP8:
+        stored = {"weight": ("F8_E4M3", (n, k)), "weight_scale": ("F32", ())}
+        if options.get("input_scale") is not None:
+            stored["input_scale"] = ("F32", ())
+        marker = {"format": FP8, **({"full_precision_matrix_mult": True} if options.get("full_precision_matrix_mult")
+                                    else {})}
+        return stored, marker
+    if marker_format == W6A8:
+        group = int(options.get("group_size", 16))
+        rotation = int(options.get("convrot_groupsize") or kitchen.default_rotation(k))
+        stored = {"weight": ("I8", (n, 3 * k // 4)), "weight_s_rel": ("F8_E4M3", (n, k // group)),
+                  "weight_s_channel": ("F32", (n,))}
+        return stored, {"format": W6A8, "group_size": group, "convrot_groupsize": rotation}
+    stored = {"weight": ("U8", (n, k // 2)), "weight_scale": ("F8_E4M3", (roundup(n, 128), roundup(k // 16, 4))),
+              "weight_scale_2": ("F32", ())}
+    prescale = options.get("pre_quant_scale")
+    if prescale is not None:
+        # A tensor option is stored in its own dtype; a dtype tag names it (the published nvfp4_awq file: BF16).
+        tag = DTYPE_TAGS[prescale.dtype] if isinstance(prescale, torch.Tensor) else str(prescale)
+        stored["pre_quant_scale"] = (tag, (k,))
+    return stored, {"format": NVFP4, "full_precision_matrix_mult": True}
