@@ -44,7 +44,7 @@ TASK_OF_PARTITION = {"fl2va": "t2va", "ref2va": "ref2va"}
 # The pairings of the quantised ComfyUI workflows (workflows/build_workflows.py), run to an mp4 by default.
 MP4_PAIRS = [
     (tiny_pruned.twin_path("fl2va", "pruned_int8_convrot"), tiny_twins.twin_path("text_encoder", "int8_convrot")),
-    (tiny_pruned.twin_path("ref2va", "pruned_fp8_scaled"), tiny_twins.twin_path("text_encoder", "nvfp4_awq")),
+    (tiny_pruned.twin_path("fl2va", "pruned_fp8_scaled"), tiny_twins.twin_path("text_encoder", "nvfp4_awq")),
 ]
 if os.environ.get("H3_CLI_MATRIX") == "full":
     MP4_PAIRS = [(dit, te) for part in DITS for dit in DITS[part] for te in TEXT_ENCODERS]
