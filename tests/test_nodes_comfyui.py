@@ -155,7 +155,8 @@ def test_templates_carry_the_model_list_the_frontend_reads():
         models = workflow["models"]
         expected_dit, expected_te = EXPECTED_FILES[name]
         assert [m["name"] for m in models if m["directory"] == "diffusion_models"] == [expected_dit]
-        assert [m["name"] for m in models if m["directory"] == "text_encoders"] == ([expected_te] if expected_te else [])
+        text_encoders = [m["name"] for m in models if m["directory"] == "text_encoders"]
+        assert text_encoders == ([expected_te] if expected_te else [])
         for model in models:
             assert set(model) == {"name", "url", "directory"}
             assert model["url"] == f"{HF}/{model['directory']}/{model['name']}"
