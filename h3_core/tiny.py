@@ -10,6 +10,8 @@
                      diffusion_models/ (fl2va + ref2va DiT), text_encoders/ (50-layer Qwen3-VL),
                      vae/ (video VAE, audio VAE) in fp32, plus the twins of the published
                      precisions and quantised files (bf16 / fp16, int8_convrot, nvfp4_awq: `tiny_twins`)
+                     and the pruned "AdaLN curve" DiTs (pruned_{bf16,int8_convrot,fp8_scaled,w6a8}:
+                     `tiny_pruned`)
     DIR/native/      the native MiniMaxAI partitions FL2VA/ and Ref2VA/ (DiT with per-head QKV)
     DIR/tiny.json    what was built (seed, versions, sha256 of every file)
 
