@@ -22,13 +22,14 @@ def read(path) -> tuple[dict, dict]:
 
 def layers_of(tensors: dict) -> dict:
     """{layer prefix: (marker dict, {suffix: tensor})} of every `.comfy_quant`-marked layer."""
+    by_prefix: dict = {}
+    for key, tensor in tensors.items():
+        prefix, _, suffix = key.rpartition(".")
+        by_prefix.setdefault(prefix, {})[suffix] = tensor
     out = {}
-    for key in tensors:
-        if key.endswith(".comfy_quant"):
-            prefix = key[: -len(".comfy_quant")]
-            marker = json.loads(tensors[key].numpy().tobytes())
-            family = {k[len(prefix) + 1:]: v for k, v in tensors.items()
-                      if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1:] and k != key}
+    for prefix, family in by_prefix.items():
+        if "comfy_quant" in family:
+            marker = json.loads(family.pop("comfy_quant").numpy().tobytes())
             out[prefix] = (marker, family)
     return out
 
@@ -121,5 +122,6 @@ def error_and_bound(marker: dict, family: dict, original: torch.Tensor) -> tuple
     else:
         blocks = weight.reshape(weight.shape[0], -1, 16).abs().amax(dim=-1, keepdim=True)
         allowed = (E2M1_GAP * blocks * (1 + 1e-5)).expand(-1, -1, 16).reshape(weight.shape)
+    allowed = allowed + peak * 2**-20  # fp32 rounding of the dequantisation itself (q * s)
     assert bool((error <= allowed).all()), f"{fmt}: error exceeds its bound by {(error - allowed).max().item()}"
     return float(error.max() / peak), float((allowed.expand_as(error)).max() / peak)
