@@ -10,6 +10,8 @@
                      diffusion_models/ (fl2va + ref2va DiT), text_encoders/ (50-layer Qwen3-VL),
                      vae/ (video VAE, audio VAE) in fp32, plus the twins of the published
                      precisions and quantised files (bf16 / fp16, int8_convrot, nvfp4_awq: `tiny_twins`)
+                     and the pruned "AdaLN curve" DiTs (pruned_{bf16,int8_convrot,fp8_scaled,w6a8}:
+                     `tiny_pruned`)
     DIR/native/      the native MiniMaxAI partitions FL2VA/ and Ref2VA/ (DiT with per-head QKV)
     DIR/tiny.json    what was built (seed, versions, sha256 of every file)
 
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import configs, tiny_twins
+from . import configs, tiny_pruned, tiny_twins
 
 # Salts keep the components' draws independent: changing one component's config must not
 # change another component's weights.
@@ -233,6 +235,7 @@ def build(out: str | os.PathLike, seed: int = 0) -> Path:
     write_diffusers_root(models, out / "diffusers")
     write_comfy_models(models, out / "comfyui")
     tiny_twins.write_twins(out / "comfyui")
+    tiny_pruned.write_pruned_twins(out / "comfyui")
     write_native_partitions(models, out / "native", out / "diffusers")
     _write_json(out / "tiny.json", _manifest(out, seed))
     return out

@@ -113,7 +113,9 @@ def text_encoder_twin(tensors: dict, variant: str) -> dict:
 
 def video_vae_twin(tensors: dict, variant: str) -> dict:
     def dtype_of(name: str) -> torch.dtype:
-        return torch.float32 if name in VAE_FP32 else torch.float16
+        # The int8 file keeps the decoder's unquantised tensors in fp32 (see release_headers._video_vae).
+        keep = name in VAE_FP32 or (variant == "int8_convrot" and name.startswith("decoder."))
+        return torch.float32 if keep else torch.float16
 
     if variant == "fp16":
         return {name: t.to(dtype_of(name)) if t.is_floating_point() else t for name, t in tensors.items()}

@@ -93,6 +93,25 @@ def _unmarked_refusal(where: str, header: Header, companions: list, stored: list
         f"`scaled_fp8` files are not supported); supported layer formats: {layouts.SUPPORTED_TEXT}")
 
 
+def _read_markers(header: Header, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The marker tensors' bytes, read at their offsets (a 66 GB file is neither mapped nor read)."""
+    from ...safetensors_header import read_header as parse_file
+
+    by_file: dict[str, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(header.tensors[key].file, []).append(key)
+    out = {}
+    for path, names in by_file.items():
+        parsed = parse_file(path)
+        with open(path, "rb") as handle:
+            for name in names:
+                entry = parsed.tensors[name]
+                handle.seek(parsed.data_start + entry.begin)
+                raw = bytearray(handle.read(entry.end - entry.begin))
+                out[name] = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return out
+
+
 def read_plan(header: Header, where: str) -> QuantPlan | None:
     """The checkpoint's quantised layers, or None for a dense one (see the module docstring)."""
     marker_keys = sorted(k for k in header.tensors if k.endswith(_MARKER_TAIL))
@@ -111,9 +130,7 @@ def read_plan(header: Header, where: str) -> QuantPlan | None:
             raise UnsupportedCheckpointError(
                 f"{where}: {key} is not a .comfy_quant marker (U8, at most {markers.MAX_MARKER_BYTES} bytes; got "
                 f"{info.dtype} {list(info.shape)})")
-    from ..safetensors_io import load_tensors
-
-    raw = load_tensors(header, set(marker_keys))
+    raw = _read_markers(header, marker_keys)
     parsed = {key[: -len(_MARKER_TAIL)]: markers.parse(raw[key], f"{where}: {key}") for key in marker_keys}
     first_layer: dict = {}
     for layer, marker in sorted(parsed.items()):

@@ -65,10 +65,13 @@ def before_conversion(det, tensors: dict) -> dict:
     return _densify(plan, tensors) if det.handler.quantised_layers == "dequantise" else tensors
 
 
-def _family(converted: dict, module: str) -> dict:
-    prefix = module + "."
-    return {key[len(prefix):]: tensor for key, tensor in converted.items()
-            if key.startswith(prefix) and "." not in key[len(prefix):]}
+def _families(converted: dict) -> dict:
+    """{module name: {suffix: tensor}}: every tensor grouped under the module that holds it."""
+    families: dict = {}
+    for key, tensor in converted.items():
+        module, _, suffix = key.rpartition(".")
+        families.setdefault(module, {})[suffix] = tensor
+    return families
 
 
 def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
@@ -78,10 +81,11 @@ def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
     if not marker_keys:
         return converted, []
     out = {k: v for k, v in converted.items() if k not in marker_keys}
+    families = _families(out)
     mismatched = []
     for key in marker_keys:
         name = key[: -len(_MARKER_TAIL)]
-        family = {suffix: (DTYPE_TAGS[t.dtype], tuple(t.shape)) for suffix, t in _family(out, name).items()}
+        family = {suffix: (DTYPE_TAGS[t.dtype], tuple(t.shape)) for suffix, t in families.get(name, {}).items()}
         spec = layouts.describe(name, markers.parse(converted[key], key), family)
         parent_name, _, attr = name.rpartition(".")
         try:
