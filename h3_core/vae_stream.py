@@ -67,7 +67,8 @@ class DecodePlan:
 def plan(vae, latent_shape) -> DecodePlan:
     """How `vae` decodes a latent of `latent_shape` `[1, C, T, h, w]`: clips, tiles and the output frame count."""
     if len(latent_shape) != 5 or int(latent_shape[0]) != 1:
-        raise VaeStreamError(f"the video latent must be [1, channels, frames, height, width], got {tuple(latent_shape)}")
+        raise VaeStreamError("the video latent must be [1, channels, frames, height, width], got "
+                             f"{tuple(latent_shape)}")
     tokens, h_lat, w_lat = (int(v) for v in latent_shape[2:])
     if tokens < 1 or h_lat < 1 or w_lat < 1:
         raise VaeStreamError(f"the video latent is empty: {tuple(latent_shape)}")
