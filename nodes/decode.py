@@ -17,10 +17,9 @@ class Decode(io.ComfyNode):
             node_id="H3SplitDecode",
             display_name="H3 Decode",
             category=f"{CATEGORY}/sampling",
-            description="Decodes the AV latent: video with the video VAE's tiled ViT decoder (24 fps), streamed tile by "
-            "tile into the output (memory: the video once plus one tile's work), audio with the "
-            "BigVGAN decoder (32 kHz stereo, trimmed to the video's duration). Feeds core SaveVideo, PreviewAudio, "
-            "GetVideoComponents.",
+            description="Decodes the AV latent: video with the video VAE's tiled ViT decoder (24 fps), streamed tile "
+            "by tile into the output (memory: the video once plus one tile's work), audio with the BigVGAN decoder "
+            "(32 kHz stereo, trimmed to the video's duration). Feeds core SaveVideo, PreviewAudio, GetVideoComponents.",
             inputs=[io.Latent.Input("latent"), VideoVAE.Input("vae"), AudioVAE.Input("audio_vae")],
             outputs=[
                 io.Video.Output(display_name="video"),
