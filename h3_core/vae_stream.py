@@ -218,36 +218,37 @@ class _Decode:
             last_row = i == len(g.ys) - 1
             for j, (x0, x_len, x_ov) in enumerate(g.xs):
                 check_cancel(self.cancel, f"while decoding video clip {c + 1} of {g.chunks}")
-                raw = vae.decoder(vae.post_quant_conv(
+                tile = vae.decoder(vae.post_quant_conv(
                     clip_z[..., y0 // ratio: (y0 + y_len) // ratio, x0 // ratio: (x0 + x_len) // ratio]))
-                if raw.shape[2] < chunk_frames + g.tail + g.pre * bool(g.tail):
-                    raise RuntimeError(f"the VAE decoder returned {raw.shape[2]} frames for a clip; the decode plan "
+                if tile.shape[2] < chunk_frames + g.tail + g.pre * bool(g.tail):
+                    raise RuntimeError(f"the VAE decoder returned {tile.shape[2]} frames for a clip; the decode plan "
                                        "expected more (unsupported VAE geometry)")
-                tile = raw
-                # diffusers' _stitch_tiles: the raw tile above and the raw tile to the left are the blend's `a`
+                # diffusers' _stitch_tiles blends with the *raw* tiles above and to the left: keep their strips
+                # before this tile is blended (in place) itself.
+                strip = None if last_row else tile[..., -y_ov:, :].clone()
+                left_next = tile[..., :, -x_ov:].clone() if j < len(g.xs) - 1 else None
                 if i > 0:
-                    tile = diffusers_adapter.vae_blend(vae, above[j], tile, g.ys[i - 1][2], dim=-2)
+                    _blend_into(vae, above[j], tile, g.ys[i - 1][2], dim=-2)
                 if j > 0:
-                    tile = diffusers_adapter.vae_blend(vae, left, tile, g.xs[j - 1][2], dim=-1)
-                strips.append(None if last_row else raw[..., -y_ov:, :].clone())
-                left = raw[..., :, -x_ov:].clone() if j < len(g.xs) - 1 else None
-                del raw
+                    _blend_into(vae, left, tile, g.xs[j - 1][2], dim=-1)
+                strips.append(strip)
+                left = left_next
                 if not last_row:
                     tile = tile[..., :-y_ov, :]
                 if j < len(g.xs) - 1:
                     tile = tile[..., :, :-x_ov]
                 h, w = tile.shape[-2], tile.shape[-1]
-                head = tile[:, :, :chunk_frames][:, :, g.pre:]
+                head = tile[:, :, g.pre: chunk_frames]
                 region = (Ellipsis, slice(y_out, y_out + h), slice(x_out, x_out + w))
                 if self.blend_tails:  # diffusers' _decode: cross-fade with the previous clip's tail
-                    head = diffusers_adapter.vae_blend(vae, self.tails[region], head, vae.frame_overlap, dim=-3)
+                    _blend_into(vae, self.tails[region], head, vae.frame_overlap, dim=-3)
                 if count:
                     self._emit(head[:, :, :count], target, y_out, x_out)
                 if g.tail:
                     if self.tails is None:
                         self.tails = torch.empty(*head.shape[:2], g.tail, g.height, g.width, dtype=head.dtype,
                                                  device=head.device)
-                    self.tails[region] = tile[:, :, chunk_frames:][:, :, g.pre:][:, :, :g.tail]
+                    self.tails[region] = tile[:, :, chunk_frames + g.pre: chunk_frames + g.pre + g.tail]
                 del tile, head
                 x_out += w
                 if self.counter is not None:
@@ -256,10 +257,22 @@ class _Decode:
             y_out += h
 
     def _emit(self, frames: torch.Tensor, target: torch.Tensor, y: int, x: int) -> None:
-        """Decoder-space frames `[1, 3, n, h, w]` -> the decode step's pixels, into `target[:, y.., x..]`."""
+        """Decoder-space frames `[1, 3, n, h, w]` -> the decode step's pixels, into `target[:, y.., x..]`: the decode
+        step's `x.float() * std + mean` and clamp (in place on one temporary: the same operations, the same values)."""
         pixel_mean, pixel_std = self.pixels
-        values = (frames.float() * pixel_std + pixel_mean).clamp(0, 1)[0].permute(1, 2, 3, 0)
-        region = target[:, y: y + values.shape[1], x: x + values.shape[2]]
+        values = frames.float() * pixel_std
+        values.add_(pixel_mean).clamp_(0, 1)
         if target.dtype == torch.uint8:  # media.frames_to_uint8's rounding: (x * 255).round().clip(0, 255)
-            values = values.mul(255.0).round_().clamp_(0, 255)
-        region.copy_(values)
+            values.mul_(255.0).round_().clamp_(0, 255)
+        values = values[0].permute(1, 2, 3, 0)
+        target[:, y: y + values.shape[1], x: x + values.shape[2]].copy_(values)
+
+
+def _blend_into(vae, a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
+    """diffusers' `_blend(a, b, extent, dim)` written over `b`'s first `extent` slices in place (its cross-fade on
+    exactly those slices, so the same values; `b`'s other slices are what `_blend` concatenates unchanged)."""
+    extent = min(a.shape[dim], b.shape[dim], extent)
+    if extent <= 0:
+        return
+    head = b.narrow(dim, 0, extent)
+    head.copy_(diffusers_adapter.vae_blend(vae, a.narrow(dim, a.shape[dim] - extent, extent), head, extent, dim))

@@ -18,12 +18,12 @@ from comfy_api.latest import ComfyExtension, io
 from . import conditioning_io, decode, encode, loaders, media, sample
 
 NODE_MODULES = [loaders, media, encode, sample, decode, conditioning_io]
-encode_ahead = None
 try:  # the remote node needs only h3_core.remote; keep the pack usable if it fails to import
     from . import encode_ahead, remote
 
     NODE_MODULES.append(remote)
 except ImportError as error:  # pragma: no cover - reported in the ComfyUI log
+    encode_ahead = None
     print(f"[MiniMax H3 split] remote encode node unavailable: {error}")
 
 

@@ -33,6 +33,7 @@ from ..h3_core.remote.client import (
     RemoteUnavailableError,
 )
 from . import comfy_bridge as bridge
+from . import encode_ahead
 from .encode import TASKS, check_numbers, numbers_inputs, request_from
 from .input_checks import check_declared
 from .types import CATEGORY, Media
@@ -153,8 +154,7 @@ class RemoteEncode(io.ComfyNode):
         request.validate()  # the server checks again; failing here costs no upload
         client = _client(endpoint, timeout_s)
         progress = bridge.progress_callback(cls.hidden.unique_id)
-        from . import encode_ahead  # the encode this prompt's node got while it waited in the queue, if any
-
+        # the encode this prompt's node got while its prompt waited in the queue, if any
         ahead = bridge.run_interruptible(encode_ahead.AHEAD.take, endpoint, request, mm.processing_interrupted)
         if ahead is not None:
             progress(1, 1)
