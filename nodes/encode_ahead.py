@@ -23,7 +23,7 @@ What is sent, when, and to whom (the rules this module keeps):
   already in flight is not sent twice, and the node takes an in-flight encode of its key instead of sending its own.
 * Memory: a result is held only until its node takes it or its prompt leaves the queue.
 
-Off with H3_ENCODE_AHEAD=0.
+Off with H3_ENCODE_AHEAD=0; per prompt, with `"extra_data": {"h3_encode_ahead": false}` in the POST /prompt body.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ log = logging.getLogger("h3.encode_ahead")
 ENABLE_ENV = "H3_ENCODE_AHEAD"
 DELAY_ENV = "H3_ENCODE_AHEAD_DELAY"
 NODE_CLASS = "H3SplitRemoteEncode"
+OPT_OUT = "h3_encode_ahead"  # a prompt posted with extra_data {"h3_encode_ahead": false} is never encoded ahead
 # Nodes whose outputs this module may compute ahead: core's file loaders (they read one file of input/) and the pack's
 # media bundlers. Anything else upstream of a Remote Encode node leaves that node to the executor.
 MEDIA_NODES = frozenset({"LoadImage", "LoadVideo", "LoadAudio", "H3SplitReferences", "H3SplitKeyframes"})
@@ -156,7 +157,8 @@ class EncodeAhead:
 
     def _note(self, json_data) -> None:
         graph = json_data.get("prompt") if isinstance(json_data, dict) else None
-        if not isinstance(graph, dict):
+        extra = json_data.get("extra_data") if isinstance(json_data, dict) else None
+        if not isinstance(graph, dict) or (isinstance(extra, dict) and extra.get(OPT_OUT) is False):
             return
         nodes = {node_id: node for node_id, node in graph.items()
                  if isinstance(node, dict) and node.get("class_type") == NODE_CLASS and _ready(graph, node)}
