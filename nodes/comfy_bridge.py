@@ -259,12 +259,12 @@ def add_on_prompt_handler(handler) -> bool:
     return True
 
 
-def queue_state() -> tuple[set[str], list[tuple[float, str]]]:
-    """(ids of the running prompts, [(number, id)] of the waiting ones): a snapshot of ComfyUI's prompt queue."""
+def queue_state() -> tuple[dict[str, dict], list[tuple[float, str]]]:
+    """({id: graph} of the running prompts, [(number, id)] of the waiting ones): a snapshot of ComfyUI's queue."""
     import server
 
     running, pending = server.PromptServer.instance.prompt_queue.get_current_queue_volatile()
-    return {item[1] for item in running}, [(item[0], item[1]) for item in pending]
+    return {item[1]: item[2] for item in running}, [(item[0], item[1]) for item in pending]
 
 
 def run_core_node(class_type: str, inputs: dict) -> tuple:
@@ -286,3 +286,13 @@ def run_core_node(class_type: str, inputs: dict) -> tuple:
     if isinstance(out, dict):
         out = out.get("result", ())
     return tuple(getattr(out, "args", out))
+
+
+def node_states() -> tuple[str, dict[str, str]]:
+    """(id of the prompt the executor works on, {node id: "pending" / "running" / "finished"}) from ComfyUI's
+    progress registry; nodes served from ComfyUI's cache never appear."""
+    from comfy_execution.progress import get_progress_state
+
+    registry = get_progress_state()
+    return str(registry.prompt_id or ""), {str(node): str(getattr(entry["state"], "value", entry["state"])).lower()
+                                          for node, entry in list(registry.nodes.items())}

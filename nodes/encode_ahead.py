@@ -11,8 +11,9 @@ What is sent, when, and to whom (the rules this module keeps):
   early: the node encodes when it runs, as before. ComfyUI calls the on-prompt hook before it validates a prompt,
   so the hook checks this itself.
 * Only for the first prompt waiting in ComfyUI's queue, only while another prompt is running (otherwise the executor
-  is about to run it anyway), and only once it has waited `H3_ENCODE_AHEAD_DELAY` seconds (default 1): a prompt
-  further back, or one deleted from the queue within that grace time, sends nothing. A prompt deleted after its
+  is about to run it anyway) and is past its own Remote Encode nodes (so the early encode never queues at the server
+  in front of the running prompt's own), and only once it has waited `H3_ENCODE_AHEAD_DELAY` seconds (default 1): a
+  prompt further back, or one deleted from the queue within that grace time, sends nothing. A prompt deleted after its
   encode started has the request cancelled (the client drops the connection; the server abandons the work); what
   was uploaded by then was uploaded, to the operator's own endpoint.
 * Only what the node would send: the node's widget values from the queued prompt, and media from core's LoadImage,
@@ -134,13 +135,14 @@ class _Pending:
 class EncodeAhead:
     """The registry of queued prompts and in-flight / finished encodes, and the thread that watches the queue."""
 
-    def __init__(self, queue_state=None, run_node=None, make_client=None):
+    def __init__(self, queue_state=None, run_node=None, make_client=None, node_states=None):
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._jobs: dict[str, _Job] = {}
         self._executed: dict[str, None] = {}  # insertion-ordered set
         self._queue_state = queue_state or bridge.queue_state
         self._run_node = run_node or bridge.run_core_node
+        self._node_states = node_states or bridge.node_states
         self._make_client = make_client
         self._watcher: threading.Thread | None = None
         self.sent = 0  # encodes started ahead (for logs and tests)
@@ -208,13 +210,32 @@ class EncodeAhead:
                     del self._pending[prompt_id]
             entry = self._pending.get(head) if head is not None else None
             if (entry is not None and running and not entry.started
-                    and time.monotonic() - entry.queued >= delay_s()):
+                    and time.monotonic() - entry.queued >= delay_s() and self._encodes_done(running)):
                 entry.started = True
                 start = entry
             busy = bool(self._pending)
         if start is not None:
             threading.Thread(target=self._prefetch, args=(start,), name="h3-encode-ahead-job", daemon=True).start()
         return busy
+
+    def _encodes_done(self, running: dict) -> bool:
+        """Whether the running prompt is past its own Remote Encode nodes (an encode started ahead would otherwise
+        queue at the same server in front of, or beside, the running prompt's own encode and delay it). A node is
+        past when it finished, or when a node that consumes its output started (it ran, or ComfyUI's cache served
+        it)."""
+        executing, states = self._node_states()
+        for prompt_id, graph in running.items():
+            remotes = [node_id for node_id, node in graph.items()
+                       if isinstance(node, dict) and node.get("class_type") == NODE_CLASS]
+            if not remotes:
+                continue
+            if prompt_id != executing:
+                return False  # not started executing yet
+            for node_id in remotes:
+                if states.get(node_id) != "finished" and not any(
+                        other in states for other in _downstream(graph, node_id)):
+                    return False
+        return True
 
     def _drop(self, entry: _Pending, cancel: bool) -> None:
         for key in entry.keys:
@@ -309,6 +330,23 @@ def _media_known(graph: dict, link, depth: int) -> bool:
         return False
     inputs = node.get("inputs") if isinstance(node.get("inputs"), dict) else {}
     return all(_media_known(graph, value, depth + 1) for value in inputs.values() if _is_link(value))
+
+
+def _downstream(graph: dict, node_id: str) -> set[str]:
+    """Every node of `graph` that consumes `node_id`'s outputs, directly or through others."""
+    children: dict[str, set[str]] = {}
+    for other, node in graph.items():
+        inputs = node.get("inputs") if isinstance(node, dict) else None
+        for value in (inputs or {}).values():
+            if _is_link(value):
+                children.setdefault(value[0], set()).add(other)
+    found, todo = set(), [node_id]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def _evaluate(graph: dict, link, run_node, cache: dict | None = None):
