@@ -141,20 +141,44 @@ def targets(results: dict) -> list[dict[str, Any]]:
             add(name, None, limit, op, "")
 
     vae = results.get("vae")
-    pairs = [p for p in (vae or {}).get("pixel_ratios", []) if p["tiles_from"] > 1]
-    if pairs:
-        pair = max(pairs, key=lambda p: p["tiles_to"])
+    cmp = (vae or {}).get("compare")
+    names = (
+        ("4x", "streamed VAE decode: peak at 4x pixels <= 1.3 x peak at 1x", 1.3),
+        ("16x", "streamed VAE decode: peak at 16x pixels <= 2.5 x peak at 1x", 2.5),
+    )
+    for factor, name, limit in names:
+        pair = (cmp or {}).get("peak_ratios", {}).get(factor)
+        if not pair or "stream_u8" not in pair:
+            add(name, None, limit, "<=", "")
+            continue
+        u8, f32, ref = pair["stream_u8"], pair.get("stream_f32"), pair.get("diffusers")
+        extra = [f"{label} x{r['ratio']:.2f}" for label, r in (("float32 video out", f32), ("diffusers", ref),
+                                                             ("end to end to mp4", pair.get("mp4_stream"))) if r]
         add(
-            f"tiled VAE decode: peak at 4x pixels <= 1.5 x peak at 1x ({pair['from']} -> {pair['to']})",
-            pair["peak_ratio"],
-            1.5,
+            f"{name} ({pair['from']}x{pair['from']} -> {pair['to']}x{pair['to']}, uint8 clips to the mp4 writer)",
+            u8["ratio"],
+            limit,
             "<=",
-            f"peak x{pair['peak_ratio']:.2f}, working set without the returned video x{pair['working_ratio']:.2f}, "
-            f"time x{pair['time_ratio']:.2f} ({pair['tiles_from']} -> {pair['tiles_to']} tiles)",
-            why=_why_vae(vae, pair),
+            f"x{u8['ratio']:.2f} (95 % CI {u8['ci95'][0]:.2f} .. {u8['ci95'][1]:.2f}); " + ", ".join(extra),
+            why=_why_vae(cmp, factor),
+        )
+    times = (cmp or {}).get("time_ratios", {})
+    name = "streamed VAE decode time <= 1.1 x diffusers' decode time (largest canvas)"
+    if times:
+        size = max(times, key=int)
+        t = times[size]["stream_f32"]
+        u8 = times[size].get("stream_u8")
+        add(
+            f"{name[:-1]}, {size}x{size})",
+            t["median_ratio"],
+            1.1,
+            "<=",
+            f"float32 out x{t['median_ratio']:.2f} (95 % CI {t['ci95'][0]:.2f} .. {t['ci95'][1]:.2f})"
+            + (f", uint8 clips x{u8['median_ratio']:.2f} (95 % CI {u8['ci95'][0]:.2f} .. {u8['ci95'][1]:.2f})"
+               if u8 else "") + "; paired per round, arms interleaved in one process",
         )
     else:
-        add("tiled VAE decode: peak at 4x pixels <= 1.5 x peak at 1x", None, 1.5, "<=", "")
+        add(name, None, 1.1, "<=", "")
     return out
 
 
@@ -233,53 +257,31 @@ def _why_hits(hits: dict) -> str:
     )
 
 
-def _why_vae(vae: dict, pair: dict) -> str:
-    by = {f"{p['width']}x{p['height']}": p for p in vae["decode_canvas"]}
+def _why_vae(cmp: dict, factor: str) -> str:
+    pair = cmp["peak_ratios"][factor]
+    by = {p["size"]: p for p in cmp["points"]}
     small, big = by[pair["from"]], by[pair["to"]]
-    found = []
-    for key, label in (("pixel_ratios_stream_u8", "uint8"), ("pixel_ratios_stream", "float32")):
-        match = [r for r in vae.get(key, []) if r["from"] == pair["from"] and r["to"] == pair["to"]]
-        if match:
-            found.append(
-                f"x{match[0]['peak_ratio']:.2f} in peak (x{match[0]['working_ratio']:.2f} without the "
-                f"output) with {label} output"
-            )
-    streamed = ""
-    if found:
-        others = [
-            f"x{r['peak_ratio']:.2f} at {r['from']} -> {r['to']}"
-            for r in vae.get("pixel_ratios_stream_u8", [])
-            if r["tiles_from"] > 1 and r["from"] != pair["from"]
-        ]
-        streamed = (
-            f" Measured in this run on the same points, the streamed prototype (bench/vae_stream.py, "
-            f"bit-identical to diffusers in float32) scales {' and '.join(found)}"
-            + (f" (uint8: {', '.join(others)})" if others else "")
-            + ". What it still holds that grows with "
-            "the canvas is the output itself, the overlap strips and the previous clip's 5 tail frames; "
-            "handing each clip to the mp4 writer instead of keeping the video removes the first."
-        )
-    streamed_big = {f"{p['width']}x{p['height']}": p for p in vae.get("decode_canvas_stream_u8", [])}.get(pair["to"])
-    if streamed_big:
-        streamed += (
-            f" At {pair['to']} its peak is {streamed_big['peak_bytes'] / MB:.0f} MB against diffusers' "
-            f"{big['peak_bytes'] / MB:.0f} MB."
-        )
+
+    def peak(point):
+        values = sorted(point["arms"]["stream_u8"]["peak_bytes"])
+        return values[len(values) // 2] / MB
+
+    px = big["size"] ** 2
+    clip_mb, tails_mb = 17 * px * 3 / MB, 5 * px * 3 * 4 / MB
     return (
-        f"Tiling bounds the decoder's activations per 256-px tile, but diffusers keeps every decoded tile of a "
-        f"17-frame clip until it stitches them (blend copies, a torch.cat per row and one per clip) and then "
-        f"concatenates all clips: buffers proportional to the output. At {pair['to']} the returned video is "
-        f"{big['output_bytes'] / MB:.0f} MB and the peak {big['peak_bytes'] / MB:.0f} MB "
-        f"({big['peak_bytes'] / big['output_bytes']:.1f}x the output; "
-        f"{small['peak_bytes'] / small['output_bytes']:.1f}x "
-        f"at {pair['from']}). The tiny VAE's decoder is 2 layers x 32 wide, so its per-tile activations are "
-        f"small next to those buffers; the real 36-layer x 2048-wide decoder's per-tile activations are far "
-        f"larger, so the same code scales better there, but the output-sized buffers remain. What reaches the "
-        f"target: stitch tiles into a preallocated output as they are decoded (keep only the previous row's "
-        f"overlap), write each clip into a preallocated video instead of a list + cat, and hand frames to the "
-        f"mp4 writer per clip as uint8 (4x smaller), so the peak is one tile's work plus the overlap strips, not the "
-        f"video.{streamed} The fix belongs in diffusers' AutoencoderKLMiniMaxH3._decode/_stitch_tiles (or an "
-        f"h3_core decode that drives the VAE's decoder per tile, as the prototype does)"
+        "The streamed decode holds one tile's work (the same at every canvas) plus state that grows with the canvas "
+        "and that no order of work removes: the clip handed to the mp4 encoder (17 whole frames, uint8: every frame "
+        "of a clip is final only after the clip's last tile, since the decoder produces all 28 frames of a tile at "
+        "once), the previous clip's 5 tail frames for the temporal cross-fade (float32, the decoder's dtype, kept "
+        f"exact for bitwise equality) and one row of overlap strips. At {big['size']}x{big['size']} that is "
+        f"{clip_mb:.0f} + {tails_mb:.0f} MB + strips, against a peak of {peak(big):.0f} MB there and "
+        f"{peak(small):.0f} MB at {small['size']}x{small['size']}. The tiny VAE's per-tile work is small (2 layers x "
+        "32 wide), so these buffers dominate its ratio; the real decoder (36 layers x 2048 wide) needs far more memory "
+        "per tile next to the same buffers, so its ratio is lower. What is gone: every buffer the size of the video "
+        f"(diffusers' decode step: x{pair['diffusers']['ratio']:.2f} here). What reaches the target on this model: "
+        "a smaller hand-over to the encoder (frames in YUV 4:2:0, 1.5 instead of 3 bytes a pixel, converted per "
+        "tile; not byte-identical to converting whole frames, so not done) or fewer tail frames kept (fixed by the "
+        "VAE's token drop); with the real decoder, its larger per-tile work"
     )
 
 
@@ -576,6 +578,11 @@ def _md_remote(remote):
     return L
 
 
+def common_median(values):
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def _md_vae(vae):
     if not vae:
         return []
@@ -600,12 +607,6 @@ def _md_vae(vae):
 
     for p in vae["decode_canvas"]:
         row("video decode", p, f"{p['width']}x{p['height']}, {p['frames']} frames")
-    for key, label in (
-        ("decode_canvas_stream", "streamed decode, float32 (prototype)"),
-        ("decode_canvas_stream_u8", "streamed decode, uint8 (prototype)"),
-    ):
-        for p in vae.get(key, []):
-            row(label, p, f"{p['width']}x{p['height']}, {p['frames']} frames")
     for p in vae["decode_frames"]:
         row("video decode", p, f"{p['width']}x{p['height']}, {p['frames']} frames")
     for p in vae["encode_canvas"]:
@@ -619,28 +620,51 @@ def _md_vae(vae):
     if vae.get("pixel_ratios"):
         L += [
             "",
-            "Decode at 4x the pixels (same frames); working = peak - the returned video:",
+            "diffusers' decode at 4x the pixels (same frames); working = peak - the returned video:",
             "",
             "| decode | from -> to | tiles | peak ratio | working ratio | time ratio |",
             "|---|---|---|---:|---:|---:|",
         ]
-        for key, label in (
-            ("pixel_ratios", "diffusers (as shipped, what h3_core runs)"),
-            ("pixel_ratios_stream", "streamed, float32 output (prototype)"),
-            ("pixel_ratios_stream_u8", "streamed, uint8 output (prototype)"),
-        ):
-            for r in vae.get(key, []):
-                L.append(
-                    f"| {label} | {r['from']} -> {r['to']} | {r['tiles_from']} -> {r['tiles_to']} | "
-                    f"{r['peak_ratio']:.2f} | {r['working_ratio']:.2f} | {r['time_ratio']:.2f} |"
-                )
+        for r in vae["pixel_ratios"]:
+            L.append(
+                f"| diffusers | {r['from']} -> {r['to']} | {r['tiles_from']} -> {r['tiles_to']} | "
+                f"{r['peak_ratio']:.2f} | {r['working_ratio']:.2f} | {r['time_ratio']:.2f} |"
+            )
+    cmp = vae.get("compare")
+    if cmp:
+        from bench.vae import ARM_LABELS
+
         L += [
             "",
-            "The streamed decode (bench/vae_stream.py) runs diffusers' own modules on the same tiles with the "
-            "same blend arithmetic and is bit-identical to `vae.decode` in float32 (checked in this run: "
-            f"**{vae.get('stream_bit_exact')}**); it only writes each tile into a preallocated output at once "
-            "instead of keeping all tiles and clips for torch.cat.",
+            "### diffusers' decode step vs h3_core's streamed decode (h3_core/vae_stream.py), side by side",
+            "",
+            f"One process per canvas, {len(cmp['points'][0]['arms'][cmp['arms'][0]]['peak_bytes'])} rounds, the arms "
+            "interleaved (rotated order); heap trimmed and the high-water mark reset before every op; medians. "
+            f"Streamed frames bit-identical to diffusers' in float32 (checked in this run): **{cmp['bit_exact']}**.",
+            "",
+            "| arm | " + " | ".join(f"{p['size']}x{p['size']} ({p['tiles']} tiles) peak MB / s" for p in cmp["points"])
+            + " |",
+            "|---|" + "---:|" * len(cmp["points"]),
         ]
+        for arm in cmp["arms"]:
+            cells = []
+            for p in cmp["points"]:
+                m = p["arms"][arm]
+                cells.append(f"{_mb(common_median(m['peak_bytes']))} / {common_median(m['time_s']):.2f}")
+            L.append(f"| {ARM_LABELS.get(arm, arm)} | " + " | ".join(cells) + " |")
+        L += ["", "| arm | " + " | ".join(f"peak at {k} pixels (95 % CI)" for k in cmp["peak_ratios"]) + " |",
+              "|---|" + "---:|" * len(cmp["peak_ratios"])]
+        for arm in cmp["arms"]:
+            cells = [f"x{v[arm]['ratio']:.2f} ({v[arm]['ci95'][0]:.2f} .. {v[arm]['ci95'][1]:.2f})"
+                     for v in cmp["peak_ratios"].values()]
+            L.append(f"| {ARM_LABELS.get(arm, arm)} | " + " | ".join(cells) + " |")
+        L += ["", "| time / diffusers' (paired, 95 % CI) | " + " | ".join(f"{k}x{k}" for k in cmp["time_ratios"])
+              + " |", "|---|" + "---:|" * len(cmp["time_ratios"])]
+        for arm in ("stream_f32", "stream_u8", "mp4_stream_vs_whole"):
+            cells = [f"x{v[arm]['median_ratio']:.2f} ({v[arm]['ci95'][0]:.2f} .. {v[arm]['ci95'][1]:.2f})"
+                     if arm in v else "-" for v in cmp["time_ratios"].values()]
+            label = "end to end to mp4: streamed / whole video" if arm.startswith("mp4") else ARM_LABELS[arm]
+            L.append(f"| {label} | " + " | ".join(cells) + " |")
     return L
 
 
@@ -757,26 +781,20 @@ def plots(results: dict, out: Path) -> list[str]:
         mp = [p["width"] * p["height"] / 1e6 for p in dc]
         a.plot(mp, [p["peak_bytes"] / MB for p in dc], "o-", label="diffusers peak")
         a.plot(mp, [p["working_bytes"] / MB for p in dc], "s-", label="diffusers peak - output")
-        for key, style, label in (
-            ("decode_canvas_stream", "^-", "streamed f32 peak"),
-            ("decode_canvas_stream_u8", "v-", "streamed u8 peak"),
-        ):
-            pts = vae.get(key, [])
+        cmp_points = (vae.get("compare") or {}).get("points", [])
+        for key, style, label in (("stream_f32", "^-", "streamed f32 peak"), ("stream_u8", "v-", "streamed u8 peak")):
+            pts = [p for p in cmp_points if key in p["arms"]]
             if pts:
-                a.plot(
-                    [p["width"] * p["height"] / 1e6 for p in pts],
-                    [p["peak_bytes"] / MB for p in pts],
-                    style,
-                    label=label,
-                )
+                a.plot([p["size"] ** 2 / 1e6 for p in pts], [common_median(p["arms"][key]["peak_bytes"]) / MB
+                                                             for p in pts], style, label=label)
         a.plot(mp, [p["output_bytes"] / MB for p in dc], "k:", label="output video (f32)")
         if dc:
             base = dc[0]["peak_bytes"] / MB
             a.plot(
                 mp,
-                [base * (1 + 0.5 * (m / mp[0] - 1) / 3) for m in mp],
+                [base * (1 + 0.3 * (m / mp[0] - 1) / 3) for m in mp],
                 "g--",
-                label="target slope (1.5x per 4x pixels)",
+                label="target slope (1.3x per 4x pixels)",
             )
         a.set_xlabel(f"megapixels per frame ({dc[0]['frames'] if dc else ''} frames)"), a.set_ylabel("MB")
         a.set_title("video decode (tiled): memory"), a.legend(fontsize=7)

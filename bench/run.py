@@ -43,7 +43,7 @@ QUICK = {
                    hits={"sequential": 150, "concurrent": 5, "under_load": 30, "busy_per_client": 5}),
     "vae": dict(canvas=[256, 384, 512, 768], canvas_frames=22, frames=[22, 56, 124], frames_canvas=256,
                 encode_canvas=[256, 512], encode_frames=[22, 39], encode_frames_canvas=64,
-                audio_seconds=[2.5, 10.0], reps=1, per_process=False),
+                audio_seconds=[2.5, 10.0], reps=1, per_process=False, compare_canvas=[192, 384], compare_rounds=2),
 }
 
 NOTES = [

@@ -9,6 +9,11 @@ returned tensor's bytes. Time = median of `reps` runs (the first is the measured
 diffusers' AutoencoderKLMiniMaxH3 tiles spatially (on by default; 256 px tiles, >= 64 px overlap, widened to
 cover the frame) and chunks time (17-frame clips); tiles of a clip are all kept, then blended and concatenated;
 decoded clips are concatenated at the end. The audio VAE runs in one pass.
+
+`compare`: diffusers' decode step against h3_core's streamed decode (h3_core/vae_stream.py) side by side, in one
+process per canvas, the arms interleaved round by round (rotated order), heap trimmed and the high-water mark reset
+before every op: peak and time of each arm at 1x, 4x and 16x the pixels, with 95 % bootstrap intervals of the
+ratios (peak: ratio of medians, the two canvases resampled independently; time: paired per round).
 """
 
 from __future__ import annotations
@@ -63,12 +68,6 @@ def _measure(vae, op: str, args: dict, torch) -> dict:
         if op == "video_decode":
             make = lambda hh, ww, ff: torch.randn(1, 24, latent_frames(ff), hh // 16, ww // 16, generator=generator)
             fn = lambda x: vae.decode(x).sample
-        elif op.startswith("video_decode_stream"):
-            from bench.vae_stream import streaming_decode
-
-            dtype = torch.uint8 if op.endswith("u8") else torch.float32
-            make = lambda hh, ww, ff: torch.randn(1, 24, latent_frames(ff), hh // 16, ww // 16, generator=generator)
-            fn = lambda x: streaming_decode(vae, x, dtype)
         else:
             make = lambda hh, ww, ff: torch.rand(1, 3, ff, hh, ww, generator=generator) * 2 - 1
             fn = lambda x: vae.encode(x).latent_dist.mode()
@@ -156,6 +155,18 @@ def sweep(models, threads: int, points: list[dict], per_process: bool) -> list[d
     return rs
 
 
+# --- diffusers' decode step vs the streamed decode, side by side -----------------------------------------------
+
+ARMS = ("diffusers", "stream_f32", "stream_u8", "mp4_whole", "mp4_stream")
+ARM_LABELS = {
+    "diffusers": "diffusers' decode step (vae.decode, de-normalise, clamp; float32 video out)",
+    "stream_f32": "streamed, float32 video out (Decode node IMAGE, Decoded.video)",
+    "stream_u8": "streamed, uint8 clips handed to a frame writer (the mp4 writer's input)",
+    "mp4_whole": "end to end: diffusers' decode step, then write_mp4 of the whole video (before)",
+    "mp4_stream": "end to end: streamed decode straight into the mp4 encoder (CLI generate now)",
+}
+
+
 def run(
     models,
     *,
@@ -170,21 +181,19 @@ def run(
     reps: int,
     threads: int,
     per_process: bool = True,
+    compare_canvas: tuple[int, ...] = (384, 768, 1536),
+    compare_rounds: int = 5,
+    compare_arms: tuple[str, ...] = ARMS,
 ) -> dict:
     out = {"loadavg_before": common.loadavg(), "process_per_point": per_process}
     measure = lambda points: sweep(models, threads, points, per_process)
+    out["compare"] = compare(models, threads, sizes=tuple(compare_canvas), frames=canvas_frames,
+                             rounds=compare_rounds, arms=tuple(compare_arms))
     out["decode_canvas"] = measure(
         [dict(op="video_decode", height=s, width=s, frames=canvas_frames, reps=reps) for s in canvas]
     )
     out["decode_frames"] = measure(
         [dict(op="video_decode", height=frames_canvas, width=frames_canvas, frames=f, reps=reps) for f in frames]
-    )
-    # What would reach the target: the same decode, streamed into a preallocated output (bench/vae_stream.py).
-    out["decode_canvas_stream"] = measure(
-        [dict(op="video_decode_stream", height=s, width=s, frames=canvas_frames, reps=1) for s in canvas]
-    )
-    out["decode_canvas_stream_u8"] = measure(
-        [dict(op="video_decode_stream_u8", height=s, width=s, frames=canvas_frames, reps=1) for s in canvas]
     )
     out["encode_canvas"] = measure(
         [dict(op="video_encode", height=s, width=s, frames=1, reps=1) for s in encode_canvas]
@@ -197,33 +206,131 @@ def run(
     )
     out["audio_decode"] = measure([dict(op="audio_decode", seconds=s, reps=reps) for s in audio_seconds])
     out["audio_encode"] = measure([dict(op="audio_encode", seconds=s, reps=reps) for s in audio_seconds])
-    out["stream_bit_exact"] = stream_check(models, threads)
     out["pixel_ratios"] = pixel_ratios(out["decode_canvas"])
-    out["pixel_ratios_stream"] = pixel_ratios(out["decode_canvas_stream"])
-    out["pixel_ratios_stream_u8"] = pixel_ratios(out["decode_canvas_stream_u8"])
     out["loadavg_after"] = common.loadavg()
     return out
 
 
-def _stream_check_worker(models: str) -> dict:
+def _compare_worker(spec: dict) -> dict:
+    """One canvas: the arms round by round in this process (rotated order), peak and time of every op."""
+    import tempfile
+
     import torch
 
-    from bench.vae_stream import streaming_decode
+    from h3_core import media, vae_stream
+    from h3_core.blocks import pipeline_for, workflow_blocks
     from h3_core.models import ModelSource
 
-    vae = ModelSource.from_path(models).load("vae")
-    generator = torch.Generator().manual_seed(1)
-    same = True
+    torch.set_num_threads(int(os.environ.get("H3_THREADS", "1")))
+    source = ModelSource.from_path(spec["models"])
+    vae = source.load("vae")
+    blocks = {name: b for name, b in workflow_blocks("t2va", ("decode",)).items() if name == "decode.video"}
+    pipe = pipeline_for(blocks, {"vae": vae}, source.pipeline_config)
+    folder = tempfile.mkdtemp(prefix="h3-vae-bench-")
+
+    def diffusers_video(z):  # exactly what DiffusionStage.decode ran before the streamed decode
+        return pipe(latents=z, output_type="pt").get("videos")[0].permute(0, 2, 3, 1).float().cpu().contiguous()
+
+    def arm(name, z):
+        if name == "diffusers":
+            return diffusers_video(z)
+        if name == "stream_f32":
+            sink = vae_stream.TensorSink()
+            vae_stream.decode_video(vae, z, sink)
+            return sink.video
+        if name == "stream_u8":
+            vae_stream.decode_video(vae, z, vae_stream.WriterSink(lambda frames: None))
+            return None
+        path = os.path.join(folder, f"{name}.mp4")
+        if name == "mp4_whole":
+            media.write_mp4(path, diffusers_video(z))
+        else:
+            plan = vae_stream.plan(vae, z.shape)
+            with media.streamed_mp4(path, plan.width, plan.height) as writer:
+                vae_stream.decode_video(vae, z, vae_stream.WriterSink(writer.write))
+                writer.finish()
+        os.remove(path)
+        return None
+
+    size, frames, arms = spec["size"], spec["frames"], list(spec["arms"])
+    generator = torch.Generator().manual_seed(0)
+    make = lambda px: torch.randn(1, 24, latent_frames(frames), px // 16, px // 16, generator=generator)
+    out = {name: {"peak_bytes": [], "time_s": [], "output_bytes": 0} for name in arms}
     with torch.no_grad():
-        for h, w, f in ((384, 320, 56), (512, 512, 22)):  # several tiles; two clips with a temporal cross-fade
-            z = torch.randn(1, 24, latent_frames(f), h // 16, w // 16, generator=generator)
-            same &= bool(torch.equal(vae.decode(z).sample, streaming_decode(vae, z)))
-    return {"bit_exact": same}
+        warm = make(64)
+        for name in arms:
+            arm(name, warm)
+        same = torch.equal(arm("diffusers", warm), arm("stream_f32", warm))
+        del warm
+        z = make(size)
+        for r in range(spec["rounds"]):
+            order = arms[r % len(arms):] + arms[: r % len(arms)]
+            for name in order if r % 2 == 0 else order[::-1]:
+                common.trim_heap()
+                common.reset_peak()
+                before = common.proc_status()
+                t0 = time.perf_counter()
+                result = arm(name, z)
+                elapsed = time.perf_counter() - t0
+                after = common.proc_status()
+                out[name]["peak_bytes"].append(after["VmHWM"] - before["VmRSS"])
+                out[name]["time_s"].append(elapsed)
+                out[name]["output_bytes"] = 0 if result is None else result.numel() * result.element_size()
+                del result
+    plan = vae_stream.plan(vae, z.shape)
+    return {"size": size, "frames": plan.frames, "tiles": plan.tiles_per_clip, "clips": plan.chunks,
+            "arms": out, "bit_exact_warmup": same}
 
 
-def stream_check(models, threads: int) -> bool:
-    """The streamed prototype equals diffusers' decode bit for bit (float32), checked in a worker."""
-    return bool(common.run_worker("vae", {"models": str(models), "check_stream": True}, threads)["bit_exact"])
+def ratio_ci(small: list[float], big: list[float], iters: int = 2000, seed: int = 0) -> dict:
+    """median(big) / median(small), with a 95 % percentile-bootstrap interval (the two resampled independently)."""
+    import numpy as np
+
+    a, b = np.asarray(small, float), np.asarray(big, float)
+    rng = np.random.default_rng(seed)
+    ma = np.median(a[rng.integers(0, a.size, (iters, a.size))], axis=1)
+    mb = np.median(b[rng.integers(0, b.size, (iters, b.size))], axis=1)
+    lo, hi = np.percentile(mb / ma, [2.5, 97.5])
+    return {"ratio": float(np.median(b) / np.median(a)), "ci95": [float(lo), float(hi)]}
+
+
+def compare(models, threads: int, *, sizes=(384, 768, 1536), frames: int = 22, rounds: int = 5,
+            arms: tuple[str, ...] = ARMS) -> dict:
+    """Every arm at every canvas (a process per canvas); peak ratios against the first canvas, time ratios of the
+    streamed arms against diffusers' at each canvas."""
+    points = []
+    for size in sizes:
+        common.log(f"vae compare: {size}x{size}, {frames} frames, {rounds} rounds of {', '.join(arms)}")
+        spec = {"models": str(models), "compare": True, "size": size, "frames": frames, "rounds": rounds,
+                "arms": list(arms)}
+        point = common.run_worker("vae", spec, threads, timeout=3600)
+        for name in arms:
+            m = point["arms"][name]
+            common.log(f"vae compare:   {name}: peak {common.summary(m['peak_bytes'])['median'] / common.MB:.0f} MB, "
+                       f"{common.summary(m['time_s'])['median']:.2f} s")
+        points.append(point)
+    base = points[0]
+    peaks = {}
+    for point in points[1:]:
+        factor = round(point["size"] ** 2 / base["size"] ** 2)
+        peaks[f"{factor}x"] = {
+            "from": base["size"], "to": point["size"],
+            **{name: ratio_ci(base["arms"][name]["peak_bytes"], point["arms"][name]["peak_bytes"]) for name in arms},
+        }
+    times = {}
+    for point in points:
+        if "diffusers" not in point["arms"]:
+            continue
+        ref = point["arms"]["diffusers"]["time_s"]
+        times[str(point["size"])] = {
+            name: {k: v for k, v in common.paired(ref, point["arms"][name]["time_s"]).items() if k != "ratios"}
+            for name in arms if name.startswith("stream")
+        }
+        if "mp4_whole" in point["arms"] and "mp4_stream" in point["arms"]:
+            pair = common.paired(point["arms"]["mp4_whole"]["time_s"], point["arms"]["mp4_stream"]["time_s"])
+            times[str(point["size"])]["mp4_stream_vs_whole"] = {k: v for k, v in pair.items() if k != "ratios"}
+    return {"points": points, "peak_ratios": peaks, "time_ratios": times, "arms": list(arms),
+            "bit_exact": all(p["bit_exact_warmup"] for p in points)}
 
 
 def pixel_ratios(points: list[dict]) -> list[dict]:
@@ -252,7 +359,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", required=True)
     spec = json.loads(parser.parse_args().worker)
-    if spec.get("check_stream"):
-        print(json.dumps(_stream_check_worker(spec["models"])), flush=True)
+    if spec.get("compare"):
+        print(json.dumps(_compare_worker(spec)), flush=True)
     else:
         print(json.dumps({"points": _worker(spec)}), flush=True)

@@ -122,9 +122,13 @@ def _cmd_generate(args) -> int:
         lora_strength=args.lora_strength,
     )
     with progress.reporting(_phase_printer()):
-        latents, decoded = stage.generate(cond, options)
-    media.write_mp4(args.out, decoded.video, decoded.audio, fps=decoded.fps, sample_rate=decoded.sample_rate)
+        latents = stage.sample(cond, options)
+        if not args.dump:  # streamed: each decoded clip goes to the mp4 encoder, the video is never held whole
+            stage.decode_to_mp4(latents, args.out, cond.task)
+        else:
+            decoded = stage.decode(latents, cond.task)
     if args.dump:
+        media.write_mp4(args.out, decoded.video, decoded.audio, fps=decoded.fps, sample_rate=decoded.sample_rate)
         from safetensors.torch import save_file
 
         save_file(

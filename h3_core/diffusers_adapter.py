@@ -27,6 +27,20 @@ PRIVATE_HELPERS = {
         "diffusers.models.transformers.transformer_minimax_h3", "MiniMaxH3RotaryPosEmbed",
         ("rope_freq_dim", "rope_theta"),
     ),
+    # The video VAE's tile layout and cross-fade, called per tile by h3_core/vae_stream.py (methods: the first
+    # parameter is the VAE itself).
+    "vae_split_tiles": (
+        "diffusers.models.autoencoders.autoencoder_kl_minimax_h3", "AutoencoderKLMiniMaxH3._split_tiles",
+        ("self", "length", "tile_size", "min_overlap"),
+    ),
+    "vae_blend": (
+        "diffusers.models.autoencoders.autoencoder_kl_minimax_h3", "AutoencoderKLMiniMaxH3._blend",
+        ("self", "a", "b", "blend_extent", "dim"),
+    ),
+    "parameter_dtype": (
+        "diffusers.models.modeling_utils", "get_parameter_dtype",
+        ("parameter",),
+    ),
 }
 
 
@@ -34,7 +48,10 @@ def _helper(name: str):
     import importlib
 
     module, attribute, _ = PRIVATE_HELPERS[name]
-    return getattr(importlib.import_module(module), attribute)
+    found = importlib.import_module(module)
+    for part in attribute.split("."):  # "Class.method" for a method
+        found = getattr(found, part)
+    return found
 
 
 def resolve_canvas_size(aspect_width: float, aspect_height: float, canvas_multiple: int, short_edge: int,
@@ -51,3 +68,19 @@ def encode_vae_condition(vae, pixels, pixel_mean, pixel_std, encode_seed: int):
 def rope_inv_freq(rope_freq_dim: int, rope_theta: float):
     """The DiT's rotary `inv_freq` table exactly as diffusers computes it (bit-identical)."""
     return _helper("rotary_pos_embed")(rope_freq_dim, rope_theta).inv_freq
+
+
+def vae_split_tiles(vae, length: int, tile_size: int, min_overlap: int) -> tuple[list[int], list[int], list[int]]:
+    """(starts, lengths, overlaps) of the video VAE's spatial tiles along one axis, exactly as its decode lays them."""
+    return _helper("vae_split_tiles")(vae, length, tile_size, min_overlap)
+
+
+def vae_blend(vae, a, b, blend_extent: int, dim: int):
+    """The video VAE's linear cross-fade of `a`'s last and `b`'s first `blend_extent` slices along `dim` (its own
+    arithmetic, so a streamed decode stays bit-identical to diffusers')."""
+    return _helper("vae_blend")(vae, a, b, blend_extent, dim)
+
+
+def parameter_dtype(module):
+    """The dtype diffusers casts a module's input to (layerwise casting aware), as `vae.decode` does."""
+    return _helper("parameter_dtype")(module)

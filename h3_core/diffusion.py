@@ -7,6 +7,7 @@ never lets an auto block pick a branch from inputs it does not have.
 
     H3Conditioning --sample()--> AVLatents (video [1,24,T,h,w], audio [2,32,Ta], diffusers layout)
                    --decode()--> Decoded  (video float32 [F,H,W,3] in 0..1, audio float32 [2,S] @ 32 kHz)
+                   --decode_to_mp4()--> an mp4 file, the video streamed clip by clip (never held whole)
 
 Per-call choices (steps, seed, shifts, LoRA, progress, cancel) travel as one `SamplingOptions`, so a
 new sampling feature is a new field there, not a new argument of every caller. `seed` means exactly
@@ -17,14 +18,13 @@ one request generator drawing condition noise, then video noise, then audio nois
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from . import configs, previews, progress, rules
+from . import configs, previews, progress, rules, vae_stream
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning
 from .lora import LoRA
@@ -256,37 +256,60 @@ class DiffusionStage:
 
     # --- decoding --------------------------------------------------------------------------------
 
+    def decode(self, latents: AVLatents, task: str = "t2va", cancel: threading.Event | None = None) -> Decoded:
+        """Decode video (streamed, tile by tile, into one preallocated float32 video: h3_core/vae_stream.py) and
+        audio; audio trimmed to the video's duration. Bit-identical to diffusers' decode steps."""
+        sink = vae_stream.TensorSink()
+        self.decode_video(latents, sink, cancel)
+        return Decoded(video=sink.video, audio=self.decode_audio(latents, task, sink.video.shape[0]))
+
+    def decode_to_mp4(self, latents: AVLatents, path, task: str = "t2va", cancel: threading.Event | None = None,
+                      **mp4_options) -> str:
+        """Decode straight into an mp4 (media.write_mp4's format): each clip's frames go to the encoder as uint8
+        as soon as they are final, so the decoded video never exists in memory. The file equals
+        `media.write_mp4(path, *decode(latents))` byte for byte."""
+        from . import media
+
+        geometry = vae_stream.plan(self.vae, latents.video.shape)
+        with media.streamed_mp4(path, geometry.width, geometry.height, fps=rules.FPS, with_audio=True,
+                                sample_rate=rules.AUDIO_SAMPLE_RATE, **mp4_options) as writer:
+            self.decode_video(latents, vae_stream.WriterSink(writer.write), cancel)
+            writer.finish(self.decode_audio(latents, task, geometry.frames))
+        return str(path)
+
     @torch.no_grad()
-    def decode(self, latents: AVLatents, task: str = "t2va") -> Decoded:
-        """Decode video (the VAE's own tiling) and audio; audio trimmed to the video's duration."""
-        pipe = self._pipeline(task, ("decode",), {"vae": self.vae, "audio_vae": self.audio_vae})
-        with _DecodeReporter(self.vae, self.audio_vae, latents.video.shape):
-            state = pipe(
-                latents=latents.video.to(self.device), audio_latents=latents.audio.to(self.device), output_type="pt"
-            )
-        video = state.get("videos")[0].permute(0, 2, 3, 1).float().cpu().contiguous()  # [F, H, W, 3]
+    def decode_video(self, latents: AVLatents, sink: vae_stream.FrameSink,
+                     cancel: threading.Event | None = None) -> vae_stream.DecodePlan:
+        """The video only, into `sink` clip by clip (reports the `decode_video` phase, one unit per tile)."""
+        return vae_stream.decode_video(self.vae, latents.video.to(self.device), sink, cancel=cancel)
+
+    @torch.no_grad()
+    def decode_audio(self, latents: AVLatents, task: str, num_frames: int) -> torch.Tensor:
+        """float32 [2, S] at 32 kHz, trimmed to `num_frames` of video (diffusers' audio decode step)."""
+        blocks = {name: block for name, block in workflow_blocks(task, ("decode",)).items() if name == "decode.audio"}
+        pipe = pipeline_for(blocks, {"audio_vae": self.audio_vae}, self.pipeline_config)
+        with _AudioReporter(self.audio_vae):
+            state = pipe(audio_latents=latents.audio.to(self.device))
         audio = state.get("audio")[0].float().cpu()  # [2, S], S = audio_t * 800 (not trimmed by diffusers)
-        samples = round(video.shape[0] / rules.FPS * rules.AUDIO_SAMPLE_RATE)
-        return Decoded(video=video, audio=audio[:, :samples].contiguous())
+        samples = round(num_frames / rules.FPS * rules.AUDIO_SAMPLE_RATE)
+        return audio[:, :samples].contiguous()
 
     def generate(self, cond: H3Conditioning, options: SamplingOptions) -> tuple[AVLatents, Decoded]:
         latents = self.sample(cond, options)
-        return latents, self.decode(latents, cond.task)
+        return latents, self.decode(latents, cond.task, options.cancel)
 
 
-class _DecodeReporter:
-    """Counts decoder calls as the `decode_video` (one per spatial tile of each temporal chunk) and
-    `decode_audio` progress phases, through forward hooks that read nothing; inert without a sink."""
+class _AudioReporter:
+    """Reports the `decode_audio` progress phase (one unit) through hooks on the audio decoder that read nothing;
+    inert without a sink."""
 
-    def __init__(self, vae, audio_vae, latent_shape):
-        self.vae, self.audio_vae, self.latent_shape, self.handles = vae, audio_vae, latent_shape, []
+    def __init__(self, audio_vae):
+        self.audio_vae, self.handles = audio_vae, []
 
     def __enter__(self):
         if not progress.active():
             return self
-        video = progress.Counter("decode_video", _video_decoder_calls(self.vae, self.latent_shape))
         audio = {}
-        self.handles.append(self.vae.decoder.register_forward_hook(lambda *_: video.advance()))
 
         def audio_start(*_):
             audio["counter"] = progress.Counter("decode_audio", 1)
@@ -304,30 +327,6 @@ class _DecodeReporter:
         for handle in self.handles:
             handle.remove()
         return False
-
-
-def _video_decoder_calls(vae, latent_shape) -> int:
-    """How many times the video VAE will run its decoder for a latent of `latent_shape`, from its public
-    chunk and tile settings (an estimate for the progress bar only: the counter never passes 100 %)."""
-    chunk = int(getattr(vae, "tokens_chunk_size", 0) or 1)
-    token_drop = int(getattr(vae.config, "token_drop", 0) or 0)
-    tokens = int(latent_shape[2]) + token_drop
-    chunks = max(1, (tokens + (-tokens) % chunk) // chunk - int(token_drop > 0))
-    if not getattr(vae, "use_tiling", False):
-        return chunks
-    ratio = int(getattr(vae, "spatial_compression_ratio", 16))
-
-    def tiles(length: int, size: int, overlap: int) -> int:
-        if size >= length:
-            return 1
-        count = math.ceil(length / size)
-        while size * count - overlap * (count - 1) < length:
-            count += 1
-        return count
-
-    rows = tiles(int(latent_shape[3]) * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height)
-    cols = tiles(int(latent_shape[4]) * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width)
-    return chunks * rows * cols
 
 
 def _or(value: float | None, default: float) -> float:

@@ -24,12 +24,14 @@ Public API::
     resampled_length(num_samples, sample_rate, target_rate) -> S' (torchaudio's length rule)
     frames_to_uint8(frames) / image_to_uint8(image)       -> uint8, the reference's float->uint8 rounding
     write_mp4(path, frames, audio=None, fps=24, sample_rate=32000) -> path
+    streamed_mp4(path, width, height, with_audio=True) -> Mp4Writer: write(uint8 frames) ... finish(audio)
     encode_mp4_bytes(frames, ...) / encode_wav_bytes(waveform, sample_rate) / encode_png_bytes(image) -> bytes
     probe(src)                                            -> dict read from the container headers
 
 The implementation is split by concern (``media_base``: sources, errors; ``media_audio``; ``media_video``: the
-frame-by-frame decoder); import everything from here. Untrusted bytes (a server's requests) should be decoded
-through :mod:`h3_core.media_sandbox`, which runs these same functions in a child process.
+frame-by-frame decoder; ``media_mp4``: the mp4 writer); import everything from here. Untrusted bytes (a server's
+requests) should be decoded through :mod:`h3_core.media_sandbox`, which runs these same functions in a child
+process.
 
 A source (``src``) is a filesystem path (``str`` / ``os.PathLike``), the file's bytes (``bytes``, ``bytearray``,
 ``memoryview``) or a binary file object (read to its end). URLs are not fetched.
@@ -41,7 +43,6 @@ import io
 import os
 import tempfile
 import warnings
-from fractions import Fraction
 from typing import Any
 
 import av
@@ -53,9 +54,6 @@ from .media_audio import (
     MAX_AUDIO_CHANNELS,
     MAX_SAMPLE_RATE,
     MIN_SAMPLE_RATE,
-    _check_rate,
-    _to_stereo,
-    _waveform_to_numpy,
     encode_wav_bytes,
     read_audio,
     resample_audio,
@@ -71,6 +69,7 @@ from .media_base import (
     _to_numpy,
     _wrap_errors,
 )
+from .media_mp4 import Mp4Writer, encode_frames, streamed_mp4
 from .media_video import VideoClip, VideoTarget, canvas_size, read_video
 
 __all__ = [
@@ -89,6 +88,8 @@ __all__ = [
     "frames_to_uint8",
     "image_to_uint8",
     "write_mp4",
+    "Mp4Writer",
+    "streamed_mp4",
     "encode_mp4_bytes",
     "encode_wav_bytes",
     "encode_png_bytes",
@@ -185,72 +186,6 @@ def encode_png_bytes(image: Any, compress_level: int = 6) -> bytes:
 # video
 
 
-def _fps_fraction(fps: Any) -> Fraction:
-    rate = Fraction(fps).limit_denominator(1001) if not isinstance(fps, Fraction) else fps
-    if rate <= 0:
-        raise MediaError(f"fps must be positive, got {fps!r}")
-    return rate
-
-
-def _encode_mp4(
-    target: str,
-    frames: Any,
-    audio: Any,
-    fps: Any,
-    sample_rate: int,
-    crf: int,
-    audio_bitrate: int,
-) -> None:
-    pixels = frames_to_uint8(frames)
-    count, height, width = pixels.shape[:3]
-    if count == 0:
-        raise MediaError("cannot write a zero-length video (0 frames)")
-    if height % 2 or width % 2 or height == 0 or width == 0:
-        raise MediaError(f"H.264 yuv420p needs an even, non-zero width and height, got {width}x{height}")
-    rate = _fps_fraction(fps)
-    stereo = None
-    if audio is not None:
-        sample_rate = _check_rate(sample_rate, "sample_rate")
-        stereo = _to_stereo(_waveform_to_numpy(audio, "soundtrack"))
-        # Exactly the video's duration F / fps: trimmed, or zero-padded.
-        wanted = int(round(Fraction(count) * sample_rate / rate))
-        if stereo.shape[1] >= wanted:
-            stereo = np.ascontiguousarray(stereo[:, :wanted])
-        else:
-            stereo = np.pad(stereo, ((0, 0), (0, wanted - stereo.shape[1])))
-    codec = "libx264" if "libx264" in av.codecs_available else "h264"
-    with _wrap_errors("mp4", repr(target), "encode"), av.open(
-        target, mode="w", format="mp4", options={"movflags": "+faststart"}
-    ) as container:
-        vstream = container.add_stream(codec, rate=rate)
-        vstream.width, vstream.height, vstream.pix_fmt = width, height, "yuv420p"
-        if codec == "libx264":
-            vstream.options = {"crf": str(int(crf))}
-        # Tag what the conversion below does (BT.601 matrix, limited range), so players do not assume BT.709.
-        context = vstream.codec_context
-        context.colorspace, context.color_range, context.color_primaries, context.color_trc = 6, 1, 6, 6
-        astream = None
-        if stereo is not None:
-            astream = container.add_stream("aac", rate=sample_rate, layout="stereo")
-            astream.bit_rate = int(audio_bitrate)
-        for index in range(count):
-            frame = av.VideoFrame.from_ndarray(pixels[index], format="rgb24")
-            frame = frame.reformat(format="yuv420p", dst_colorspace="ITU601", dst_color_range="MPEG")
-            frame.pts = index
-            container.mux(vstream.encode(frame))
-        container.mux(vstream.encode(None))
-        if astream is not None:
-            step = 1024  # one AAC frame
-            for start in range(0, stereo.shape[1], step):
-                chunk = np.ascontiguousarray(stereo[:, start : start + step])
-                aframe = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
-                aframe.sample_rate = sample_rate
-                aframe.pts = start
-                aframe.time_base = Fraction(1, sample_rate)
-                container.mux(astream.encode(aframe))
-            container.mux(astream.encode(None))
-
-
 def write_mp4(
     path: str | os.PathLike,
     frames: Any,
@@ -274,7 +209,7 @@ def write_mp4(
     handle, partial = tempfile.mkstemp(prefix=".partial-", suffix=".mp4", dir=directory)
     os.close(handle)
     try:
-        _encode_mp4(partial, frames, audio, fps, sample_rate, crf, audio_bitrate)
+        encode_frames(partial, frames_to_uint8(frames), audio, fps, sample_rate, crf, audio_bitrate)
         os.chmod(partial, 0o644)  # mkstemp made it 0600; an output file is meant to be shared
         os.replace(partial, path)
     finally:

@@ -4,6 +4,7 @@
     media.py            H3 Keyframes, H3 References (the order the prompt's tags use)
     encode.py           H3 Text Encode -> H3 Video VAE Encode -> H3 Audio VAE Encode
     remote.py           H3 Remote Encode (the same conditioning from an encoder endpoint)
+    encode_ahead.py     the next queued prompt's remote encodes started while the current prompt runs
     sample.py           H3 Sampler
     decode.py           H3 Decode
     conditioning_io.py  H3 Save / Load Conditioning
@@ -20,10 +21,11 @@ from . import conditioning_io, decode, encode, loaders, media, sample
 
 NODE_MODULES = [loaders, media, encode, sample, decode, conditioning_io]
 try:  # the remote node needs only h3_core.remote; keep the pack usable if it fails to import
-    from . import remote
+    from . import encode_ahead, remote
 
     NODE_MODULES.append(remote)
 except ImportError as error:  # pragma: no cover - reported in the ComfyUI log
+    encode_ahead = None
     print(f"[MiniMax H3 split] remote encode node unavailable: {error}")
 
 
@@ -51,4 +53,6 @@ class H3Extension(ComfyExtension):
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         install_example_inputs()  # cores that predate on_load (e.g. 0.3.75) only call this
+        if encode_ahead is not None:
+            encode_ahead.install()  # the on-prompt hook (idempotent)
         return [node for module in NODE_MODULES for node in module.NODES]

@@ -17,9 +17,9 @@ class Decode(io.ComfyNode):
             node_id="H3SplitDecode",
             display_name="H3 Decode",
             category=f"{CATEGORY}/sampling",
-            description="Decodes the AV latent: video with the video VAE's tiled ViT decoder (24 fps), audio with the "
-            "BigVGAN decoder (32 kHz stereo, trimmed to the video's duration). Feeds core SaveVideo, PreviewAudio, "
-            "GetVideoComponents.",
+            description="Decodes the AV latent: video with the video VAE's tiled ViT decoder (24 fps), streamed tile "
+            "by tile into the output (memory: the video once plus one tile's work), audio with the BigVGAN decoder "
+            "(32 kHz stereo, trimmed to the video's duration). Feeds core SaveVideo, PreviewAudio, GetVideoComponents.",
             inputs=[io.Latent.Input("latent"), VideoVAE.Input("vae"), AudioVAE.Input("audio_vae")],
             outputs=[
                 io.Video.Output(display_name="video"),
@@ -34,8 +34,11 @@ class Decode(io.ComfyNode):
         device = bridge.use(vae.patcher, audio_vae.patcher)
         stage = DiffusionStage(modules={"vae": vae.module, "audio_vae": audio_vae.module},
                                pipeline_config=vae.pipeline_config, device=device)
+        latents = AVLatents(video=video, audio=AVLatents.audio_from_comfy(audio), num_frames=0)
+        # Streamed tile by tile into one preallocated float32 video, which is the IMAGE output itself (and the
+        # VIDEO's frames, shared, not copied): the node holds the video once plus one tile's work.
         with bridge.phase_progress(None):  # decode tiles, then the audio decode
-            decoded = stage.decode(AVLatents(video=video, audio=AVLatents.audio_from_comfy(audio), num_frames=0))
+            decoded = bridge.run_interruptible(stage.decode, latents, cancel=bridge.InterruptFlag())
         return io.NodeOutput(*bridge.to_video(decoded.video, decoded.audio, decoded.sample_rate, rules.FPS))
 
 

@@ -7,7 +7,8 @@ a saved workflow, and goes only to endpoints the environment lists beside it (h3
 shared workflow naming its own URL gets no token, and a failure's message is built from structured fields, not
 from whatever the endpoint answered. The call runs in a worker thread while this node polls ComfyUI's interrupt flag
 and forwards a cancel to the server. The progress bar follows the client's steps (polling.STEPS), the server's own
-phases included (queued, decode, text, video, audio) when the server publishes them.
+phases included (queued, decode, text, video, audio) when the server publishes them. When this node's prompt waited
+in ComfyUI's queue, its encode may have started ahead (nodes/encode_ahead.py): the node then takes that result.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..h3_core.remote.client import (
     RemoteUnavailableError,
 )
 from . import comfy_bridge as bridge
+from . import encode_ahead
 from .encode import TASKS, check_numbers, numbers_inputs, request_from
 from .input_checks import check_declared
 from .types import CATEGORY, Media
@@ -151,8 +153,13 @@ class RemoteEncode(io.ComfyNode):
             raise ValueError(declared)
         request.validate()  # the server checks again; failing here costs no upload
         client = _client(endpoint, timeout_s)
-        cancel = threading.Event()
         progress = bridge.progress_callback(cls.hidden.unique_id)
+        # the encode this prompt's node got while its prompt waited in the queue, if any
+        ahead = bridge.run_interruptible(encode_ahead.AHEAD.take, endpoint, request, mm.processing_interrupted)
+        if ahead is not None:
+            progress(1, 1)
+            return io.NodeOutput(ahead.to_comfy())
+        cancel = threading.Event()
         result: dict = {}
 
         def work():

@@ -15,7 +15,6 @@ import torch
 
 from bench import common, remote, report, split, vae, wire
 from bench.synth import lean_header, lean_parse, raw_tensor_bytes, synth_conditioning
-from bench.vae_stream import streaming_decode
 
 
 def test_statistics_and_abba_interleaving():
@@ -73,20 +72,15 @@ def test_load_driver_and_cache_probe_in_process():
     assert out["levels"]["2"]["server_encode_s"]["n"] == 2 and out["levels"]["2"]["client_mean_spread"] >= 1
 
 
-def test_tile_grid_and_streamed_decode_match_diffusers(tiny_dir):
+def test_tile_grid_matches_diffusers_and_the_comparison_runs(tiny_dir):
     from h3_core.models import ModelSource
 
     model = ModelSource.from_path(tiny_dir).load("vae")
     for pixels in (64, 256, 288, 384, 512, 768, 1024):
         assert vae.tile_grid(pixels) == len(model._split_tiles(pixels, 256, 64)[0])
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for h, w, frames in ((288, 320, 22), (64, 96, 39)):  # 2x2 tiles; two clips with a temporal cross-fade
-            z = torch.randn(1, 24, vae.latent_frames(frames), h // 16, w // 16, generator=generator)
-            expected = model.decode(z).sample
-            assert torch.equal(streaming_decode(model, z), expected)
-            quantised = (expected / 2 + 0.5).clamp(0, 1).mul(255).round().to(torch.uint8)
-            assert torch.equal(streaming_decode(model, z, torch.uint8), quantised)
+    out = vae.compare(tiny_dir, 1, sizes=(64, 128), frames=22, rounds=2, arms=("diffusers", "stream_f32", "stream_u8"))
+    assert out["bit_exact"] and set(out["peak_ratios"]["4x"]) >= {"diffusers", "stream_f32", "stream_u8"}
+    assert out["time_ratios"]["128"]["stream_u8"]["median_ratio"] > 0
 
 
 def test_vae_memory_worker_and_stage1_folder(tiny_dir, tmp_path):
@@ -99,6 +93,19 @@ def test_vae_memory_worker_and_stage1_folder(tiny_dir, tmp_path):
     folder = split.stage1_only_folder(tiny_dir, tmp_path)
     source = ModelSource.from_path(folder)
     assert "text_encoder" not in source.paths and {"transformer", "vae", "audio_vae"} <= set(source.paths)
+
+
+def _fake_compare() -> dict:
+    arms = ("diffusers", "stream_f32", "stream_u8")
+    points = [dict(size=s, frames=22, tiles=vae.tile_grid(s) ** 2, clips=1, bit_exact_warmup=True,
+                   arms={a: dict(peak_bytes=[s * s * k * 100] * 3, time_s=[s / 256 * k] * 3, output_bytes=0)
+                         for k, a in enumerate(arms, 1)}) for s in (384, 768, 1536)]
+    ratio = dict(ratio=2.0, ci95=[1.9, 2.1])
+    paired = dict(median_ratio=0.9, ci95=[0.8, 1.0], iqr=[0.85, 0.95], ratio_of_medians=0.9)
+    return dict(points=points, arms=list(arms), bit_exact=True,
+                peak_ratios={f: dict({"from": 384, "to": to}, **{a: ratio for a in arms})
+                             for f, to in (("4x", 768), ("16x", 1536))},
+                time_ratios={str(s): {"stream_f32": paired, "stream_u8": paired} for s in (384, 768, 1536)})
 
 
 def _fake_results() -> dict:
@@ -147,11 +154,9 @@ def _fake_results() -> dict:
                       bit_exact_video=True, load={"monolithic": load_arm, "diffusion_stage1_only": load_arm}),
         "wire": dict(sizes={"0.2MB": size, "70MB": size}),
         "remote": dict(server_start_s=9.0, remote_vs_local={"text": rvl}, load=load),
-        "vae": dict(decode_canvas=canvas, decode_canvas_stream=canvas, decode_canvas_stream_u8=canvas,
-                    decode_frames=frames, encode_canvas=canvas[:2], encode_frames=frames, audio_decode=audio,
-                    audio_encode=audio, pixel_ratios=vae.pixel_ratios(canvas),
-                    pixel_ratios_stream=vae.pixel_ratios(canvas), pixel_ratios_stream_u8=vae.pixel_ratios(canvas),
-                    stream_bit_exact=True),
+        "vae": dict(decode_canvas=canvas, decode_frames=frames, encode_canvas=canvas[:2], encode_frames=frames,
+                    audio_decode=audio, audio_encode=audio, pixel_ratios=vae.pixel_ratios(canvas),
+                    compare=_fake_compare()),
     }
 
 
@@ -159,14 +164,14 @@ def test_report_targets_markdown_json_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     results = _fake_results()
     names = [t["name"] for t in report.targets(results)]
-    assert len(names) == 7
+    assert len(names) == 9
     written = report.write(results, tmp_path)
     md = (tmp_path / "results.md").read_text()
     assert "## Targets: " in md and "**missed**" in md and "What reaches the target" in md
     assert json.loads((tmp_path / "results.json").read_text())["targets"][0]["name"] == names[0]
     assert set(written["plots"]) == {"split.png", "wire.png", "remote.png", "vae.png"}
     lines = report.status_lines(results)
-    assert lines[-1].startswith("targets met: ") and lines[-1].endswith("/7") and len(lines) == 8
+    assert lines[-1].startswith("targets met: ") and lines[-1].endswith("/9") and len(lines) == 10
     # a partial run reports the sections it skipped as not measured
     partial = report.status_lines({"meta": results["meta"], "wire": results["wire"]})
-    assert partial[-1] == "targets met: 1/7" and "not measured" in partial[0]
+    assert partial[-1] == "targets met: 1/9" and "not measured" in partial[0]

@@ -23,7 +23,9 @@ def test_private_helper_is_where_and_how_we_call_it(name):
         module = importlib.import_module(module_name)
     except ImportError as error:
         pytest.fail(f"diffusers helper {name!r}: module {module_name} no longer imports ({error})")
-    helper = getattr(module, attribute, None)
+    helper = module
+    for part in attribute.split("."):  # "Class.method" names a method
+        helper = getattr(helper, part, None)
     assert helper is not None, f"diffusers helper {name!r}: {module_name}.{attribute} is gone"
     signature = inspect.signature(helper)
     got = tuple(signature.parameters)[: len(params)]

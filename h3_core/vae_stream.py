@@ -1,0 +1,278 @@
+"""Streamed tiled decode of the video VAE: diffusers' decoder run tile by tile, each finished frame handed on at once.
+
+diffusers' `AutoencoderKLMiniMaxH3.decode` keeps every decoded tile of a temporal clip until it blends and
+concatenates them into a canvas-sized clip, keeps every clip in a list, concatenates those, and the pipeline's decode
+step then makes further whole-video copies (de-normalisation, clamp, stack): several buffers the size of the video.
+Its peak memory therefore grows with the canvas and the length, although each decoder call only sees one tile.
+
+`decode_video` runs the very same modules on the very same tiles and applies the very same arithmetic (diffusers'
+own `_blend` for the spatial and temporal cross-fades, then the decode step's `x.float() * std + mean` and clamp),
+but as soon as a tile's pixels are final it writes them into a buffer the caller's `FrameSink` provides and forgets
+them. What it holds besides one tile's work: the raw overlap strips the next tiles blend with (one row of strips and
+one left strip) and the previous clip's tail frames the next clip cross-fades with (5 frames of the canvas, blended
+tile by tile in place). Every operation is element-wise on the same values in the same order, so the frames are
+bit-identical to diffusers' decode (tests/test_vae_stream.py checks it in float32 on several tiles and clips).
+
+Where frames go is the sink's business:
+
+* `TensorSink`: one preallocated float32 `[F, H, W, 3]` video (what ComfyUI's IMAGE output and `Decoded.video`
+  are): the peak is that video plus the decode's working set, never a second copy of it;
+* `WriterSink`: one reusable uint8 clip buffer handed to a frame writer (the mp4 encoder) after each clip, so the
+  decoded video never exists in memory at all (4x smaller than float32, and only one clip of it).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import diffusers_adapter, facts, progress
+from .progress import check_cancel
+
+
+class VaeStreamError(ValueError):
+    """A latent or a VAE the streamed decode cannot take (named constraint)."""
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The geometry of one decode, as diffusers' `_decode` / `_decode_clip` lay it out (computed before any work)."""
+
+    frames: int  # output frames, after the trailing pad frames are cut
+    height: int
+    width: int
+    chunks: int  # temporal clips, each one decoder call per spatial tile
+    chunk_tokens: int  # latent frames a clip advances by
+    clip_tokens: int  # latent frames one clip decodes (its chunk plus the overlap the token drop left)
+    pad_tokens: int  # latent frames repeated at the end to fill the last chunk
+    pre: int  # leading pixel frames of each chunk that belong to no output frame
+    kept: int  # output frames each clip contributes
+    tail: int  # frames after the chunk a clip decodes, cross-faded into the next clip's first ones
+    ys: tuple[tuple[int, int, int], ...]  # (start px, length px, overlap with the next tile px) down the canvas
+    xs: tuple[tuple[int, int, int], ...]  # the same across
+
+    @property
+    def tiles_per_clip(self) -> int:
+        return len(self.ys) * len(self.xs)
+
+    @property
+    def decoder_calls(self) -> int:
+        return self.chunks * self.tiles_per_clip
+
+
+def plan(vae, latent_shape) -> DecodePlan:
+    """How `vae` decodes a latent of `latent_shape` `[1, C, T, h, w]`: clips, tiles and the output frame count."""
+    if len(latent_shape) != 5 or int(latent_shape[0]) != 1:
+        raise VaeStreamError("the video latent must be [1, channels, frames, height, width], got "
+                             f"{tuple(latent_shape)}")
+    tokens, h_lat, w_lat = (int(v) for v in latent_shape[2:])
+    if tokens < 1 or h_lat < 1 or w_lat < 1:
+        raise VaeStreamError(f"the video latent is empty: {tuple(latent_shape)}")
+    chunk, drop, t_ratio = int(vae.tokens_chunk_size), int(vae.config.token_drop), int(vae.temporal_compression_ratio)
+    pre, ratio = int(vae.frame_pre_padding), int(vae.spatial_compression_ratio)
+    num_tokens = tokens + drop
+    pad = (-num_tokens) % chunk
+    chunks = (num_tokens + pad) // chunk - int(drop > 0)
+    if chunks < 1:
+        raise VaeStreamError(f"a video latent of {tokens} frames is shorter than one decode chunk")
+    clip_tokens = chunk + int(vae.token_overlap) if drop else chunk
+    chunk_frames = chunk * t_ratio
+    kept = chunk_frames - pre
+    tail = max(clip_tokens * t_ratio - chunk_frames - pre, 0) if drop else 0
+    pad_frames = 0
+    if pad:  # diffusers' rule: a chunk's last latent frame covers clip_length % t_ratio frames, the others t_ratio
+        intra_tail = int(vae.config.clip_length) % t_ratio
+        pad_frames = sum(intra_tail if intra_tail and (tokens + k) % chunk == 0 else t_ratio for k in range(pad))
+    height, width = h_lat * ratio, w_lat * ratio
+    return DecodePlan(
+        frames=chunks * kept + tail - pad_frames, height=height, width=width, chunks=chunks, chunk_tokens=chunk,
+        clip_tokens=clip_tokens, pad_tokens=pad, pre=pre, kept=kept, tail=tail,
+        ys=_tiles(vae, height, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height),
+        xs=_tiles(vae, width, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width),
+    )
+
+
+def _tiles(vae, length: int, size: int, overlap: int) -> tuple[tuple[int, int, int], ...]:
+    if not vae.use_tiling:
+        return ((0, length, 0),)
+    starts, lengths, overlaps = diffusers_adapter.vae_split_tiles(vae, length, size, overlap)
+    return tuple(zip(starts, lengths, [*overlaps, 0], strict=True))
+
+
+# --- where frames go ----------------------------------------------------------------------------------------------
+
+
+class FrameSink:
+    """Receives decoded frames clip by clip: `buffer(start, count)` gives the `[count, H, W, 3]` CPU tensor (float32
+    in 0..1, or uint8) the decode fills tile by tile; `commit(start, count)` says those frames are final."""
+
+    def open(self, plan: DecodePlan) -> None:
+        """Called once before the first clip, with the whole decode's geometry."""
+
+    def buffer(self, start: int, count: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def commit(self, start: int, count: int) -> None:
+        """The frames `[start, start + count)` of the buffer last handed out are final."""
+
+
+class TensorSink(FrameSink):
+    """Everything into one preallocated float32 `[F, H, W, 3]` video (`.video` once the decode returned)."""
+
+    def __init__(self):
+        self.video: torch.Tensor | None = None
+
+    def open(self, plan: DecodePlan) -> None:
+        self.video = torch.empty(plan.frames, plan.height, plan.width, 3, dtype=torch.float32)
+
+    def buffer(self, start: int, count: int) -> torch.Tensor:
+        return self.video[start: start + count]
+
+
+class WriterSink(FrameSink):
+    """Each finished clip as uint8 `[n, H, W, 3]` (numpy, rounded as `media.frames_to_uint8` rounds) to `write`;
+    one clip buffer, reused."""
+
+    def __init__(self, write: Callable[[np.ndarray], None]):
+        self.write, self._clip = write, None
+
+    def open(self, plan: DecodePlan) -> None:
+        self._clip = torch.empty(max(plan.kept, plan.tail), plan.height, plan.width, 3, dtype=torch.uint8)
+
+    def buffer(self, start: int, count: int) -> torch.Tensor:
+        return self._clip[:count]
+
+    def commit(self, start: int, count: int) -> None:
+        self.write(self._clip[:count].numpy())
+
+
+# --- the decode ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threading.Event | None = None) -> DecodePlan:
+    """Decode normalised video latents `[1, 24, T, h, w]` (the sampler's output) into `sink`, clip by clip.
+
+    The frames equal diffusers' decode step (`latents * std + mean`, `vae.decode`, `x.float() * pixel_std +
+    pixel_mean`, clamp to [0, 1]) bit for bit. Reports the `decode_video` progress phase per tile and checks
+    `cancel` between tiles. Returns the plan (frame count and geometry)."""
+    geometry = plan(vae, latents.shape)
+    device = latents.device
+    latents_mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+    latents_std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
+    z = latents * latents_std + latents_mean
+    hook = getattr(vae, "_hf_hook", None)  # what diffusers' `apply_forward_hook` on `vae.decode` does first
+    if hook is not None and hasattr(hook, "pre_forward"):
+        hook.pre_forward(vae)
+    z = z.to(diffusers_adapter.parameter_dtype(vae.post_quant_conv))
+    if geometry.pad_tokens:
+        z = torch.cat([z, z[:, :, -1:].repeat(1, 1, geometry.pad_tokens, 1, 1)], dim=2)
+    pixel_mean = torch.tensor(facts.PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
+    pixel_std = torch.tensor(facts.PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+    sink.open(geometry)
+    counter = progress.Counter("decode_video", geometry.decoder_calls) if progress.active() else None
+    _Decode(vae, z, geometry, sink, (pixel_mean, pixel_std), counter, cancel).run()
+    return geometry
+
+
+class _Decode:
+    """One decode's state: the overlap strips and the tail frames, and where the clip being decoded goes."""
+
+    def __init__(self, vae, z, geometry: DecodePlan, sink: FrameSink, pixels, counter, cancel):
+        self.vae, self.z, self.g, self.sink, self.pixels = vae, z, geometry, sink, pixels
+        self.counter, self.cancel = counter, cancel
+        # The previous clip's tail (raw decoder output, spatially blended), overwritten region by region with this
+        # clip's tail right after that region's head frames were cross-faded with it.
+        self.tails: torch.Tensor | None = None
+        self.blend_tails = False  # from the second clip on
+
+    def run(self) -> None:
+        g = self.g
+        for c in range(g.chunks):
+            start = c * g.kept
+            count = max(0, min(g.kept, g.frames - start))
+            target = self.sink.buffer(start, count) if count else None
+            self._clip(c, target, count)
+            if count:
+                self.sink.commit(start, count)
+            self.blend_tails = self.tails is not None
+        start = g.chunks * g.kept
+        count = max(0, min(g.tail, g.frames - start))
+        if count:  # the last clip's tail is output as it is (nothing follows to cross-fade with)
+            self._emit(self.tails[:, :, :count], self.sink.buffer(start, count), 0, 0)
+            self.sink.commit(start, count)
+
+    def _clip(self, c: int, target: torch.Tensor | None, count: int) -> None:
+        g, vae = self.g, self.vae
+        ratio = int(vae.spatial_compression_ratio)
+        chunk_frames = g.chunk_tokens * int(vae.temporal_compression_ratio)
+        clip_z = self.z[:, :, c * g.chunk_tokens: c * g.chunk_tokens + g.clip_tokens]
+        above: list[torch.Tensor | None] = [None] * len(g.xs)  # raw bottom strips of the row above
+        y_out = 0
+        for i, (y0, y_len, y_ov) in enumerate(g.ys):
+            left, x_out, strips = None, 0, []
+            last_row = i == len(g.ys) - 1
+            for j, (x0, x_len, x_ov) in enumerate(g.xs):
+                check_cancel(self.cancel, f"while decoding video clip {c + 1} of {g.chunks}")
+                tile = vae.decoder(vae.post_quant_conv(
+                    clip_z[..., y0 // ratio: (y0 + y_len) // ratio, x0 // ratio: (x0 + x_len) // ratio]))
+                if tile.shape[2] < chunk_frames + g.tail + g.pre * bool(g.tail):
+                    raise RuntimeError(f"the VAE decoder returned {tile.shape[2]} frames for a clip; the decode plan "
+                                       "expected more (unsupported VAE geometry)")
+                # diffusers' _stitch_tiles blends with the *raw* tiles above and to the left: keep their strips
+                # before this tile is blended (in place) itself.
+                strip = None if last_row else tile[..., -y_ov:, :].clone()
+                left_next = tile[..., :, -x_ov:].clone() if j < len(g.xs) - 1 else None
+                if i > 0:
+                    _blend_into(vae, above[j], tile, g.ys[i - 1][2], dim=-2)
+                if j > 0:
+                    _blend_into(vae, left, tile, g.xs[j - 1][2], dim=-1)
+                strips.append(strip)
+                left = left_next
+                if not last_row:
+                    tile = tile[..., :-y_ov, :]
+                if j < len(g.xs) - 1:
+                    tile = tile[..., :, :-x_ov]
+                h, w = tile.shape[-2], tile.shape[-1]
+                head = tile[:, :, g.pre: chunk_frames]
+                region = (Ellipsis, slice(y_out, y_out + h), slice(x_out, x_out + w))
+                if self.blend_tails:  # diffusers' _decode: cross-fade with the previous clip's tail
+                    _blend_into(vae, self.tails[region], head, vae.frame_overlap, dim=-3)
+                if count:
+                    self._emit(head[:, :, :count], target, y_out, x_out)
+                if g.tail:
+                    if self.tails is None:
+                        self.tails = torch.empty(*head.shape[:2], g.tail, g.height, g.width, dtype=head.dtype,
+                                                 device=head.device)
+                    self.tails[region] = tile[:, :, chunk_frames + g.pre: chunk_frames + g.pre + g.tail]
+                del tile, head
+                x_out += w
+                if self.counter is not None:
+                    self.counter.advance()
+            above = strips
+            y_out += h
+
+    def _emit(self, frames: torch.Tensor, target: torch.Tensor, y: int, x: int) -> None:
+        """Decoder-space frames `[1, 3, n, h, w]` -> the decode step's pixels, into `target[:, y.., x..]`: the decode
+        step's `x.float() * std + mean` and clamp (in place on one temporary: the same operations, the same values)."""
+        pixel_mean, pixel_std = self.pixels
+        values = frames.float() * pixel_std
+        values.add_(pixel_mean).clamp_(0, 1)
+        if target.dtype == torch.uint8:  # media.frames_to_uint8's rounding: (x * 255).round().clip(0, 255)
+            values.mul_(255.0).round_().clamp_(0, 255)
+        values = values[0].permute(1, 2, 3, 0)
+        target[:, y: y + values.shape[1], x: x + values.shape[2]].copy_(values)
+
+
+def _blend_into(vae, a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
+    """diffusers' `_blend(a, b, extent, dim)` written over `b`'s first `extent` slices in place (its cross-fade on
+    exactly those slices, so the same values; `b`'s other slices are what `_blend` concatenates unchanged)."""
+    extent = min(a.shape[dim], b.shape[dim], extent)
+    if extent <= 0:
+        return
+    head = b.narrow(dim, 0, extent)
+    head.copy_(diffusers_adapter.vae_blend(vae, a.narrow(dim, a.shape[dim] - extent, extent), head, extent, dim))
