@@ -17,6 +17,7 @@ import sys
 import time
 
 from . import facts, progress
+from .remote import engines
 
 
 def _log(message: str) -> None:
@@ -152,7 +153,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from .remote.server import main as serve_main
+    from .remote.engines import main as serve_main
 
     return serve_main(args)
 
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-in-process", action="store_true",
                        help="decode media in the server process instead of the sandbox (debugging only: a decoder "
                        "crash then takes the server down)")
+    engines.add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
     return parser
 
