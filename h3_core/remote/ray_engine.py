@@ -67,6 +67,7 @@ class RaySettings:
     autoscale: tuple[int, int] | None = None
     max_ongoing_requests: int = 2  # per encoder replica: one encoding, one decoding ahead
     max_queued_requests: int = 64  # per caller (the ingress), beyond the replicas' own slots
+    stage_wrapper: str | None = None  # "module:callable" applied to each replica's stage (tests, instrumentation)
 
     def capacity(self) -> int:
         most = self.autoscale[1] if self.autoscale else self.replicas
@@ -158,6 +159,11 @@ def load_stage(settings: RaySettings):
         device = "cuda"
     else:
         stage = EncoderStage(source, components=settings.components, dtype=dtype, device=torch.device(device))
+    if settings.stage_wrapper:
+        import importlib
+
+        module, _, name = settings.stage_wrapper.partition(":")
+        stage = getattr(importlib.import_module(module), name)(stage)
     info = {"layout": source.layout, "tiny": bool(source.tiny), "dtype": settings.dtype,
             "device": torch.device(device).type}
     return stage, info
@@ -420,6 +426,10 @@ def start(settings: RaySettings, port: int, address: str | None = None, num_cpus
     import ray
 
     if not ray.is_initialized():
+        if not address:  # a local Ray's workers inherit this environment: let them import this h3_core
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            os.environ["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
         ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,
                  log_to_driver=True)
     serve.start(http_options={"host": settings.host, "port": port})
