@@ -29,7 +29,7 @@ def main(args) -> int:
         except ImportError as error:
             import sys
 
-            print(f"error: --engine ray needs Ray Serve ({error}); pip install 'ray[serve]>=2.40'", file=sys.stderr)
+            print(f"error: --engine ray needs Ray Serve ({error}); pip install 'ray[serve]>=2.60'", file=sys.stderr)
             return 2
         return ray_main(args)
     for flag in ("replicas", "autoscale", "gpus_per_replica", "address"):

@@ -412,7 +412,9 @@ def settings_from_args(args, host: str) -> RaySettings:
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
     gpus = float(getattr(args, "gpus_per_replica", None) or 0)
-    device = getattr(args, "device", None) or ("cuda" if gpus else "cpu")
+    device = getattr(args, "device", None) or "cpu"
+    if gpus and device == "cpu":  # GPUs asked for: the replica's GPUs, whatever --device defaulted to
+        device = "cuda"
     return RaySettings(
         models=os.path.abspath(args.models), layout=getattr(args, "layout", None),
         components=tuple(getattr(args, "components", None) or ("text", "video", "audio")),
