@@ -478,5 +478,21 @@ def main(args) -> int:
         signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
     log.info("shutting down: Ray finishes the replicas' requests (graceful_shutdown_timeout_s)")
-    stop()
+    # A service manager may signal Ray's own processes too (the whole process group): never wait on a dead
+    # cluster for long. A second signal stops at once.
+    stopping.clear()
+    stopper = threading.Thread(target=stop, name="h3-ray-stop", daemon=True)
+    stopper.start()
+    deadline = time.monotonic() + 45
+    while stopper.is_alive() and time.monotonic() < deadline and not stopping.is_set():
+        stopper.join(0.2)
+    if stopper.is_alive():
+        log.warning("Ray did not stop in time; exiting")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
+    if not getattr(args, "address", None):
+        import ray
+
+        ray.shutdown()  # the local Ray this command started
     return 0
