@@ -34,13 +34,13 @@ def _free_port() -> int:
 
 
 def _deploy(models: Path, replicas: int, threads: int, port: int) -> str:
-    from h3_core.remote import ray_engine
+    from h3_core.remote import ray_engine, ray_run
     from h3_core.remote.service import ServerConfig
 
     settings = ray_engine.RaySettings(models=str(models), replicas=replicas, threads=threads,
                                       config=ServerConfig(threads=threads), max_ongoing_requests=2,
                                       max_queued_requests=256)
-    return ray_engine.start(settings, port, num_cpus=os.cpu_count())
+    return ray_run.start(settings, port, num_cpus=os.cpu_count())
 
 
 def _load(url: str, clients: int, requests: int, tag: str) -> dict:
@@ -89,7 +89,7 @@ def _overhead(aiohttp_url: str, ray_url: str, pairs: int) -> dict:
 def run(models: Path, threads: int = 1, quick: bool = False) -> dict:
     import ray
 
-    from h3_core.remote import ray_engine
+    from h3_core.remote import ray_run
 
     plan = QUICK if quick else FULL
     result: dict = {"cores": os.cpu_count(), "threads_per_replica": threads, "plan": plan, "loadavg_start":
@@ -111,7 +111,7 @@ def run(models: Path, threads: int = 1, quick: bool = False) -> dict:
         result["replicas_2"] = _load(url, plan["clients"], plan["requests"], "r2")
     finally:
         try:
-            ray_engine.stop()
+            ray_run.stop()
         finally:
             ray.shutdown()
     result["scaling"] = result["replicas_2"]["per_s"] / result["replicas_1"]["per_s"]
@@ -124,7 +124,8 @@ def summary_line(result: dict) -> str:
     one, two, over = result["replicas_1"], result["replicas_2"], result["overhead"]
     return (f"ray on {result['cores']} cores: 1 replica {one['per_s']:.1f}/s (p99 {one['latency_s']['p99']:.2f} s), "
             f"2 replicas {two['per_s']:.1f}/s (p99 {two['latency_s']['p99']:.2f} s): x{result['scaling']:.2f}; "
-            f"overhead vs aiohttp: miss {over['miss']['overhead_ms']:+.1f} ms, hit {over['hit']['overhead_ms']:+.1f} ms")
+            f"overhead vs aiohttp: miss {over['miss']['overhead_ms']:+.1f} ms, "
+            f"hit {over['hit']['overhead_ms']:+.1f} ms")
 
 
 if __name__ == "__main__":  # python -m bench.ray_bench [--quick] [--models DIR]

@@ -63,17 +63,17 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_url(tiny_dir):
-    from h3_core.remote import ray_engine
+    from h3_core.remote import ray_engine, ray_run
 
     os.environ[TOKEN_ENV] = TOKEN  # before Ray starts: its workers inherit this environment (the only secret path)
     started = time.perf_counter()
     settings = ray_engine.RaySettings(models=str(tiny_dir), replicas=2, threads=SERVER_THREADS, config=CONFIG,
                                       token_env=TOKEN_ENV, max_ongoing_requests=2, max_queued_requests=16,
                                       stage_wrapper="h3_core.testing:PromptPaced")
-    url = ray_engine.start(settings, _free_port(), num_cpus=2)
+    url = ray_run.start(settings, _free_port(), num_cpus=2)
     print(f"\n[ray] local Ray + Serve application with 2 replicas up in {time.perf_counter() - started:.1f} s")
     yield url
-    ray_engine.stop()
+    ray_run.stop()
     ray.shutdown()
     os.environ.pop(TOKEN_ENV, None)
 
@@ -125,6 +125,8 @@ def test_ray_equals_aiohttp_and_local_bit_for_bit(task, stage, ray_url, aiohttp_
     assert [status for status, _, _ in answers] == [200, 200] and answers[0][2] == answers[1][2] == local
     for name in (protocol.H_MODEL, protocol.H_SHA256, protocol.H_FORMAT, protocol.H_PROTOCOL, "Content-Type"):
         assert answers[0][1][name] == answers[1][1][name], name
+    for _, headers, _ in answers:  # one request id per answer (Ray's proxy adds its own: the ingress uses it)
+        assert len(headers.get_all(protocol.H_REQUEST_ID)) == 1
     caps = [_client(url).capabilities() for url in (ray_url, aiohttp_url)]
     assert caps[0]["model"] == caps[1]["model"] and caps[0]["limits"] == caps[1]["limits"]
     assert caps[0]["queue"]["workers"] == 2 and caps[0]["engine"] == "ray"
@@ -227,7 +229,8 @@ def test_token_required(engine, stage, monkeypatch):
                                            {"Content-Type": content_type, **headers})
         assert status == 401 and reply_headers["WWW-Authenticate"].startswith("Bearer"), name
         assert json.loads(data)["error"]["code"] == "unauthorized"
-    assert _raw(url, "GET", protocol.CAPABILITIES_PATH)[0] == 401
+    status, reply_headers, data = _raw(url, "GET", protocol.CAPABILITIES_PATH)
+    assert status == 401 and reply_headers.get_all(protocol.H_REQUEST_ID) == [json.loads(data)["error"]["request_id"]]
     assert _raw(url, "GET", "/no/such/path")[0] == 401  # nothing is revealed before the token
     assert _raw(url, "GET", protocol.HEALTH_PATH)[0] == 200  # liveness stays open, reveals nothing
     assert _client(url).encode(CASES["t2va"]).to_bytes() == stage.encode(CASES["t2va"]).to_bytes()

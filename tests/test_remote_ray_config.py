@@ -14,7 +14,7 @@ yaml = pytest.importorskip("yaml")
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from h3_core.cli import build_parser  # noqa: E402
-from h3_core.remote import ray_engine  # noqa: E402
+from h3_core.remote import ray_engine, ray_run  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "ray_serve.yaml"
 
@@ -45,7 +45,7 @@ def test_the_example_config_is_a_valid_serve_config_that_builds(tiny_dir):
 def test_cli_flags_become_ray_settings(tiny_dir):
     args = build_parser().parse_args(["serve", "--engine", "ray", "--models", str(tiny_dir), "--autoscale", "1:3",
                                       "--gpus-per-replica", "2", "--deadline", "60", "--cache-mb", "64"])
-    settings = ray_engine.settings_from_args(args, "127.0.0.1")
+    settings = ray_run.settings_from_args(args, "127.0.0.1")
     assert settings.autoscale == (1, 3) and settings.gpus_per_replica == 2 and settings.device == "cuda"
     assert settings.config.max_deadline_s == 60 and settings.config.cache_bytes == 64 << 20
     assert settings.capacity() == 3 * 2 + 64

@@ -25,7 +25,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     if getattr(args, "engine", "aiohttp") == "ray":
         try:
-            from .ray_engine import main as ray_main
+            from .ray_run import main as ray_main
         except ImportError as error:
             import sys
 

@@ -289,17 +289,18 @@ class Handler:
                 return conditioning_reply(hit, service, rid, "hit", 0.0, 0.0)
             seconds = spec.deadline_s or service.config.default_deadline_s
             reply = await self.compute(key, spec, raw, parts, received + seconds, seconds, rid, incoming.gone,
-                                       tracker)
+                                       tracker, client=incoming.remote or "")
             if tracker is not None and reply.status == 200:
                 tracker.own.enter("sending")
             return reply
 
     async def compute(self, key: str, spec: protocol.RequestSpec, raw: bytes, parts: dict[str, Part],
                       deadline: float, seconds: float, rid: str, gone: Callable[[], bool] = lambda: False,
-                      tracker: tracking.Tracker | None = None) -> Reply:
+                      tracker: tracking.Tracker | None = None, client: str = "") -> Reply:
         """The conditioning for a cache miss, from this process's queue and model thread, as a `Reply`.
 
-        `deadline` is a `time.monotonic()` instant; `seconds` the deadline the request asked for (for messages).
+        `deadline` is a `time.monotonic()` instant; `seconds` the deadline the request asked for (for messages);
+        `client` the peer that sent it (the Ray ingress forwards it to the replica).
         """
         service = self.service
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,6 +46,7 @@ from .streams import FedStream
 log = logging.getLogger("h3_core.remote.server")
 
 APP_NAME = "h3-encoder"
+_SANE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 INGRESS, ENCODER = "H3Ingress", "H3Encoder"
 
 
@@ -124,14 +126,15 @@ class H3Encoder:
                 "model_info": self.model_info, "replica": self.name, "pid": os.getpid()}
 
     async def encode(self, rid: str, key: str, raw: bytes, parts: list[tuple[str, str, bytes, str]],
-                     seconds_left: float, seconds: float) -> tuple[int, dict[str, str], bytes, str]:
+                     seconds_left: float, seconds: float, client: str = "") -> tuple[int, dict[str, str], bytes, str]:
         """One cache miss: (status, headers, body, this replica's name). Cancelled when the ingress gives up."""
         await self._start()
         spec = body.parse_spec(raw, self.service)
         received = {name: Part(name=name, content_type=content_type, data=data, sha256=digest)
                     for name, content_type, data, digest in parts}
         del parts
-        reply = await self.handler.compute(key, spec, raw, received, time.monotonic() + seconds_left, seconds, rid)
+        reply = await self.handler.compute(key, spec, raw, received, time.monotonic() + seconds_left, seconds, rid,
+                                           client=client)
         return reply.status, reply.headers, reply.body, self.name
 
     def check_health(self) -> None:
@@ -203,13 +206,14 @@ class RayHandler(Handler):
         caps["engine"] = "ray"
         return caps
 
-    async def compute(self, key, spec, raw, parts, deadline, seconds, rid, gone=lambda: False, tracker=None) -> Reply:
+    async def compute(self, key, spec, raw, parts, deadline, seconds, rid, gone=lambda: False, tracker=None,
+                      client: str = "") -> Reply:
         service = self.service
         flight = self.flights.get(key)
         joined = flight is not None
         if flight is None:
             wire = [(part.name, part.content_type, part.data, part.sha256) for part in parts.values()]
-            flight = _Flight(asyncio.ensure_future(self._remote(key, raw, wire, deadline, seconds, rid)))
+            flight = _Flight(asyncio.ensure_future(self._remote(key, raw, wire, deadline, seconds, rid, client)))
             self.flights[key] = flight
             flight.task.add_done_callback(lambda task, flight=flight: self._landed(key, flight, task))
         del parts
@@ -254,9 +258,10 @@ class RayHandler(Handler):
             self.service.cache.put(key, reply.body, reply.headers[protocol.H_SHA256])
             self.service.counters["computed"] += 1
 
-    async def _remote(self, key: str, raw: bytes, wire: list, deadline: float, seconds: float, rid: str) -> Reply:
+    async def _remote(self, key: str, raw: bytes, wire: list, deadline: float, seconds: float, rid: str,
+                      client: str) -> Reply:
         """One call to an encoder replica, its failures mapped onto the protocol's answers."""
-        response = self.encoder.encode.remote(rid, key, raw, wire, deadline - time.monotonic(), seconds)
+        response = self.encoder.encode.remote(rid, key, raw, wire, deadline - time.monotonic(), seconds, client)
         del wire
         try:
             status, headers, data, replica = await response
@@ -319,13 +324,20 @@ class H3Ingress:
     async def __call__(self, request: Request) -> Response:
         shared = await self.handler()
         fed = FedStream(_chunks(request), request.headers.get("Content-Encoding"))
+        incoming = Incoming(method=request.method, path=request.url.path, headers=request.headers,
+                            remote=request.client.host if request.client else "", content=fed.reader)
+        # Ray's proxy adds its own X-Request-Id to every answer (a client's, if it sent a sane one): use that id
+        # throughout (logs, error bodies), and leave the header to the proxy so it appears once.
+        ray_id = request.headers.get(protocol.H_REQUEST_ID)
+        if ray_id and _SANE_ID.fullmatch(ray_id):
+            incoming.request_id = ray_id
         try:
-            client = request.client.host if request.client else ""
-            reply = await shared(Incoming(method=request.method, path=request.url.path, headers=request.headers,
-                                          remote=client, content=fed.reader))
+            reply = await shared(incoming)
         finally:
             await fed.close()
         headers = dict(reply.headers)
+        if ray_id == incoming.request_id:
+            headers.pop(protocol.H_REQUEST_ID, None)
         return Response(content=reply.body if request.method != "HEAD" else b"", status_code=reply.status,
                         headers=headers, media_type=reply.content_type)
 
@@ -398,101 +410,3 @@ def parse_autoscale(text: str) -> tuple[int, int]:
     if not sep or not low.isdigit() or not high.isdigit() or not 0 <= int(low) <= int(high) or int(high) < 1:
         raise ValueError(f"--autoscale takes MIN:MAX replicas with 0 <= MIN <= MAX and MAX >= 1, got {text!r}")
     return int(low), int(high)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# `python -m h3_core serve --engine ray`
-
-
-def settings_from_args(args, host: str) -> RaySettings:
-    from .server import config_from_args
-
-    autoscale = parse_autoscale(args.autoscale) if getattr(args, "autoscale", None) else None
-    replicas = getattr(args, "replicas", None) or 1
-    if replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {replicas}")
-    gpus = float(getattr(args, "gpus_per_replica", None) or 0)
-    device = getattr(args, "device", None) or "cpu"
-    if gpus and device == "cpu":  # GPUs asked for: the replica's GPUs, whatever --device defaulted to
-        device = "cuda"
-    return RaySettings(
-        models=os.path.abspath(args.models), layout=getattr(args, "layout", None),
-        components=tuple(getattr(args, "components", None) or ("text", "video", "audio")),
-        dtype=getattr(args, "dtype", None) or "float32", device=device, gpus_per_replica=gpus,
-        config=config_from_args(args, None), token_env=getattr(args, "token_env", None) or protocol.DEFAULT_TOKEN_ENV,
-        host=host, replicas=replicas, autoscale=autoscale)
-
-
-def start(settings: RaySettings, port: int, address: str | None = None, num_cpus: int | None = None) -> str:
-    """Connect to (or start) Ray, start Serve's proxy on `settings.host:port` and deploy; the endpoint's URL."""
-    import ray
-
-    if not ray.is_initialized():
-        if not address:  # a local Ray's workers inherit this environment: let them import this h3_core
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-            os.environ["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
-        ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,
-                 log_to_driver=True)
-    serve.start(http_options={"host": settings.host, "port": port})
-    serve.run(application(settings), name=APP_NAME, route_prefix="/", blocking=False)
-    shown = f"[{settings.host}]" if ":" in settings.host else settings.host
-    return f"http://{shown}:{port}"
-
-
-def stop() -> None:
-    try:
-        serve.delete(APP_NAME)
-    finally:
-        serve.shutdown()
-
-
-def main(args) -> int:
-    """Deploy on Ray Serve, serve until SIGTERM/SIGINT, then take the application down (Ray drains replicas)."""
-    import signal
-    import socket
-    import sys
-    import threading
-
-    from .service import ServerConfigError
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    host, port = args.host, args.port
-    token_env = getattr(args, "token_env", None) or protocol.DEFAULT_TOKEN_ENV
-    try:
-        check_bind(host, os.environ.get(token_env) or None, token_env)
-        settings = settings_from_args(args, host)
-    except (ServerConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if port == 0:  # Ray's proxy needs a concrete port: pick a free one
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
-    url = start(settings, port, getattr(args, "address", None))
-    print(f"h3 encoder listening on {url} (Ray Serve: {settings.autoscale or settings.replicas} encoder "
-          f"replica(s))", flush=True)
-    stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
-    stopping.wait()
-    log.info("shutting down: Ray finishes the replicas' requests (graceful_shutdown_timeout_s)")
-    # A service manager may signal Ray's own processes too (the whole process group): never wait on a dead
-    # cluster for long. A second signal stops at once.
-    stopping.clear()
-    stopper = threading.Thread(target=stop, name="h3-ray-stop", daemon=True)
-    stopper.start()
-    deadline = time.monotonic() + 45
-    while stopper.is_alive() and time.monotonic() < deadline and not stopping.is_set():
-        stopper.join(0.2)
-    if stopper.is_alive():
-        log.warning("Ray did not stop in time; exiting")
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(1)
-    if not getattr(args, "address", None):
-        import ray
-
-        ray.shutdown()  # the local Ray this command started
-    return 0
