@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SECTIONS = ("split", "wire", "remote", "vae", "ray")
+SECTIONS = ("split", "wire", "remote", "vae", "ray", "fairness")
 
 FULL = {
     "split": dict(pairs=20, steps=50, width=64, height=64, frames=124, load_rounds=3),
@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                 results["vae"] = vae.run(models, threads=args.threads, **plan["vae"])
             elif section == "ray":  # Ray Serve engine (bench/ray_bench.py), its plan there
                 results["ray"] = __import__("bench.ray_bench").ray_bench.run(models, args.threads, args.quick)
+            elif section == "fairness":  # writes fairness.md / fairness.json next to results.md
+                from bench import fairness
+
+                results["fairness"] = fairness.run(models, threads=args.threads, quick=args.quick, out=out)
             results["meta"].setdefault("section_s", {})[section] = time.perf_counter() - t0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from . import facts, progress
+from . import devices, facts, plan_report, progress
 from .remote import engines
 
 
@@ -94,7 +94,8 @@ def _cmd_encode(args) -> int:
 
         request.validate()  # cheap rules before loading any weights
         with progress.reporting(_phase_printer()):
-            stage = EncoderStage(ModelSource.from_path(args.models, layout=args.layout))
+            stage = EncoderStage(ModelSource.from_path(args.models, layout=args.layout),
+                                 **devices.stage_kwargs(args, "text_encoder"))
             cond = stage.encode(request)
     cond.save(args.out)
     _log(
@@ -113,7 +114,8 @@ def _cmd_generate(args) -> int:
     from .models import ModelSource
 
     cond = H3Conditioning.load(args.cond)
-    stage = DiffusionStage(ModelSource.from_path(args.models, layout=args.layout))
+    stage = DiffusionStage(ModelSource.from_path(args.models, layout=args.layout),
+                           **devices.stage_kwargs(args, "transformer"))
     start = time.perf_counter()
     options = SamplingOptions(
         steps=args.steps,
@@ -173,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     encode = sub.add_parser("encode", help="stage 0: prompt + media -> conditioning safetensors")
     models_args(encode)
+    devices.add_arguments(encode)
     encode.add_argument("--out", required=True, help="conditioning file to write (.safetensors)")
     encode.add_argument("--prompt", required=True)
     encode.add_argument("--task", choices=("t2va", "fl2va", "ref2va"), help="default: inferred from the media")
@@ -205,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = sub.add_parser("generate", help="stage 1: conditioning -> mp4")
     models_args(generate)
+    devices.add_arguments(generate)
     generate.add_argument("--cond", required=True, help="conditioning file from `encode`")
     generate.add_argument("--out", required=True, help="mp4 to write")
     generate.add_argument("--seed", type=int, default=0, help="as diffusers' torch.Generator('cpu').manual_seed(S)")
@@ -233,15 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="encoders to load, comma-separated subset of text,video,audio (default all)",
     )
-    serve.add_argument(
-        "--device", default="cpu", help="torch device for the encoders, e.g. cuda or cuda:1 (default cpu)"
-    )
-    serve.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="text encoder dtype (VAEs stay float32); match the local path for bit-identical results",
-    )
+    devices.add_arguments(serve, dtype_help="text encoder dtype (auto: float32 on CPU, bfloat16 on CUDA; VAEs follow "
+                          "the official rule); match the local path for bit-identical results")
     serve.add_argument("--queue-size", type=int, help="requests waiting for or in the model (default 32)")
     serve.add_argument(
         "--deadline",
@@ -259,7 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode media in the server process instead of the sandbox (debugging only: a decoder "
                        "crash then takes the server down)")
     engines.add_serve_arguments(serve)
+    from .remote.config import add_scheduling_args
+
+    add_scheduling_args(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    plan_report.add_parser(sub)
     return parser
 
 

@@ -29,6 +29,7 @@ from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning
 from .lora import LoRA
 from .models import PARTITION_OF_TASK, ModelSource, ModelSourceError
+from .offload import STREAMABLE, Streaming, activation_estimate, place
 from .progress import ProgressFn, check_cancel
 
 # (step done, total steps, the step's clean-video estimate [1, 24, T, H/16, W/16] float32 CPU)
@@ -132,6 +133,7 @@ class DiffusionStage:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         *,
+        offload: str = "none",
         modules: dict | None = None,
         pipeline_config: dict | None = None,
     ):
@@ -142,6 +144,9 @@ class DiffusionStage:
         self.source = source
         self.dtype = dtype
         self.device = torch.device(device)
+        self.offload = offload  # DiT placement: none / block / auto (h3_core.offload)
+        self.streaming: dict[str, Streaming] = {}
+        self._job = {"width": 0, "height": 0, "frames": rules.MIN_FRAMES, "text_tokens": 0}
         self.pipeline_config = dict(pipeline_config if pipeline_config is not None else source.pipeline_config)
         modules = modules or {}
         self._transformers = {
@@ -153,7 +158,11 @@ class DiffusionStage:
     def _load(self, name: str, **kwargs) -> torch.nn.Module:
         if self.source is None:
             raise ModelSourceError(f"this diffusion stage was given no {name}, which the request needs")
-        return self.source.load(name, **kwargs).to(self.device)
+        module = self.source.load(name, **kwargs)
+        dtype = kwargs.get("dtype", torch.float32)
+        activations = activation_estimate(name, module, dtype, **self._job) if name in STREAMABLE else 0
+        self.streaming[name] = place(module, name, self.device, self.offload, activation_bytes=activations)
+        return module
 
     # --- components ------------------------------------------------------------------------------
 
@@ -190,6 +199,8 @@ class DiffusionStage:
         )
 
         # `cond` validated itself on construction / receipt; here only its fit to the loaded DiT is left.
+        self._job = {"width": cond.width, "height": cond.height, "frames": cond.num_frames,
+                     "text_tokens": int(cond.prompt_embeds.shape[1])}  # sizes `--offload auto`
         transformer = self.transformer(cond.task)
         cond.check_compatible(text_dim=transformer.config.text_dim, latent_channels=transformer.config.in_channels)
         video_scheduler = MiniMaxH3Scheduler(shift=_or(options.video_shift, configs.VIDEO_SHIFT))

@@ -18,6 +18,7 @@ audio VAE's posterior mean, split per encoder so each can run (and be loaded) on
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,7 @@ from . import facts, media, progress, rules
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning, H3Reference
 from .models import ModelSource
+from .offload import activation_estimate, place
 from .progress import ProgressFn, check_cancel
 from .request import EncodeRequest
 
@@ -143,6 +145,7 @@ class EncoderStage:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         *,
+        offload: str = "none",
         modules: dict | None = None,
         pipeline_config: dict | None = None,
         fingerprint: str | None = None,
@@ -150,6 +153,7 @@ class EncoderStage:
         """Load `components` from `source`, or adopt already-loaded `modules` (the ComfyUI nodes do:
         their loaders own the weights), keyed text_encoder/tokenizer/processor/vae/audio_vae."""
         self.device = torch.device(device)
+        self.streaming = None
         if modules is not None:
             self.text_encoder = modules.get("text_encoder")
             self.tokenizer, self.processor = modules.get("tokenizer"), modules.get("processor")
@@ -169,14 +173,25 @@ class EncoderStage:
         self.pipeline_config = dict(source.pipeline_config)
         self.fingerprint = source.fingerprint()  # identity of the weights, for caches and handshakes
         self.text_encoder = self.tokenizer = self.processor = self.vae = self.audio_vae = None
+        self.load_seconds: dict[str, float] = {}  # per component, for the server's metrics
         if "text" in components:
-            self.text_encoder = source.load("text_encoder", dtype=dtype).to(self.device)
+            started = time.perf_counter()
+            # resident or layer-streamed (`offload`: none / block / auto, h3_core.offload)
+            self.text_encoder = source.load("text_encoder", dtype=dtype)
+            self.streaming = place(self.text_encoder, "text_encoder", self.device, offload,
+                                   activation_bytes=activation_estimate("text_encoder", self.text_encoder, dtype,
+                                                                        width=0, height=0, frames=facts.MIN_FRAMES))
             self.tokenizer = source.load_tokenizer()
             self.processor = source.load_processor()
+            self.load_seconds["text"] = time.perf_counter() - started
         if "video" in components:
+            started = time.perf_counter()
             self.vae = source.load("vae", dtype=torch.float32).to(self.device)
+            self.load_seconds["video"] = time.perf_counter() - started
         if "audio" in components:
+            started = time.perf_counter()
             self.audio_vae = source.load("audio_vae", dtype=torch.float32).to(self.device)
+            self.load_seconds["audio"] = time.perf_counter() - started
 
     # --- the three encoders ----------------------------------------------------------------------
 

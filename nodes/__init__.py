@@ -8,6 +8,8 @@
     decode.py           H3 Decode
     conditioning_io.py  H3 Save / Load Conditioning
     comfy_bridge.py     the one module touching ComfyUI internals (model management, progress, types)
+    low_vram.py         DiT / text-encoder layers streamed by ComfyUI's low-VRAM loading (cast-weights protocol)
+    memory.py           what each node asks ComfyUI to keep free (the planner's activation estimate)
 
 Node ids start with `H3Split` and never change; new widgets are appended, never inserted.
 """

@@ -1,4 +1,5 @@
-"""The only place that touches ComfyUI internals: model management, progress, interrupts, types.
+"""The place that touches ComfyUI internals: model management, progress, interrupts, types (low_vram.py adds
+the cast-weights protocol its streamed models speak).
 
 Everything else in `nodes/` converts ComfyUI values to h3_core calls through these helpers.
 """
@@ -17,6 +18,7 @@ import torch
 
 from ..h3_core import media, previews, progress, rules, safe_paths
 from ..h3_core.progress import Cancelled
+from . import low_vram
 
 PACK_FOLDER = "minimax_h3"  # models/minimax_h3/: diffusers roots, native partitions, the embedded tiny H3
 TINY_CHOICE = "[embedded] tiny H3 (random weights, outputs are noise)"
@@ -87,15 +89,22 @@ class _Holder(torch.nn.Module):
         self.model = model
 
 
-def managed(model: torch.nn.Module, load_device: torch.device, offload_device: torch.device):
-    """Wrap a loaded module so ComfyUI decides where it lives (GPU while used, offloaded after)."""
+def managed(model: torch.nn.Module, load_device: torch.device, offload_device: torch.device, stream: bool = False):
+    """Wrap a loaded module so ComfyUI decides where it lives (GPU while used, offloaded after). With `stream`, its
+    layers speak ComfyUI's cast-weights protocol, so what does not fit in VRAM streams per layer (low_vram.py)."""
+    if stream:
+        return low_vram.streamed_patcher(_Holder(model), model, load_device, offload_device)
     return comfy.model_patcher.ModelPatcher(_Holder(model), load_device=load_device, offload_device=offload_device)
 
 
-def use(*patchers) -> torch.device:
-    """Bring models onto their compute device for the node that is running; returns that device."""
+def use(*patchers, memory_required: int = 0) -> torch.device:
+    """Bring models onto their compute device for the node that is running; returns that device.
+
+    `memory_required`: bytes the node's own work will allocate on that device besides the weights (activations).
+    ComfyUI keeps that much (plus --reserve-vram) free and streams the layers that no longer fit; the models are
+    never moved by the pack itself."""
     active = [patcher for patcher in patchers if patcher is not None]
-    mm.load_models_gpu(active)
+    mm.load_models_gpu(active, memory_required=int(memory_required))
     return active[0].load_device if active else mm.get_torch_device()
 
 

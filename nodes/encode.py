@@ -15,6 +15,7 @@ from comfy_api.latest import io
 from ..h3_core import assembly, rules
 from ..h3_core.encoder import EncoderStage
 from . import comfy_bridge as bridge
+from . import memory
 from .input_checks import check_declared
 from .media import MediaBundle
 from .types import CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
@@ -120,7 +121,10 @@ class TextEncode(io.ComfyNode):
     def execute(cls, text_encoder, prompt, width, height, length, media=None, task="auto") -> io.NodeOutput:
         request = request_from(media, prompt, task, width, height, length)
         parts = assembly.start(request, text_encoder.pipeline_config)  # all rules checked before the model moves
-        device = bridge.use(text_encoder.patcher)
+        needed = memory.text_encoding_bytes(
+            parts.prepared, text_encoder.extra["tokenizer"], text_encoder.module, text_encoder.dtype
+        )
+        device = bridge.use(text_encoder.patcher, memory_required=needed)  # layers that do not fit stream
         stage = EncoderStage(
             modules={"text_encoder": text_encoder.module, **text_encoder.extra},
             pipeline_config=text_encoder.pipeline_config,

@@ -2,7 +2,13 @@
 
 Each accepts every layout h3_core loads: a Comfy-Org single file (diffusion_models/,
 text_encoders/, vae/), a whole-model folder under models/minimax_h3/ (an official diffusers root or
-a native partition), or the embedded tiny H3. The weights live under ComfyUI's model management.
+a native partition), or the embedded tiny H3. The weights live under ComfyUI's model management; the DiT's and
+the text encoder's layers stream through it when VRAM is short (low_vram.py).
+
+Dtypes follow h3_core's one rule (`h3_core.dtypes.compute_dtype` for the machine's compute device: bf16 for the
+DiT and text encoder on a GPU, float32 on a CPU-only machine, the official float32 video VAE, the float32-only audio
+VAE); each loader's `weight_dtype` widget ("default" = that rule) overrides it. Reading a file drives the loader
+node's progress bar.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import comfy.model_management as mm
 import torch
 from comfy_api.latest import io
 
+from ..h3_core import dtypes
 from ..h3_core.models import ModelSource
 from . import comfy_bridge as bridge
 from .types import CATEGORY, AudioVAE, DiT, TextEncoder, VideoVAE
@@ -26,6 +33,7 @@ class LoadedModel:
     source: ModelSource
     fingerprint: str
     extra: dict  # tokenizer/processor (text encoder), partition name (DiT)
+    dtype: torch.dtype = torch.float32  # what the module computes in (the dtype rule or the weight_dtype widget)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -43,12 +51,21 @@ def _source(folder: str, choice: str, component: str) -> ModelSource:
     return ModelSource.for_file(component, path)
 
 
-def _load(folder: str, choice: str, component: str, load_device, offload_device, dtype=torch.float32):
-    source = _source(folder, choice, component)
-    with bridge.phase_progress(None):  # bytes read
+def _weight_dtype_input(options: list[str], what: str):
+    return io.Combo.Input(
+        "weight_dtype",
+        options=options,
+        default="default",
+        optional=True,
+        tooltip=f"Dtype the {what} is loaded and runs in. default: bf16 on a GPU, fp32 on CPU (the pack's one rule; "
+        "the video VAE stays fp32 and decodes under fp16 autocast, the audio VAE is fp32 only).",
+    )
+
+
+def _load(source: ModelSource, component: str, dtype: torch.dtype, load_device, offload_device, stream: bool):
+    with bridge.phase_progress(None):  # bytes read, on the running loader node's bar
         module = source.load(component, dtype=dtype)
-    patcher = bridge.managed(module, load_device, offload_device)
-    return source, patcher
+    return bridge.managed(module, load_device, offload_device, stream=stream)
 
 
 def _fingerprint_file(folder: str, choice: str) -> str:
@@ -62,6 +79,8 @@ class _ComponentLoader(io.ComfyNode):
 
     NODE_ID = DISPLAY_NAME = DESCRIPTION = INPUT_ID = FOLDER = COMPONENT = FILE_HINT = ""
     OUTPUT = None
+    WEIGHT_DTYPES = ["default", "fp32"]
+    STREAM = False  # layers stream under ComfyUI's low-VRAM loading (the big ones: text encoder, DiT)
 
     @staticmethod
     def devices():
@@ -81,18 +100,24 @@ class _ComponentLoader(io.ComfyNode):
                     tooltip=f"A file in models/{cls.FOLDER} (Comfy-Org {cls.FILE_HINT}), a model folder in "
                     "models/minimax_h3, or the embedded tiny H3.",
                 ),
+                _weight_dtype_input(cls.WEIGHT_DTYPES, cls.DISPLAY_NAME.removeprefix("H3 ").removesuffix(" Loader")),
             ],
             outputs=[cls.OUTPUT.Output()],
         )
 
     @classmethod
     def fingerprint_inputs(cls, **inputs):
-        return _fingerprint_file(cls.FOLDER, inputs[cls.INPUT_ID])
+        return f"{_fingerprint_file(cls.FOLDER, inputs[cls.INPUT_ID])}|{inputs.get('weight_dtype', 'default')}"
 
     @classmethod
-    def execute(cls, **inputs) -> io.NodeOutput:
-        source, patcher = _load(cls.FOLDER, inputs[cls.INPUT_ID], cls.COMPONENT, *cls.devices())
-        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), cls.extra(source)))
+    def execute(cls, weight_dtype: str = "default", **inputs) -> io.NodeOutput:
+        load_device, offload_device = cls.devices()
+        # The rule is the machine's (its compute device), not the load device's: under --lowvram / --novram ComfyUI
+        # runs text encoders on the CPU, where float32 would make the 32B encoder 4x its bf16 file in RAM.
+        dtype = dtypes.compute_dtype(cls.COMPONENT, mm.get_torch_device(), weight_dtype)
+        source = _source(cls.FOLDER, inputs[cls.INPUT_ID], cls.COMPONENT)
+        patcher = _load(source, cls.COMPONENT, dtype, load_device, offload_device, cls.STREAM)
+        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), cls.extra(source), dtype))
 
     @classmethod
     def extra(cls, source: ModelSource) -> dict:
@@ -107,6 +132,7 @@ class TextEncoderLoader(_ComponentLoader):
     )
     INPUT_ID, FOLDER, COMPONENT = "text_encoder", "text_encoders", "text_encoder"
     FILE_HINT, OUTPUT = "qwen3vl_32b_minimax_h3_*.safetensors", TextEncoder
+    WEIGHT_DTYPES, STREAM = ["default", "bf16", "fp32"], True
 
     @staticmethod
     def devices():
@@ -125,6 +151,7 @@ class VideoVAELoader(_ComponentLoader):
     )
     INPUT_ID, FOLDER, COMPONENT = "vae", "vae", "vae"
     FILE_HINT, OUTPUT = "minimax_h3_video_vae_fp16.safetensors", VideoVAE
+    WEIGHT_DTYPES = ["default", "fp32", "bf16", "fp16"]
 
 
 class AudioVAELoader(_ComponentLoader):
@@ -167,7 +194,8 @@ class DiTLoader(io.ComfyNode):
                     "weight_dtype",
                     options=["default", "bf16", "fp32"],
                     optional=True,
-                    tooltip="Compute dtype of the DiT; default keeps fp32 on CPU and bf16 on GPU.",
+                    tooltip="Dtype the DiT is loaded and runs in. default: bf16 on a GPU, fp32 on CPU (the pack's one "
+                    "rule).",
                 ),
             ],
             outputs=[DiT.Output()],
@@ -181,14 +209,10 @@ class DiTLoader(io.ComfyNode):
     def execute(cls, dit, partition, weight_dtype="default") -> io.NodeOutput:
         component = PARTITIONS[partition]
         load_device, offload_device = mm.get_torch_device(), mm.unet_offload_device()
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(weight_dtype)
-        if dtype is None:
-            dtype = torch.float32 if load_device.type == "cpu" else torch.bfloat16
+        dtype = dtypes.compute_dtype(component, load_device, weight_dtype)
         source = _source("diffusion_models", dit, component)  # a single file of the other partition is refused here
-        with bridge.phase_progress(None):  # bytes read
-            module = source.load(component, dtype=dtype)
-        patcher = bridge.managed(module, load_device, offload_device)
-        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {"partition": component}))
+        patcher = _load(source, component, dtype, load_device, offload_device, stream=True)
+        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {"partition": component}, dtype))
 
 
 NODES = [TextEncoderLoader, VideoVAELoader, AudioVAELoader, DiTLoader]

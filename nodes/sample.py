@@ -10,6 +10,7 @@ from ..h3_core.diffusion import DiffusionStage, SamplingOptions
 from ..h3_core.lora import LoRA
 from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
 from . import comfy_bridge as bridge
+from . import memory
 from .types import CATEGORY, DiT
 
 NO_LORA = "none"
@@ -89,13 +90,11 @@ class Sampler(io.ComfyNode):
                 f"{COMPONENT_NAMES[dit.extra['partition']]} (set H3 DiT Loader's partition)"
             )
         adapter = None if lora in (None, NO_LORA) else LoRA.load(folder_paths.get_full_path_or_raise("loras", lora))
-        device = bridge.use(dit.patcher)
-        stage = DiffusionStage(
-            modules={needed: dit.module},
-            pipeline_config=dit.pipeline_config,
-            device=device,
-            dtype=next(dit.module.parameters()).dtype,
-        )
+        dtype = dit.dtype
+        # Room for this job's activations: ComfyUI streams the DiT's layers that no longer fit beside them.
+        device = bridge.use(dit.patcher, memory_required=memory.sampling_bytes(cond, dit.module, dtype))
+        stage = DiffusionStage(modules={needed: dit.module}, pipeline_config=dit.pipeline_config, device=device,
+                               dtype=dtype)
         report = bridge.progress_callback(cls.hidden.unique_id)
         options = SamplingOptions(
             steps=steps,

@@ -4,6 +4,8 @@
     ingest.py    server side: received parts -> EncodeRequest (content types, header caps, the decoding seam)
     packing.py   client side: EncodeRequest -> multipart body (lossless media, no pickle)
     service.py   the service without HTTP: admission, bounded queue, one model thread, cache (pure asyncio)
+                 (config.py settings, admission.py body budgets, fair_queue.py turns per client, cache.py)
+    metrics.py   Prometheus metrics of one server (its own registry); handler.py serves `GET /metrics`
     handler.py   the request handling, engine-neutral (routes, auth, errors, encode flow); body.py reads bodies
     http.py      the aiohttp engine: adapter to handler.py, create_app
     server.py    running it: ServerThread (tests, embedding), main (CLI, signals, graceful drain)

@@ -3,7 +3,9 @@
 Both engines call this one implementation: the aiohttp server (`http.py`) and the Ray Serve ingress
 (`ray_engine.py`) turn their request into an `Incoming` and send back the `Reply`. Routing, auth, the error model,
 the caps and the slow-upload rule (through `body.py`), deadlines, the cache, progress polls and the request log
-all live here, so the two engines answer with the same statuses and the same bytes.
+all live here, so the two engines answer with the same statuses and the same bytes. So do the hooks of the
+metrics (`metrics.py`: answers to `POST /v1/encode` by status and task, the `receive` and `send` phases, `GET
+/metrics`), of readiness (503 `loading` until the models are loaded) and of the fair queue (the client key).
 
     Handler(service)(incoming) --(route, auth, caps, parse, cache lookup)--> compute() --> Reply
     compute(): here, the local service's queue and model thread; the Ray ingress overrides it to call an
@@ -21,11 +23,11 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from .. import __version__, rules
 from ..progress import Cancelled
-from . import body, ingest, protocol, tracking
+from . import body, ingest, metrics, protocol, tracking
 from .ingest import Part
 from .protocol import ProtocolError
 from .service import EncoderService, Job, QueueFull, _Abandoned
@@ -33,6 +35,7 @@ from .service import EncoderService, Job, QueueFull, _Abandoned
 log = logging.getLogger("h3_core.remote.server")
 
 _PROGRESS_PATH = re.compile(r"/v1/encode/([^/]+)/progress")
+_NOT_LOGGED = (protocol.HEALTH_PATH, metrics.PATH)  # probes and scrapes
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Incoming:
     gone: Callable[[], bool] = lambda: False
     body_errors: tuple = ()  # the engine's own "the body could not be decoded" exceptions
     request_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    task: str | None = None  # the request's task once its JSON was read (the metrics' label)
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Reply:
     body: bytes = b""
     content_type: str | None = None
     reason: str | None = None
+    phases: tuple[tuple[str, float], ...] = ()  # a computed job's phase seconds (the Ray replica reports them)
 
     def cache_state(self) -> str | None:
         return self.headers.get(protocol.H_CACHE)
@@ -145,17 +150,42 @@ class Handler:
             protocol.HEALTH_PATH: {"GET": self.health},
             protocol.CAPABILITIES_PATH: {"GET": self.capabilities},
             protocol.ENCODE_PATH: {"POST": self.encode},
+            metrics.PATH: {"GET": self.scrape},
         }
 
-    async def __call__(self, incoming: Incoming) -> Reply:
+    async def __call__(self, incoming: Incoming, send: Callable[[Reply], Awaitable[None]] | None = None) -> Reply:
+        """The reply to `incoming`. `send`: the engine's way of handing a reply to the connection, where it has
+        one (aiohttp); it is awaited here so the metrics time it (phase `send`, and the request's seconds).
+
+        Every answer to `POST /v1/encode` is counted by status and task, refusals (401, 4xx) and clients that left
+        (499) included.
+        """
         started = time.monotonic()
-        reply = await self._guarded(incoming)
-        reply.headers.setdefault(protocol.H_REQUEST_ID, incoming.request_id)
-        reply.headers.setdefault(protocol.H_PROTOCOL, str(protocol.PROTOCOL_VERSION))
+        counted = incoming.path == protocol.ENCODE_PATH
+        observe = self.service.metrics
+        try:
+            reply = await self._guarded(incoming)
+            reply.headers.setdefault(protocol.H_REQUEST_ID, incoming.request_id)
+            reply.headers.setdefault(protocol.H_PROTOCOL, str(protocol.PROTOCOL_VERSION))
+            if send is not None:
+                sending = time.monotonic()
+                await send(reply)
+                if counted and reply.status == 200:
+                    observe.observe_phase("send", time.monotonic() - sending)
+        except (asyncio.CancelledError, ConnectionError):
+            if counted:
+                observe.observe_request(499, incoming.task)
+            raise
+        except Exception:
+            if counted:
+                observe.observe_request(500, incoming.task)
+            raise
+        if counted:
+            observe.observe_request(reply.status, incoming.task, time.monotonic() - started, reply.cache_state())
         # One line per request (never the prompt or the token): id, method, path, status, cache, seconds, bytes.
         if _PROGRESS_PATH.fullmatch(incoming.path):  # several polls a second per request: debug only, id not logged
             log.debug("%s GET %s -> %d", incoming.request_id, tracking.PATH_TEMPLATE, reply.status)
-        elif incoming.path != protocol.HEALTH_PATH:
+        elif incoming.path not in _NOT_LOGGED:
             cache = reply.cache_state()
             log.info("%s %s %s -> %d%s %.3f s %s B", incoming.request_id, incoming.method, incoming.path[:100],
                      reply.status, f" cache={cache}" if cache else "", time.monotonic() - started, len(reply.body))
@@ -186,6 +216,8 @@ class Handler:
                     return error_reply(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer "
                                        "<token>)", "Authorization", rid,
                                        {**headers, "WWW-Authenticate": 'Bearer realm="h3-encoder"'})
+            if incoming.path not in (protocol.HEALTH_PATH, metrics.PATH):
+                service.check_ready()  # 503 "loading" until the models are loaded
             return await self._route(incoming)(incoming)
         except _NoRoute as error:  # not counted: the transport's business, as aiohttp's router answers were
             return error_reply(error.status, error.code, str(error), None, rid, {**headers, **error.headers})
@@ -211,14 +243,21 @@ class Handler:
         return capabilities(self.service)
 
     async def health(self, incoming: Incoming) -> Reply:
+        """200 "ok"; 503 "loading" until the models are loaded, "draining" while shutting down (Retry-After)."""
         service = self.service
-        payload = {"status": "draining" if service.draining else "ok", "protocol": protocol.PROTOCOL_VERSION,
-                   "load": self.load()}
-        if service.draining:
-            payload.update(protocol.error_body("shutting_down", "the server is shutting down", None,
-                                               incoming.request_id))
+        status = "draining" if service.draining else "ok" if service.ready else "loading"
+        payload = {"status": status, "protocol": protocol.PROTOCOL_VERSION, "load": self.load()}
+        if status != "ok":
+            code, message = (("shutting_down", "the server is shutting down") if service.draining else
+                             ("loading", "the server is loading its models"))
+            payload.update(protocol.error_body(code, message, None, incoming.request_id))
             return json_reply(payload, status=503, headers={"Retry-After": "5"})
         return json_reply(payload)
+
+    async def scrape(self, incoming: Incoming) -> Reply:
+        """`GET /metrics`: this process's metrics in Prometheus' text format (behind the token like the rest)."""
+        data, content_type = self.service.metrics.render()
+        return Reply(200, {"Cache-Control": "no-store"}, data, content_type)
 
     async def capabilities(self, incoming: Incoming) -> Reply:
         return json_reply(self.describe())
@@ -262,7 +301,8 @@ class Handler:
     async def _encode(self, incoming: Incoming, tracker: tracking.Tracker | None) -> Reply:
         service, rid = self.service, incoming.request_id
         declared = body.declared_length(incoming.headers, service.limits)
-        async with service.admit(declared, client=incoming.remote or "") as slot:
+        client = service.client_key(incoming.remote, incoming.headers.get("X-Forwarded-For"))
+        async with service.admit(declared, client=client) as slot:
             try:
                 async with asyncio.timeout(service.config.upload_timeout_s):
                     spec, raw, parts = await body.read_body(incoming.headers, incoming.content, service, slot,
@@ -275,6 +315,8 @@ class Handler:
                 return error_reply(408, "upload_timeout", f"the request body did not arrive within "
                                    f"upload_timeout_s={service.config.upload_timeout_s:g}", "body", rid)
             received = time.monotonic()
+            incoming.task = spec.resolved_task
+            service.metrics.observe_phase("receive", received - slot.started)
             if spec.model is not None and spec.model != service.fingerprint:
                 return error_reply(409, "model_mismatch", f"the request expects model {spec.model!r}; this server "
                                                           f"has {service.fingerprint!r}", "model", rid)
@@ -289,7 +331,7 @@ class Handler:
                 return conditioning_reply(hit, service, rid, "hit", 0.0, 0.0)
             seconds = spec.deadline_s or service.config.default_deadline_s
             reply = await self.compute(key, spec, raw, parts, received + seconds, seconds, rid, incoming.gone,
-                                       tracker, client=incoming.remote or "")
+                                       tracker, client=client)
             if tracker is not None and reply.status == 200:
                 tracker.own.enter("sending")
             return reply
@@ -300,11 +342,12 @@ class Handler:
         """The conditioning for a cache miss, from this process's queue and model thread, as a `Reply`.
 
         `deadline` is a `time.monotonic()` instant; `seconds` the deadline the request asked for (for messages);
-        `client` the peer that sent it (the Ray ingress forwards it to the replica).
+        `client` the client key (`EncoderService.client_key`: whose turn in the fair queue; the Ray ingress forwards
+        it to the replica).
         """
         service = self.service
         try:
-            job, joined = service.submit(key, spec, parts)
+            job, joined = service.submit(key, spec, parts, client=client)
         except QueueFull as full:
             return error_reply(429, "queue_full", f"the encoder queue is full ({service.config.queue_size} "
                                                   f"requests); retry after {full.retry_after} s", None, rid,
@@ -334,8 +377,11 @@ class Handler:
             return job_error_reply(error, rid, service)
         queue_s = (job.started or job.finished) - job.enqueued
         encode_s = job.finished - (job.started or job.finished)
-        return conditioning_reply(job.future.result(), service, rid, "joined" if joined else "miss", queue_s,
-                                  encode_s)
+        reply = conditioning_reply(job.future.result(), service, rid, "joined" if joined else "miss", queue_s,
+                                   encode_s)
+        if not joined:  # one report per job, as the service's own metrics count it
+            reply.phases = tuple(metrics.job_phases(job))
+        return reply
 
 
 class _NoRoute(Exception):
@@ -369,7 +415,8 @@ def job_error_reply(error: BaseException, rid: str, service: EncoderService) -> 
     mapped = protocol.error_from_exception(error)
     if mapped is not None:
         service.counters[f"status_{mapped.status}"] += 1
-        return json_reply(mapped.body(rid), status=mapped.status, headers={protocol.H_REQUEST_ID: rid})
+        retry = {"Retry-After": str(service.retry_after())} if mapped.status == 429 else {}  # pushed out of the queue
+        return json_reply(mapped.body(rid), status=mapped.status, headers={protocol.H_REQUEST_ID: rid, **retry})
     if isinstance(error, (_Abandoned, Cancelled)):
         return error_reply(503, "abandoned", "the work was abandoned", None, rid, {"Retry-After": "1"})
     log.error("request %s: encode failed: %s: %s (traceback logged with the job)", rid, type(error).__name__,

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from . import handler as handling
+from . import protocol
 from .connections import AcceptErrorLimiter, ConnectionReaper  # noqa: F401 - re-exported for server.py
 from .handler import Handler, Incoming, Reply, capabilities  # noqa: F401 - capabilities re-exported
 from .service import EncoderService, ServerConfig
@@ -38,16 +39,31 @@ def incoming(request: web.Request) -> Incoming:
 
 
 def response(reply: Reply) -> web.Response:
-    return web.Response(status=reply.status, reason=reply.reason, body=reply.body or None, headers=reply.headers,
-                        content_type=reply.content_type)
+    headers = dict(reply.headers)
+    if reply.content_type:  # as a header: aiohttp's content_type= refuses parameters (metrics' version=0.0.4)
+        headers["Content-Type"] = reply.content_type
+    return web.Response(status=reply.status, reason=reply.reason, body=reply.body or None, headers=headers)
 
 
-async def handle(request: web.Request) -> web.Response:
-    return response(await request.app[HANDLER_KEY](incoming(request)))
+async def handle(request: web.Request) -> web.StreamResponse:
+    sent: list[web.Response] = []
+
+    async def send(reply: Reply) -> None:
+        """A conditioning answer is written here, so the handler's metrics time it (phase `send`); the rest is
+        left to aiohttp's own finishing steps (a no-op for a response already written)."""
+        out = response(reply)
+        sent.append(out)
+        if reply.status == 200 and request.path == protocol.ENCODE_PATH:
+            await out.prepare(request)
+            await out.write_eof()
+
+    await request.app[HANDLER_KEY](incoming(request), send)
+    return sent[0]
 
 
 def create_app(stage: Any, config: ServerConfig = ServerConfig(), model_info: dict | None = None) -> web.Application:
-    """The aiohttp application around a loaded `EncoderStage` (or anything with .encode/.fingerprint).
+    """The aiohttp application around a loaded `EncoderStage` (or anything with .encode/.fingerprint); with
+    `stage=None` the service is *loading* (503 `loading`) until `service.attach(stage)`.
 
     Usable in-process (tests, embedding) through `ServerThread`, or by `main` for the CLI.
     """

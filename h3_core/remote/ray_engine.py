@@ -18,6 +18,10 @@ Same HTTP protocol, same bytes as the aiohttp server: both call `handler.Handler
   Retry-After, which the client retries.
 * The ingress holds no model; the replicas hold one each (`--gpus-per-replica G`: G GPUs, the text encoder's
   layers spread over them, `sharding.py`). Ray is imported only here, only when this engine is asked for.
+* `GET /metrics` is the ingress's: it counts every answer the clients got (status, task, seconds, the `receive`
+  phase) and, per computed miss, the phases the replica reports with its answer (queue, media decode, encoders,
+  serialise). Not on it: `send` (Ray's proxy writes the answer), text batch sizes, the replicas' queue gauges,
+  load times and device memory (a replica's own registry; Ray's dashboard shows the replicas' resources).
 * Internal traffic (ingress <-> replicas) is Ray's, inside the cluster: plain bytes, strings and numbers only.
 """
 
@@ -126,8 +130,10 @@ class H3Encoder:
                 "model_info": self.model_info, "replica": self.name, "pid": os.getpid()}
 
     async def encode(self, rid: str, key: str, raw: bytes, parts: list[tuple[str, str, bytes, str]],
-                     seconds_left: float, seconds: float, client: str = "") -> tuple[int, dict[str, str], bytes, str]:
-        """One cache miss: (status, headers, body, this replica's name). Cancelled when the ingress gives up."""
+                     seconds_left: float, seconds: float, client: str = ""
+                     ) -> tuple[int, dict[str, str], bytes, str, list[tuple[str, float]]]:
+        """One cache miss: (status, headers, body, this replica's name, the job's phase seconds for the ingress's
+        metrics). Cancelled when the ingress gives up."""
         await self._start()
         spec = body.parse_spec(raw, self.service)
         received = {name: Part(name=name, content_type=content_type, data=data, sha256=digest)
@@ -135,7 +141,7 @@ class H3Encoder:
         del parts
         reply = await self.handler.compute(key, spec, raw, received, time.monotonic() + seconds_left, seconds, rid,
                                            client=client)
-        return reply.status, reply.headers, reply.body, self.name
+        return reply.status, reply.headers, reply.body, self.name, list(reply.phases)
 
     def check_health(self) -> None:
         worker = getattr(self.service, "_worker", None)
@@ -264,7 +270,7 @@ class RayHandler(Handler):
         response = self.encoder.encode.remote(rid, key, raw, wire, deadline - time.monotonic(), seconds, client)
         del wire
         try:
-            status, headers, data, replica = await response
+            status, headers, data, replica, phases = await response
         except asyncio.CancelledError:
             response.cancel()
             raise
@@ -286,6 +292,8 @@ class RayHandler(Handler):
             return handler.error_reply(503, "replica_unavailable", "the encoder replica serving this request "
                                                                    "stopped; retry", None, rid, {"Retry-After": "1"})
         self.served_by[replica] = self.served_by.get(replica, 0) + 1
+        for phase, spent in phases:  # the replica's queue, decode and encoder seconds, on the ingress's /metrics
+            self.service.metrics.observe_phase(phase, spent)
         content_type = protocol.CONDITIONING_CONTENT_TYPE if status == 200 else "application/json"
         return Reply(status, dict(headers), data, content_type if status != 499 else None)
 

@@ -9,6 +9,9 @@ tests and embedding (`ServerThread`), or as the CLI's process with signal handli
   abandoned at the next checkpoint. A client that disconnects has its work abandoned the same way.
 * Identical requests (same JSON numbers, prompt, media bytes and model) are answered from a content-addressed
   LRU cache; identical requests in flight at the same time share one computation.
+* The port opens before the encoders load: `/v1/health` answers 503 "loading" (Retry-After) until they are
+  ready, every other endpoint but `/metrics` 503 too; "listening on URL" is printed on stdout once ready.
+* `/metrics`: Prometheus text format (metrics.py), behind the bearer token when one is set.
 * SIGTERM / SIGINT drain: the listener closes, new requests get 503, accepted requests finish, then the process
   exits.
 * Binds 127.0.0.1 by default; refuses a non-loopback address unless a bearer token is set in the environment
@@ -179,6 +182,10 @@ def config_from_args(args, token: str | None) -> ServerConfig:
         kwargs["decode_timeout_s"] = float(args.decode_timeout)
     if getattr(args, "decode_in_process", False):
         kwargs["isolate_media"] = False
+    if getattr(args, "client_key", None):
+        kwargs["client_key"] = args.client_key
+    if getattr(args, "text_batch", None) is not None:
+        kwargs["text_batch"] = args.text_batch
     return ServerConfig(**kwargs)
 
 
@@ -199,33 +206,75 @@ def main(args) -> int:
         log.warning("listening on %s beyond loopback: bearer token required; terminate TLS in a reverse proxy "
                     "(docs/DEPLOY.md) - plain HTTP exposes the token and the prompts", host)
 
-    import torch
-
+    from ..devices import DeviceError, Placement
+    from ..dtypes import name as dtype_label
     from ..encoder import ENCODER_COMPONENTS, EncoderStage
     from ..models import ModelSource
 
     components = tuple(getattr(args, "components", None) or ENCODER_COMPONENTS)
-    dtype_name = getattr(args, "dtype", None) or "float32"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     try:
-        device = torch.device(getattr(args, "device", None) or "cpu")
-    except RuntimeError as error:
-        print(f"error: --device: {error}", file=sys.stderr)
+        placement = Placement.from_args(args)
+    except (DeviceError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    start = time.perf_counter()
+    device, dtype = placement.device, placement.dtype_of("text_encoder")
+    dtype_name = dtype_label(dtype)
     source = ModelSource.from_path(args.models, layout=getattr(args, "layout", None))
-    stage = EncoderStage(source, components=components, dtype=dtype, device=device)
-    log.info("loaded encoders %s (model %s, %s on %s) in %.1f s", ",".join(stage.components), stage.fingerprint,
-             dtype_name, device, time.perf_counter() - start)
     model_info = {"layout": source.layout, "tiny": bool(source.tiny), "dtype": dtype_name, "device": device.type}
-    return asyncio.run(_serve(stage, config, host, port, model_info))
+
+    def load():
+        stage = EncoderStage(source, components=components, dtype=dtype, device=device, offload=placement.offload)
+        log.info("loaded encoders %s (model %s, %s on %s)", ",".join(stage.components), stage.fingerprint,
+                 dtype_name, device)
+        return stage
+
+    return asyncio.run(_serve(load, config, host, port, model_info))
 
 
-async def _serve(stage, config: ServerConfig, host: str, port: int, model_info: dict | None = None) -> int:
-    app = create_app(stage, config, model_info)
+async def _load_in_background(load, service: EncoderService, stop: asyncio.Event) -> bool:
+    """Load the encoders in a daemon thread while the port answers health checks with 503 "loading".
+
+    False if a signal came first (the load is left to die with the process) or the load failed (logged).
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(outcome, value) -> None:  # on the loop
+        if not done.done():
+            outcome(value)
+
+    def run():
+        start = time.perf_counter()
+        try:
+            stage = load()
+        except BaseException as error:  # noqa: BLE001 - reported on the loop
+            loop.call_soon_threadsafe(settle, done.set_exception, error)
+        else:
+            loop.call_soon_threadsafe(settle, done.set_result, (stage, time.perf_counter() - start))
+
+    threading.Thread(target=run, name="h3-model-load", daemon=True).start()
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not done.done():
+        return False
+    if done.exception() is not None:
+        error = done.exception()
+        log.error("loading the encoders failed: %s: %s", type(error).__name__, error,
+                  exc_info=(type(error), error, error.__traceback__))
+        return False
+    stage, seconds = done.result()
+    service.attach(stage, load_seconds=seconds)
+    log.info("encoders ready after %.1f s", seconds)
+    return True
+
+
+async def _serve(load, config: ServerConfig, host: str, port: int, model_info: dict | None = None) -> int:
+    """Bind, load the encoders (`load()`, in a thread; /v1/health says "loading" meanwhile), serve, drain."""
+    app = create_app(None, config, model_info)
     runner, site, bound = await start_site(app, host, port)
     shown = f"[{host}]" if ":" in host else host
-    print(f"h3 encoder listening on http://{shown}:{bound}", flush=True)
+    log.info("bound http://%s:%d; loading the encoders (health answers 503 loading until ready)", shown, bound)
     log.info("auth: %s; queue %d; deadline %g s (max %g s); cache %d MiB",
              "bearer token" if config.token else "none (loopback only)", config.queue_size,
              config.default_deadline_s, config.max_deadline_s, config.cache_bytes // protocol.MiB)
@@ -240,6 +289,11 @@ async def _serve(stage, config: ServerConfig, host: str, port: int, model_info: 
 
     stop, force = asyncio.Event(), asyncio.Event()
     on_signals(stop)
+    if not await _load_in_background(load, app[SERVICE_KEY], stop):
+        await shutdown(app, runner, site, timeout=5)
+        return 0 if stop.is_set() else 1
+    # Printed once requests are served (scripts wait for this line before sending work).
+    print(f"h3 encoder listening on http://{shown}:{bound}", flush=True)
     await stop.wait()
     on_signals(force)  # a second SIGTERM/SIGINT stops without waiting
     service = app[SERVICE_KEY]

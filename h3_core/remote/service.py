@@ -1,11 +1,16 @@
-"""The encoder service without HTTP: configuration, admission, the bounded queue, one model thread, the cache.
+"""The encoder service without HTTP: admission, the fair queue, one model thread, the cache (settings: config.py).
 
 Pure asyncio (no aiohttp): `http.py` is the transport in front of it, and tests drive it directly.
 
-    async with service.admit(declared_bytes, client=peer) as slot:   # counts the request, owns its body budget
+    client = service.client_key(peer, forwarded_for)                  # whose turn a job takes (fair_queue.py)
+    async with service.admit(declared_bytes, client=client) as slot:  # counts the request, owns its body budget
         ... read the body, calling slot.budget.take(n) as bytes arrive ...
-        job, joined = service.submit(key, spec, parts)                # joined: an identical job was in flight
+        job, joined = service.submit(key, spec, parts, client=client) # joined: an identical job was in flight
         ... await job.future, or service.release(job) when the waiter gives up ...
+
+The queue serves clients in turn (`fair_queue.FairQueue`); queued `t2va` requests whose prompts have the same token
+count are encoded in one text-encoder forward where that is bitwise safe (`h3_core/text_batching.py`).
+A service created without a stage is *loading*: requests get 503 until `attach(stage)`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import math
 import threading
@@ -23,191 +29,19 @@ from typing import Any, AsyncIterator
 
 from .. import progress as progress_phases
 from . import ingest, protocol
+from .admission import Admission, BodyBudget
+from .cache import ConditioningCache
+from .config import ServerConfig, ServerConfigError, check_bind, check_token
+from .fair_queue import FairQueue
 from .ingest import Part
-from .protocol import Limits, ProtocolError, is_loopback
+from .metrics import ServerMetrics, Timeline
+from .protocol import ProtocolError, is_loopback
 from .tracking import PhaseLog
 
-MIN_TOKEN_CHARS = 16
+__all__ = ["Admission", "BodyBudget", "ConditioningCache", "EncoderService", "Job", "QueueFull", "ServerConfig",
+           "ServerConfigError", "check_bind", "check_token"]
 
-
-class ServerConfigError(ValueError):
-    """The server was asked to start in an unsafe or impossible configuration."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# configuration
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    limits: Limits = field(default_factory=Limits)
-    queue_size: int = 32  # requests waiting for, or in, the model thread
-    default_deadline_s: float = 300.0
-    max_deadline_s: float = 1800.0
-    upload_timeout_s: float = 300.0  # to receive a whole request body
-    # Request bytes held in memory, counted as they arrive (not as declared, so slow uploads reserve nothing).
-    max_buffered_bytes: int = 2048 * protocol.MiB  # all clients together
-    max_client_bytes: int = 1024 * protocol.MiB  # one client (peer address) across its concurrent requests
-    # An upload averaging fewer bytes per second than this after the grace period is dropped with 408.
-    min_upload_bytes_per_s: int = 64 * 1024
-    upload_grace_s: float = 5.0
-    # Connections: complete request headers must arrive within header_timeout_s of the connection opening or of
-    # the previous answer; an idle keep-alive connection is closed after keepalive_timeout_s.
-    header_timeout_s: float = 10.0
-    keepalive_timeout_s: float = 15.0
-    cache_bytes: int = 512 * protocol.MiB
-    cache_entries: int = 4096
-    token: str | None = None
-    threads: int | None = None  # torch threads in the model thread (None: the creating thread's count)
-    drain_timeout_s: float | None = None  # graceful shutdown; None: max_deadline_s + 5
-    # Media is decoded in a sandboxed child process (ingest.DecodeSettings); False decodes in the server process,
-    # for debugging only. One decode runs at most decode_timeout_s, and never past the request's deadline.
-    isolate_media: bool = True
-    decode_timeout_s: float = 120.0
-    # Progress polls (tracking.py, `GET /v1/encode/{id}/progress`); False serves as a server without them did.
-    track_progress: bool = True
-
-    def __post_init__(self):
-        if self.queue_size < 1:
-            raise ServerConfigError(f"queue_size must be at least 1, got {self.queue_size}")
-        if not 0 < self.default_deadline_s <= self.max_deadline_s:
-            raise ServerConfigError("default_deadline_s must be positive and at most max_deadline_s")
-        if self.token is not None:
-            check_token(self.token)
-
-
-def check_token(token: str) -> None:
-    if len(token) < MIN_TOKEN_CHARS or token != token.strip() or not token.isprintable():
-        raise ServerConfigError(
-            f"the bearer token must be at least {MIN_TOKEN_CHARS} printable characters without surrounding "
-            "whitespace (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
-        )
-
-
-def check_bind(host: str, token: str | None, token_env: str = protocol.DEFAULT_TOKEN_ENV) -> None:
-    """Refuse to listen beyond loopback without a bearer token."""
-    if not is_loopback(host) and not token:
-        raise ServerConfigError(
-            f"refusing to bind {host!r} without a bearer token: anything that can reach this address could use "
-            f"the encoder. Set the token in the environment variable {token_env} (never on the command line) "
-            "and put a TLS reverse proxy in front (docs/DEPLOY.md), or bind 127.0.0.1."
-        )
-    if token is not None:
-        check_token(token)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# admission: one request's lifetime and the bytes its body holds
-
-
-class BodyBudget:
-    """The bytes one request body holds in memory, counted as they arrive, against three caps.
-
-    Per request (`max_body_bytes`, 413), per client (`max_client_bytes`, 429) and server-wide
-    (`max_buffered_bytes`, 429). Everything taken is given back when the request ends.
-    """
-
-    def __init__(self, service: "EncoderService", client: str):
-        self.service, self.client = service, client
-        self.bytes = 0
-
-    def take(self, n: int) -> None:
-        service, config = self.service, self.service.config
-        self.bytes += n
-        service.buffered_bytes += n
-        service.client_bytes[self.client] += n
-        limit = config.limits.max_body_bytes
-        if self.bytes > limit:
-            raise ProtocolError(413, "too_large", f"the request body is over the limit of max_body_bytes={limit}",
-                                "body")
-        if service.client_bytes[self.client] > config.max_client_bytes:
-            service.counters["rejected_client_busy"] += 1
-            raise ProtocolError(429, "client_busy", f"this client has too many request bytes in flight "
-                                                    f"(max_client_bytes={config.max_client_bytes}); retry later")
-        if service.buffered_bytes > config.max_buffered_bytes:
-            service.counters["rejected_buffer_full"] += 1
-            raise ProtocolError(429, "busy", f"too many request bytes in flight (max_buffered_bytes="
-                                             f"{config.max_buffered_bytes}); retry later")
-
-    def release(self) -> None:
-        service = self.service
-        service.buffered_bytes -= self.bytes
-        left = service.client_bytes[self.client] - self.bytes
-        if left > 0:
-            service.client_bytes[self.client] = left
-        else:
-            service.client_bytes.pop(self.client, None)
-        self.bytes = 0
-
-
-class Admission:
-    """An admitted request: its body budget and its upload clock (the minimum-rate rule)."""
-
-    def __init__(self, service: "EncoderService", client: str):
-        self.service = service
-        self.budget = BodyBudget(service, client)
-        self.started = time.monotonic()
-
-    def read_timeout(self) -> float:
-        """Seconds the next read may wait before the upload's average rate is under `min_upload_bytes_per_s`."""
-        config = self.service.config
-        due = config.upload_grace_s
-        if config.min_upload_bytes_per_s > 0:
-            due = max(due, self.budget.bytes / config.min_upload_bytes_per_s)
-        else:
-            due = max(due, config.upload_timeout_s)
-        return self.started + due - time.monotonic()
-
-    async def read(self, awaitable):
-        """Await one read of the body; 408 once the upload's average rate is under the minimum."""
-        try:
-            return await asyncio.wait_for(awaitable, max(0.0, self.read_timeout()))
-        except asyncio.TimeoutError:
-            pass
-        config = self.service.config
-        self.service.counters["slow_upload"] += 1
-        raise ProtocolError(408, "upload_too_slow",
-                            f"the request body arrived slower than min_upload_bytes_per_s="
-                            f"{config.min_upload_bytes_per_s} (averaged after upload_grace_s="
-                            f"{config.upload_grace_s:g} s)", "body")
-
-
-# --------------------------------------------------------------------------------------------------------------
-# cache
-
-
-class ConditioningCache:
-    """LRU of conditioning bytes by content address, bounded in bytes and entries. Event-loop thread only."""
-
-    def __init__(self, max_bytes: int, max_entries: int):
-        self.max_bytes, self.max_entries = max_bytes, max_entries
-        self._items: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
-        self.bytes = 0
-        self.hits = self.misses = 0
-
-    def get(self, key: str) -> tuple[bytes, str] | None:
-        item = self._items.get(key)
-        if item is None:
-            self.misses += 1
-            return None
-        self._items.move_to_end(key)
-        self.hits += 1
-        return item
-
-    def put(self, key: str, data: bytes, digest: str) -> None:
-        if self.max_bytes <= 0 or len(data) > self.max_bytes:
-            return
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.bytes -= len(old[0])
-        self._items[key] = (data, digest)
-        self.bytes += len(data)
-        while self._items and (self.bytes > self.max_bytes or len(self._items) > self.max_entries):
-            _, (evicted, _) = self._items.popitem(last=False)
-            self.bytes -= len(evicted)
-
-    def stats(self) -> dict[str, int]:
-        return {"entries": len(self._items), "bytes": self.bytes, "hits": self.hits, "misses": self.misses}
+MAX_CLIENT_KEY_CHARS = 64
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -228,31 +62,39 @@ class Job:
     finished: float | None = None
     logged: bool = False  # a server fault already logged with its traceback
     phases: PhaseLog = field(default_factory=PhaseLog)  # what progress polls report (tracking.py)
+    client: str = ""  # whose turn it takes in the fair queue
+    batch_key: tuple | None = None  # jobs with equal keys may share a text-encoder forward (text_batching.py)
+    timeline: Timeline = field(default_factory=Timeline)  # phase timings for the metrics
 
 
 class _Abandoned(Exception):
     """The job lost all its waiters (disconnect or deadline) before it ran."""
 
 
+_ENCODER_STEPS = ("text", "video_vae", "audio_vae")  # EncoderStage.encode's progress(done, 3), by index
+
+
 class EncoderService:
     """The server's state: stage, queue, model thread, cache, counters. Create inside a running loop's app."""
 
     def __init__(self, stage: Any, config: ServerConfig = ServerConfig(), model_info: dict | None = None):
-        self.stage = stage
         self.config = config
         self.model_info = dict(model_info or {})
         self.limits = config.limits
-        self.fingerprint = str(stage.fingerprint)
-        self.components = tuple(getattr(stage, "components", ("text", "video", "audio")))
+        self.stage: Any = None
+        self.fingerprint, self.components = "", ()
+        self.batcher = None
+        self.ready = False
+        self.load_seconds: dict[str, float] = {}
         self.threads = config.threads
         if self.threads is None:
             import torch
 
             self.threads = torch.get_num_threads()
         self.cache = ConditioningCache(config.cache_bytes, config.cache_entries)
-        self._pending: collections.deque[Job] = collections.deque()
+        self._pending = FairQueue()
         self._inflight: dict[str, Job] = {}
-        self._running: Job | None = None
+        self._running: list[Job] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3-model")
@@ -265,6 +107,42 @@ class EncoderService:
         self.job_seconds = 1.0  # moving average of model-thread time per job, for Retry-After
         self.counters = collections.Counter()
         self.started_at = time.time()
+        self.metrics = ServerMetrics(self)
+        if stage is not None:
+            self.attach(stage)
+
+    def attach(self, stage: Any, load_seconds: float | None = None) -> None:
+        """Serve with `stage` from now on (the models finished loading); `load_seconds`: the whole load."""
+        from ..text_batching import TextBatcher
+
+        self.stage = stage
+        self.fingerprint = str(stage.fingerprint)
+        self.components = tuple(getattr(stage, "components", ("text", "video", "audio")))
+        self.batcher = TextBatcher.for_stage(stage, self.config.text_batch)
+        if self.batcher is not None:
+            self.batcher.on_forward = self.metrics.observe_text_batch
+        self.load_seconds = dict(getattr(stage, "load_seconds", None) or {})
+        if load_seconds is not None:
+            self.load_seconds["total"] = float(load_seconds)
+        self.ready = True
+
+    def check_ready(self) -> None:
+        """503 `loading` (the transport adds Retry-After) until the models are loaded."""
+        if not self.ready:
+            raise ProtocolError(503, "loading", "the server is loading its models; retry in a few seconds")
+
+    def client_key(self, peer: str | None, forwarded_for: str | None = None) -> str:
+        """The client a request belongs to (fair queue turns, per-client byte budget).
+
+        With `client_key="forwarded"` and a loopback peer (the reverse proxy), the last X-Forwarded-For entry: the
+        address that proxy saw. Earlier entries are whatever the client wrote and are never used.
+        """
+        peer = peer or ""
+        if self.config.client_key == "forwarded" and forwarded_for and is_loopback(peer):
+            last = forwarded_for.rsplit(",", 1)[-1].strip()
+            if last and len(last) <= MAX_CLIENT_KEY_CHARS and last.isprintable():
+                return last
+        return peer
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -283,13 +161,12 @@ class EncoderService:
                 await self._worker
             except asyncio.CancelledError:
                 pass
-        for job in list(self._pending):
+        for job in self._pending.clear():
             job.cancel.set()
             if not job.future.done():
                 job.future.set_exception(ProtocolError(503, "shutting_down", "the server is shutting down"))
-        self._pending.clear()
-        if self._running is not None:
-            self._running.cancel.set()
+        for job in self._running:
+            job.cancel.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def drain(self, timeout: float | None = None) -> bool:
@@ -312,7 +189,10 @@ class EncoderService:
 
     @property
     def running(self) -> int:
-        return int(self._running is not None)
+        return len(self._running)
+
+    def queued_clients(self) -> dict[str, int]:
+        return self._pending.clients()
 
     def load(self) -> dict[str, Any]:
         return {
@@ -323,7 +203,7 @@ class EncoderService:
         }
 
     def retry_after(self) -> int:
-        backlog = self.queued + self.running
+        backlog = self.queued + min(self.running, 1)
         return int(min(120, max(1, math.ceil(self.job_seconds * backlog))))
 
     @contextlib.asynccontextmanager
@@ -371,25 +251,44 @@ class EncoderService:
             while not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            job = self._pending.popleft()
+            job = self._pending.pop()
             if job.cancel.is_set():
                 self._finish(job, exception=_Abandoned())
                 continue
-            job.state, job.started = "running", time.monotonic()
-            self._running = job
+            jobs = [job]
+            if job.batch_key is not None and self.batcher is not None:
+                jobs += self._pending.take_matching(functools.partial(_same_batch, job.batch_key),
+                                                    self.batcher.max_batch - 1, owner=job.client)
+            started = time.monotonic()
+            for member in jobs:
+                member.state, member.started = "running", started
+            self._running = jobs
             try:
-                data = await loop.run_in_executor(self._executor, self._run_job, job)
+                if len(jobs) == 1:
+                    outcomes = [await loop.run_in_executor(self._executor, self._run_one, job)]
+                else:
+                    outcomes = await loop.run_in_executor(self._executor, self._run_batch, jobs)
             except asyncio.CancelledError:
-                job.cancel.set()
+                for member in jobs:
+                    member.cancel.set()
                 raise
-            except BaseException as error:  # noqa: BLE001 - every failure goes to the job's waiters
-                self._finish(job, exception=error)
-            else:
-                self._finish(job, result=data)
+            except BaseException as error:  # noqa: BLE001 - every failure goes to the jobs' waiters
+                outcomes = [error] * len(jobs)
             finally:
-                self._running = None
-                elapsed = time.monotonic() - job.started
-                self.job_seconds = 0.8 * self.job_seconds + 0.2 * elapsed
+                self._running = []
+                elapsed = time.monotonic() - started
+                self.job_seconds = 0.8 * self.job_seconds + 0.2 * elapsed / len(jobs)
+            for member, outcome in zip(jobs, outcomes):
+                if isinstance(outcome, BaseException):
+                    self._finish(member, exception=outcome)
+                else:
+                    self._finish(member, result=outcome)
+
+    def _run_one(self, job: Job) -> tuple[bytes, str] | BaseException:
+        try:
+            return self._run_job(job)
+        except BaseException as error:  # noqa: BLE001 - handed to the job's waiters
+            return error
 
     def _run_job(self, job: Job) -> tuple[bytes, str]:
         """Runs in the model thread: decode the media, encode, serialise."""
@@ -397,21 +296,78 @@ class EncoderService:
 
         if self.threads:
             torch.set_num_threads(self.threads)
+        request = self._build_request(job)
+        coarse, fine_phases = self._progress_sinks(job)
+        with progress_phases.reporting(fine_phases):
+            conditioning = self.stage.encode(request, cancel=job.cancel, progress=coarse)
+        if job.batch_key is not None and self.batcher is not None:
+            self.metrics.observe_text_batch(1)
+        return self._serialise(job, conditioning)
+
+    def _run_batch(self, jobs: list[Job]) -> list[tuple[bytes, str] | BaseException]:
+        """Runs in the model thread: t2va jobs whose prompts have the same token count, one text forward."""
+        import torch
+
+        from ..progress import Cancelled, check_cancel
+        from ..text_batching import progress_to_all
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        outcomes: list[Any] = [None] * len(jobs)
+        prepared, members, sinks = [], [], []
+        for index, job in enumerate(jobs):
+            try:
+                ready = self.stage.prepare(self._build_request(job))
+                check_cancel(job.cancel, "before the text encoder")
+            except BaseException as error:  # noqa: BLE001 - this job's own refusal; the others go on
+                outcomes[index] = error
+                continue
+            prepared.append(ready)
+            coarse, fine = self._progress_sinks(job)
+            coarse(0, len(_ENCODER_STEPS))
+            members.append(index)
+            sinks.append(fine)
+        if members:
+            with progress_phases.reporting(progress_to_all(sinks)):
+                conditionings = self.batcher.encode(prepared)
+            for index, conditioning in zip(members, conditionings):
+                job = jobs[index]
+                if job.cancel.is_set():
+                    outcomes[index] = Cancelled("cancelled after the text encoder")
+                    continue
+                coarse, _ = self._progress_sinks(job)
+                coarse(len(_ENCODER_STEPS), len(_ENCODER_STEPS))
+                outcomes[index] = self._serialise(job, conditioning)
+        return outcomes
+
+    def _build_request(self, job: Job):
         parts, job.parts = job.parts or {}, None  # drop the compressed bytes as soon as they are decoded
         job.phases.enter("decode")
-        request = ingest.build_request(job.spec, parts, self.limits, cancel=job.cancel,
-                                       settings=self._decode_settings(job))
-        del parts
+        job.timeline.mark("media_decode" if parts else "prepare")
+        return ingest.build_request(job.spec, parts, self.limits, cancel=job.cancel,
+                                    settings=self._decode_settings(job))
+
+    def _progress_sinks(self, job: Job):
+        """(coarse, fine): EncoderStage.encode's progress(done, 3), and the named-phase sink of the encoders."""
         encoder_progress = job.phases.encoder_callback()
+        timeline = job.timeline
 
-        def fine_phases(phase: str, done: int, total: int) -> None:
+        def coarse(done: int, total: int, *args: Any, **kwargs: Any) -> None:
+            encoder_progress(done, total, *args, **kwargs)
+            if total == len(_ENCODER_STEPS) and 0 <= done < total:
+                timeline.mark(_ENCODER_STEPS[done])
+
+        def fine(phase: str, done: int, total: int) -> None:
             # The encoders' named phases (text layers, VAE clips) refine the coarse per-encoder steps in the polls.
-            if phase in ("text", "video_vae", "audio_vae"):
+            if phase in _ENCODER_STEPS:
                 encoder_progress(done, total, phase)
+                timeline.mark(phase, worked=True)
 
-        with progress_phases.reporting(fine_phases):
-            conditioning = self.stage.encode(request, cancel=job.cancel, progress=encoder_progress)
+        return coarse, fine
+
+    def _serialise(self, job: Job, conditioning) -> tuple[bytes, str]:
         job.phases.enter("serialise")
+        job.timeline.mark("serialise")
         data = conditioning.to_bytes()
         return data, hashlib.sha256(data).hexdigest()
 
@@ -429,6 +385,7 @@ class EncoderService:
         if result is not None:
             self.cache.put(job.key, *result)
             self.counters["computed"] += 1
+            self.metrics.observe_job(job)
         if not job.future.done():
             if exception is not None:
                 job.future.set_exception(_without_frames(exception, job))
@@ -442,27 +399,41 @@ class EncoderService:
         if self._inflight.get(job.key) is job:
             del self._inflight[job.key]
 
-    def submit(self, key: str, spec: protocol.RequestSpec, parts: dict[str, Part]) -> tuple[Job, bool]:
-        """The job for `key`: joined if one is in flight, else queued. Raises 429 when the queue is full."""
+    def submit(self, key: str, spec: protocol.RequestSpec, parts: dict[str, Part], client: str = ""
+               ) -> tuple[Job, bool]:
+        """The job for `key`: joined if one is in flight, else queued in `client`'s turn.
+
+        A full queue makes room by refusing the newest job of the client holding the most (429 to its waiters),
+        when that client holds at least two more than `client`; otherwise this request gets 429 (`QueueFull`).
+        """
         job = self._inflight.get(key)
         if job is not None and not job.cancel.is_set():
+            self.counters["joined"] += 1
             return job, True
         if self.queued + self.running >= self.config.queue_size:
-            self.counters["rejected_queue_full"] += 1
-            raise QueueFull(self.retry_after())
-        job = Job(key=key, spec=spec, parts=parts, future=asyncio.get_running_loop().create_future())
+            victim = self._pending.push_out_for(client)
+            if victim is None:
+                self.counters["rejected_queue_full"] += 1
+                raise QueueFull(self.retry_after())
+            self.counters["pushed_out"] += 1
+            victim.cancel.set()
+            self._finish(victim, exception=ProtocolError(
+                429, "queue_full", "the encoder queue is full and this client holds more of it than others; "
+                                   "retry later"))
+        job = Job(key=key, spec=spec, parts=parts, future=asyncio.get_running_loop().create_future(), client=client)
+        if self.batcher is not None and not parts:
+            job.batch_key = self.batcher.key(spec.resolved_task, spec.prompt, bool(spec.media()))
         job.phases.enter("queued")
+        job.timeline.mark("queue")
         self._inflight[key] = job
-        self._pending.append(job)
+        self._pending.push(job)
         self._wakeup.set()
         return job, False
 
     def queue_position(self, job: Job) -> int | None:
-        """Jobs ahead of `job` (the running one included) while it is queued; None otherwise."""
-        try:
-            return self._pending.index(job) + self.running
-        except ValueError:
-            return None
+        """Jobs ahead of `job` (the running ones included) while it is queued; None otherwise."""
+        position = self._pending.position(job)
+        return None if position is None else position + self.running
 
     def release(self, job: Job) -> None:
         """A waiter gave up (disconnect or deadline); the last one cancels the job."""
@@ -472,12 +443,13 @@ class EncoderService:
         job.cancel.set()
         self._forget(job)
         if job.state == "queued":
-            try:
-                self._pending.remove(job)
-            except ValueError:
-                pass
+            self._pending.remove(job)
             self._finish(job, exception=_Abandoned())
         self.counters["abandoned"] += 1
+
+
+def _same_batch(key: tuple, job: Job) -> bool:
+    return job.batch_key == key and not job.cancel.is_set()
 
 
 def _without_frames(error: BaseException, job: Job) -> BaseException:

@@ -1,0 +1,206 @@
+"""`python -m h3_core plan`: which machine runs what, from headers only (no weights read, no GPU).
+
+For each component file: its resident and block-streamed device peaks and the host RAM it needs; then
+one verdict per machine role, with what would make a refused job fit (a smaller published file, block
+streaming, or the text encoder on a remote encoder server):
+
+* the diffusion machine holds one DiT partition and the decoders; the VAEs decode after the last DiT
+  forward while a resident DiT stays loaded (a streamed one has left the device by then);
+* a local encoder holds the text encoder and both VAEs at once (the stage loads them together).
+
+`--table` prints the machines x files x offload table of docs/REAL_WEIGHTS.md from release-size
+tensor tables built on the meta device (no file needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from . import planner
+
+GB = 1e9
+
+# Published Comfy-Org files (bytes; docs/REAL_WEIGHTS.md): the alternatives a refusal suggests.
+PUBLISHED = {
+    "transformer": (
+        ("minimax_h3_{p}_bf16", 66_280_000_000),
+        ("minimax_h3_{p}_pruned_bf16", 40_230_000_000),
+        ("minimax_h3_{p}_int8_convrot", 34_038_892_334),
+        ("minimax_h3_{p}_pruned_int8_convrot", 20_970_379_616),
+        ("minimax_h3_{p}_pruned_fp8_scaled", 20_958_205_608),
+        ("minimax_h3_{p}_pruned_w6a8", 15_980_000_000),
+    ),
+    "text_encoder": (
+        ("qwen3vl_32b_minimax_h3_bf16", 51_500_000_000),
+        ("qwen3vl_32b_minimax_h3_int8_convrot", 27_141_342_152),
+        ("qwen3vl_32b_minimax_h3_nvfp4_awq", 15_687_142_551),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    role: str
+    offload: str | None  # "none" / "block" / None (does not fit)
+    peak: int
+    host: int
+    advice: str
+
+    @property
+    def label(self) -> str:
+        return {"none": "fits resident", "block": "fits streamed", None: "does not fit"}[self.offload]
+
+
+def _fits(peak: int, host: int, vram: int, ram: int | None) -> bool:
+    return peak <= vram and (ram is None or host <= ram)
+
+
+def _scaled(plan: planner.ComponentPlan, stored: int) -> planner.ComponentPlan:
+    """`plan` with its weights scaled to another published file of the same component (same layer
+    structure, different bytes per weight): an estimate for advice only."""
+    ratio = stored / max(plan.stored_bytes, 1)
+    return planner.ComponentPlan(
+        component=plan.component, name="", stored_bytes=stored, device_bytes=int(plan.device_bytes * ratio),
+        rest_bytes=int(plan.rest_bytes * ratio), largest_block=int(plan.largest_block * ratio), blocks=plan.blocks,
+        activation=plan.activation, dtype=plan.dtype,
+    )
+
+
+def _alternatives(plan: planner.ComponentPlan, extra: int, vram: int, ram: int | None) -> str:
+    partition = "ref2va" if plan.component == "transformer_ref" else "fl2va"
+    key = "text_encoder" if plan.component == "text_encoder" else "transformer"
+    for pattern, stored in sorted(PUBLISHED[key], key=lambda item: -item[1]):
+        if stored >= plan.stored_bytes:
+            continue
+        other = _scaled(plan, stored)
+        for offload in ("none", "block"):
+            if _fits(other.peak(offload) + extra, other.host_bytes(offload), vram, ram):
+                name = pattern.format(p=partition)
+                return f"use {name}.safetensors ({stored / GB:.1f} GB) with --offload {offload}"
+    return ""
+
+
+def _decide(role: str, plan: planner.ComponentPlan, extra_for, vram: int, ram: int | None) -> Verdict:
+    """First of resident / streamed that fits; `extra_for(offload)` adds what shares the device."""
+    for offload in ("none", "block") if plan.streamable else ("none",):
+        peak = max(plan.peak(offload), extra_for(offload))
+        host = plan.host_bytes(offload)
+        if _fits(peak, host, vram, ram):
+            return Verdict(role, offload, peak, host, "")
+    offload = "block" if plan.streamable else "none"
+    peak, host = max(plan.peak(offload), extra_for(offload)), plan.host_bytes(offload)
+    advice = [_alternatives(plan, max(0, extra_for(offload) - plan.peak(offload)), vram, ram)]
+    if plan.component == "text_encoder":
+        advice.append("or run the text encoder on an encoder server (`serve`) and `encode --server URL`")
+    if ram is not None and host > ram:
+        advice.append(f"streaming this file needs {host / GB:.0f} GB host RAM")
+    return Verdict(role, None, peak, host, "; ".join(a for a in advice if a) or "no published file fits")
+
+
+def verdicts(plans: list[planner.ComponentPlan], vram: int, ram: int | None) -> list[Verdict]:
+    by = {}
+    for plan in plans:
+        by.setdefault(plan.component, plan)
+    vae, audio = by.get("vae"), by.get("audio_vae")
+    decoders = sum(p.device_bytes for p in (vae, audio) if p is not None)
+    decode_work = max((p.activation for p in (vae, audio) if p is not None), default=0)
+    out = []
+    for key in planner.DIT_COMPONENTS:
+        if key in by:
+            dit = by[key]
+
+            def decode_phase(offload, dit=dit):
+                kept = dit.device_bytes if offload == "none" else 0
+                return kept + decoders + decode_work + planner.RESERVE_BYTES
+
+            out.append(_decide(f"diffusion ({dit.name})", dit, decode_phase, vram, ram))
+    if "text_encoder" in by:
+        te = by["text_encoder"]
+        out.append(_decide(f"local encoder ({te.name})", te, lambda offload: 0, vram, ram))
+        # the VAEs share the device with the text encoder's weights (not its activations)
+        if out[-1].offload is not None:
+            shared = out[-1].peak + decoders
+            if not _fits(shared, out[-1].host, vram, ram):
+                out[-1] = Verdict(out[-1].role, None, shared, out[-1].host,
+                                  "the VAEs do not fit beside it: encode text remotely (`encode --server URL`)")
+            else:
+                out[-1] = Verdict(out[-1].role, out[-1].offload, shared, out[-1].host, "")
+    return out
+
+
+def _plans_from_args(args) -> list[planner.ComponentPlan]:
+    from .models import ModelSource
+
+    paths = list(args.files)
+    if args.models:
+        source = ModelSource.from_path(args.models, layout=args.layout)
+        paths += [str(path) for slot, path in sorted(source.paths.items())]
+    if not paths:
+        raise ValueError("plan needs --models DIR or component files")
+    job = {"width": args.width, "height": args.height, "frames": args.frames, "text_tokens": args.text_tokens}
+    return [planner.plan_file(path, device="cuda", dtype=args.dtype, **job) for path in paths]
+
+
+def _gb(value: int) -> str:
+    return f"{value / GB:.1f}"
+
+
+def run(args) -> int:
+    if args.table:
+        from .plan_tables import machine_table
+
+        print(machine_table(width=args.width, height=args.height, frames=args.frames, text_tokens=args.text_tokens))
+        return 0
+    if args.vram is None:
+        raise ValueError("plan needs --vram GB (the GPU's memory)")
+    plans = _plans_from_args(args)
+    vram, ram = int(args.vram * GB), None if args.ram is None else int(args.ram * GB)
+    results = verdicts(plans, vram, ram)
+    if args.json:
+        print(json.dumps({
+            "components": [{
+                "component": p.component, "file": p.name, "stored_bytes": p.stored_bytes,
+                "resident_peak": p.resident_peak, "streamed_peak": p.streamed_peak, "activation": p.activation,
+                "host_resident": p.host_bytes("none"), "host_streamed": p.host_bytes("block"), "dtype": str(p.dtype),
+            } for p in plans],
+            "verdicts": [{"role": v.role, "verdict": v.label, "offload": v.offload, "peak": v.peak, "host": v.host,
+                          "advice": v.advice} for v in results],
+        }, indent=2))
+        return 0
+    print(f"job {args.width}x{args.height}x{args.frames}, {args.text_tokens} text tokens; "
+          f"GPU {args.vram:g} GB, RAM {'?' if args.ram is None else f'{args.ram:g}'} GB (GB = 1e9 bytes)")
+    print(f"{'component':<16}{'file':<48}{'stored':>8}{'resident':>10}{'streamed':>10}{'activ.':>8}{'host(str.)':>11}")
+    for p in plans:
+        streamed = _gb(p.streamed_peak) if p.streamable else "-"
+        print(f"{p.component:<16}{p.name[:47]:<48}{_gb(p.stored_bytes):>8}{_gb(p.resident_peak):>10}"
+              f"{streamed:>10}{_gb(p.activation):>8}{_gb(p.host_bytes('block')):>11}")
+    for v in results:
+        how = f" (--offload {v.offload})" if v.offload else ""
+        print(f"{v.role}: {v.label}{how}, peak {_gb(v.peak)} GB, host RAM {_gb(v.host)} GB"
+              + (f"; {v.advice}" if v.advice else ""))
+    return 0 if all(v.offload is not None for v in results) else 3
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register `plan` on the CLI's subparsers."""
+    from . import dtypes
+
+    plan = sub.add_parser("plan", help="memory plan of a job from the weights' headers (no weights read, no GPU)")
+    plan.add_argument("files", nargs="*", help="component .safetensors files (any layout `check` names)")
+    plan.add_argument("--models", help="models folder (as encode/generate take)")
+    plan.add_argument("--layout", choices=("diffusers", "comfyui", "native"), help="inside a tiny output folder")
+    plan.add_argument("--vram", type=float, help="GPU memory in GB (1e9 bytes)")
+    plan.add_argument("--ram", type=float, help="host RAM in GB (default: not checked)")
+    plan.add_argument("--width", type=int, default=1344)
+    plan.add_argument("--height", type=int, default=768)
+    plan.add_argument("--frames", type=int, default=124)
+    plan.add_argument("--text-tokens", type=int, default=planner.DEFAULT_TEXT_TOKENS)
+    plan.add_argument("--dtype", choices=dtypes.CHOICES, default="auto", help="compute dtype (auto: the GPU rule)")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--table", action="store_true", help="print the machines x published files table")
+    plan.set_defaults(func=run)
+    return plan
+
+

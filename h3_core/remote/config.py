@@ -1,0 +1,96 @@
+"""The encoder server's configuration and its safety checks (token strength, binding beyond loopback)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import protocol
+from .protocol import Limits, is_loopback
+
+MIN_TOKEN_CHARS = 16
+CLIENT_KEYS = ("peer", "forwarded")
+
+
+class ServerConfigError(ValueError):
+    """The server was asked to start in an unsafe or impossible configuration."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    limits: Limits = field(default_factory=Limits)
+    queue_size: int = 32  # requests waiting for, or in, the model thread
+    default_deadline_s: float = 300.0
+    max_deadline_s: float = 1800.0
+    upload_timeout_s: float = 300.0  # to receive a whole request body
+    # Request bytes held in memory, counted as they arrive (not as declared, so slow uploads reserve nothing).
+    max_buffered_bytes: int = 2048 * protocol.MiB  # all clients together
+    max_client_bytes: int = 1024 * protocol.MiB  # one client (peer address) across its concurrent requests
+    # An upload averaging fewer bytes per second than this after the grace period is dropped with 408.
+    min_upload_bytes_per_s: int = 64 * 1024
+    upload_grace_s: float = 5.0
+    # Connections: complete request headers must arrive within header_timeout_s of the connection opening or of
+    # the previous answer; an idle keep-alive connection is closed after keepalive_timeout_s.
+    header_timeout_s: float = 10.0
+    keepalive_timeout_s: float = 15.0
+    cache_bytes: int = 512 * protocol.MiB
+    cache_entries: int = 4096
+    token: str | None = None
+    threads: int | None = None  # torch threads in the model thread (None: the creating thread's count)
+    drain_timeout_s: float | None = None  # graceful shutdown; None: max_deadline_s + 5
+    # Media is decoded in a sandboxed child process (ingest.DecodeSettings); False decodes in the server process,
+    # for debugging only. One decode runs at most decode_timeout_s, and never past the request's deadline.
+    isolate_media: bool = True
+    decode_timeout_s: float = 120.0
+    # Progress polls (tracking.py, `GET /v1/encode/{id}/progress`); False serves as a server without them did.
+    track_progress: bool = True
+    # Who a request belongs to, for the fair queue and the per-client byte budget: "peer" (the TCP peer address) or
+    # "forwarded" (behind a reverse proxy on loopback: the last X-Forwarded-For entry, which that proxy appended).
+    client_key: str = "peer"
+    # Most t2va requests of equal token count encoded in one text-encoder forward (1: never batch).
+    text_batch: int = 8
+
+    def __post_init__(self):
+        if self.queue_size < 1:
+            raise ServerConfigError(f"queue_size must be at least 1, got {self.queue_size}")
+        if self.client_key not in CLIENT_KEYS:
+            raise ServerConfigError(f"client_key must be one of {CLIENT_KEYS}, got {self.client_key!r}")
+        if self.text_batch < 1:
+            raise ServerConfigError(f"text_batch must be at least 1, got {self.text_batch}")
+        if not 0 < self.default_deadline_s <= self.max_deadline_s:
+            raise ServerConfigError("default_deadline_s must be positive and at most max_deadline_s")
+        if self.token is not None:
+            check_token(self.token)
+
+
+def check_token(token: str) -> None:
+    if len(token) < MIN_TOKEN_CHARS or token != token.strip() or not token.isprintable():
+        raise ServerConfigError(
+            f"the bearer token must be at least {MIN_TOKEN_CHARS} printable characters without surrounding "
+            "whitespace (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
+
+
+def check_bind(host: str, token: str | None, token_env: str = protocol.DEFAULT_TOKEN_ENV) -> None:
+    """Refuse to listen beyond loopback without a bearer token."""
+    if not is_loopback(host) and not token:
+        raise ServerConfigError(
+            f"refusing to bind {host!r} without a bearer token: anything that can reach this address could use "
+            f"the encoder. Set the token in the environment variable {token_env} (never on the command line) "
+            "and put a TLS reverse proxy in front (docs/DEPLOY.md), or bind 127.0.0.1."
+        )
+    if token is not None:
+        check_token(token)
+
+
+def add_scheduling_args(serve) -> None:
+    """`serve` flags of the fair queue and text batching (read back by `server.config_from_args`)."""
+    serve.add_argument("--client-key", choices=CLIENT_KEYS, default=None,
+                       help="who a request belongs to for fair turns and per-client limits: peer (the TCP peer, "
+                       "default) or forwarded (behind a reverse proxy on loopback: the last X-Forwarded-For entry)")
+    serve.add_argument("--text-batch", type=int, default=None,
+                       help="most t2va requests of equal token count encoded in one text forward, where bitwise "
+                       "equal to encoding each alone (default 8; 1 disables)")

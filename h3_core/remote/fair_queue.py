@@ -1,0 +1,177 @@
+"""The wait queue in front of the model thread: fair across clients, FIFO within one client.
+
+One FIFO lets a client that sends 100 requests at once make everybody else wait for all of them. Here every client
+(its key: the peer address, or the address a trusted proxy forwarded, see `service.client_key`) has its own FIFO, and
+the next job comes from the client served *least recently*: clients take turns (round robin), and a client that
+was idle, or is new, goes before the clients that were served since. "Least recently served" rather than a plain
+rotation matters in two cases:
+
+* a client that has just been served and sends its next request at once (a closed loop) goes to the back, so it
+  cannot monopolise the model thread by always arriving at an empty queue;
+* a client with one request arriving while another floods waits for the running job and its own, not for a turn
+  of the flooder first.
+
+Every method runs on the event-loop thread. Sizes are bounded by the service's queue capacity.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+from typing import Any, Callable, Iterator
+
+MAX_REMEMBERED = 4096  # idle clients whose last service time is kept (see `_forget_idle`)
+
+
+class FairQueue:
+    """Jobs (anything with a `client` attribute) waiting for the model thread."""
+
+    def __init__(self):
+        self._queues: dict[str, collections.deque] = {}
+        self._last_served: dict[str, int] = {}  # client -> tick of its last job taken; absent: never (or long ago)
+        self._first_seen: dict[str, int] = {}  # queued client -> arrival tick, orders never-served clients
+        self._ticks = itertools.count(1)
+        self._arrivals = itertools.count(1)
+        self._size = 0
+
+    # --- size and order --------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def clients(self) -> dict[str, int]:
+        """Queued jobs per client (clients with none are not listed)."""
+        return {client: len(queue) for client, queue in self._queues.items()}
+
+    def _rank(self, client: str) -> tuple[int, int]:
+        return self._last_served.get(client, 0), self._first_seen[client]
+
+    def __iter__(self) -> Iterator[Any]:
+        """The queued jobs in the order they would be taken if nothing else arrived."""
+        heap = [(self._rank(client), client) for client in self._queues]
+        heapq.heapify(heap)
+        cursors = {client: iter(queue) for client, queue in self._queues.items()}
+        tick = 1 << 62  # later than any real tick: every client served in this simulation goes behind the rest
+        while heap:
+            _, client = heapq.heappop(heap)
+            job = next(cursors[client], None)
+            if job is None:
+                continue
+            yield job
+            tick += 1
+            heapq.heappush(heap, ((tick, 0), client))
+
+    def position(self, job: Any) -> int | None:
+        """Jobs taken before `job` if nothing else arrives; None when it is not queued."""
+        queue = self._queues.get(job.client)
+        if queue is None or job not in queue:
+            return None
+        for index, queued in enumerate(self):
+            if queued is job:
+                return index
+        return None  # pragma: no cover - unreachable: a queued job is always in the order
+
+    # --- changes ---------------------------------------------------------------------------------
+
+    def push(self, job: Any) -> None:
+        client = job.client
+        queue = self._queues.get(client)
+        if queue is None:
+            queue = self._queues[client] = collections.deque()
+            self._first_seen[client] = next(self._arrivals)
+        queue.append(job)
+        self._size += 1
+
+    def pop(self) -> Any:
+        """The next job: the oldest of the least recently served client that has one. IndexError when empty."""
+        if not self._queues:
+            raise IndexError("pop from an empty FairQueue")
+        client = min(self._queues, key=self._rank)
+        job = self._take(client, 0)
+        self._last_served[client] = next(self._ticks)
+        self._forget_idle()
+        return job
+
+    def remove(self, job: Any) -> bool:
+        """Take `job` out (its waiters gave up); False when it was not queued."""
+        queue = self._queues.get(job.client)
+        if queue is None:
+            return False
+        try:
+            index = queue.index(job)
+        except ValueError:
+            return False
+        self._take(job.client, index)
+        return True
+
+    def take_matching(self, accept: Callable[[Any], bool], limit: int, owner: str | None = None) -> list[Any]:
+        """Up to `limit` queued jobs that `accept`, in the order they would be taken, removed from the queue.
+
+        For batching the turn of `owner`'s job: more of `owner`'s own jobs, and at most one job of each other client
+        (its next turn, taken early). So a client with one request does not wait for a full batch of a flooding
+        client's jobs in its own turn, and 16 clients with a request each still share one forward. Their clients
+        count as served.
+        """
+        chosen, others = [], set()
+        for job in self:
+            if len(chosen) >= limit:
+                break
+            if job.client != owner and job.client in others:
+                continue
+            if accept(job):
+                chosen.append(job)
+                if job.client != owner:
+                    others.add(job.client)
+        for job in chosen:
+            self.remove(job)
+            self._last_served[job.client] = next(self._ticks)
+        return chosen
+
+    def push_out_for(self, client: str) -> Any | None:
+        """The job to refuse so that `client` gets a slot in a full queue, or None if `client` should wait.
+
+        The newest job of the client with the most queued jobs, when that client holds at least two more than
+        `client` does: a flood is trimmed from its tail, and a client that holds no more than its share keeps
+        its place. The job is removed; the caller answers its waiters (429, retry later).
+        """
+        mine = len(self._queues.get(client, ()))
+        heaviest = max(self._queues, key=lambda c: (len(self._queues[c]), self._first_seen[c]), default=None)
+        if heaviest is None or heaviest == client or len(self._queues[heaviest]) < mine + 2:
+            return None
+        return self._take(heaviest, len(self._queues[heaviest]) - 1)
+
+    def clear(self) -> list[Any]:
+        jobs = [job for queue in self._queues.values() for job in queue]
+        self._queues.clear()
+        self._first_seen.clear()
+        self._size = 0
+        return jobs
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _take(self, client: str, index: int) -> Any:
+        queue = self._queues[client]
+        job = queue[index]
+        del queue[index]
+        self._size -= 1
+        if not queue:
+            del self._queues[client]
+            del self._first_seen[client]
+        return job
+
+    def _forget_idle(self) -> None:
+        """Drop the oldest service times of idle clients once too many are kept.
+
+        Forgetting a client's time only matters against queued clients served *before* it, and a client is
+        forgotten only once it is older than every queued client: it then ranks exactly as a new client would.
+        """
+        if len(self._last_served) <= MAX_REMEMBERED:
+            return
+        oldest_queued = min((self._last_served.get(c, 0) for c in self._queues), default=1 << 62)
+        for client, tick in list(self._last_served.items()):
+            if tick < oldest_queued and client not in self._queues:
+                del self._last_served[client]
