@@ -148,6 +148,59 @@ def test_a_repeat_is_a_hit_whichever_replica_computed_it(stage, ray_url):
     assert _health(ray_url)["load"]["served_by"] == {name: before.get(name, 0) + n for name, n in served.items()}
 
 
+def _metric_samples(url: str) -> dict[tuple[str, tuple], float]:
+    """GET /metrics parsed by prometheus-client's own parser: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, headers, data = _raw(url, "GET", "/metrics", None, AUTH)
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4"), status
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(data.decode()) for sample in family.samples}
+
+
+def test_metrics_on_ray_count_what_the_client_sent(ray_url):
+    """The ingress's /metrics: its request counters move by exactly what this test sent, status by status; the
+    phases of the computed miss come from the replica that computed it."""
+    assert _raw(ray_url, "GET", "/metrics")[0] == 401  # behind the token, as on the single server
+    before = _metric_samples(ray_url)
+    salt = os.urandom(4).hex()
+
+    def send(expected: int, body: dict | bytes, headers=AUTH) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, _, _ = _raw(ray_url, "POST", protocol.ENCODE_PATH, data, {"Content-Type": "application/json",
+                                                                           **headers})
+        assert status == expected
+
+    fox = {"protocol": protocol.PROTOCOL_VERSION, "prompt": f"A fox on Ray {salt}.", "width": 64, "height": 64,
+           "num_frames": 124}
+    send(200, fox)
+    send(200, fox)  # the ingress's cache answers
+    send(400, b"{not json")
+    send(401, fox, {})
+    send(422, {**fox, "num_frames": 125})  # not 17k+5
+    after = _metric_samples(ray_url)
+
+    def moved(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    requests = {labels: moved("h3_encoder_requests_total", **dict(labels))
+                for (name, labels) in after if name == "h3_encoder_requests_total"}
+    by_status: dict[int, float] = {}
+    for labels, value in requests.items():
+        by_status[int(dict(labels)["status"])] = by_status.get(int(dict(labels)["status"]), 0) + value
+    assert {status: n for status, n in by_status.items() if n} == {200: 2, 400: 1, 401: 1, 422: 1}
+    assert moved("h3_encoder_requests_total", status="200", task="t2va") == 2
+    assert moved("h3_encoder_requests_total", status="401", task="unknown") == 1
+    assert moved("h3_encoder_request_seconds_count", task="t2va", cache="miss") == 1
+    assert moved("h3_encoder_request_seconds_count", task="t2va", cache="hit") == 1
+    assert moved("h3_encoder_phase_seconds_count", phase="receive") == 2
+    for phase in ("queue", "text", "serialise"):  # reported by the replica with its answer
+        assert moved("h3_encoder_phase_seconds_count", phase=phase) == 1, phase
+    assert moved("h3_encoder_events_total", event="computed") == 1
+    assert after[("h3_encoder_ready", ())] == 1
+
+
 # --- load, a replica killed, backpressure ----------------------------------------------------------
 
 
