@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SECTIONS = ("split", "wire", "remote", "vae", "fairness")
+SECTIONS = ("split", "wire", "remote", "vae", "ray", "fairness")
 
 FULL = {
     "split": dict(pairs=20, steps=50, width=64, height=64, frames=124, load_rounds=3),
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 from bench import vae
 
                 results["vae"] = vae.run(models, threads=args.threads, **plan["vae"])
+            elif section == "ray":  # Ray Serve engine (bench/ray_bench.py), its plan there
+                results["ray"] = __import__("bench.ray_bench").ray_bench.run(models, args.threads, args.quick)
             elif section == "fairness":  # writes fairness.md / fairness.json next to results.md
                 from bench import fairness
 

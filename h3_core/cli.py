@@ -17,6 +17,7 @@ import sys
 import time
 
 from . import component_args, devices, facts, plan_report, progress
+from .remote import engines
 
 
 def _log(message: str) -> None:
@@ -154,7 +155,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from .remote.server import main as serve_main
+    from .remote.engines import main as serve_main
 
     return serve_main(args)
 
@@ -256,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-in-process", action="store_true",
                        help="decode media in the server process instead of the sandbox (debugging only: a decoder "
                        "crash then takes the server down)")
+    engines.add_serve_arguments(serve)
     from .remote.config import add_scheduling_args
 
     add_scheduling_args(serve)

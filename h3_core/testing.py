@@ -94,3 +94,31 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, step: float
             return True
         time.sleep(step)
     return False
+
+
+class PromptPaced:
+    """A stage that waits `S` seconds (cancellably) before encoding a prompt that starts with `[wait S]`.
+
+    For servers that load their own stage in another process (Ray Serve replicas, `RaySettings.stage_wrapper =
+    "h3_core.testing:PromptPaced"`): makes queueing, deadlines and backpressure deterministic in tests.
+    """
+
+    def __init__(self, stage):
+        self.stage = stage
+        self.fingerprint, self.components = stage.fingerprint, stage.components
+        self.pipeline_config = getattr(stage, "pipeline_config", None)
+
+    def encode(self, request, metadata=None, cancel=None, progress=None):
+        import re
+        import time
+
+        match = re.match(r"\[wait ([0-9.]+)\]", request.prompt)
+        if match:
+            end = time.monotonic() + float(match.group(1))
+            while time.monotonic() < end:
+                if cancel is not None and cancel.is_set():
+                    from .progress import Cancelled
+
+                    raise Cancelled("cancelled while pacing")
+                time.sleep(0.005)
+        return self.stage.encode(request, metadata=metadata, cancel=cancel, progress=progress)

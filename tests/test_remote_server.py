@@ -22,7 +22,7 @@ from h3_core import media
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.progress import Cancelled
-from h3_core.remote import http as http_module
+from h3_core.remote import handler as handler_module
 from h3_core.remote import packing, protocol
 from h3_core.remote.client import (
     EncoderClient,
@@ -375,17 +375,17 @@ def test_token_required_when_configured(stage, monkeypatch):
 def test_handshake_rejects_protocol_and_model_mismatch(server, stage, monkeypatch):
     with pytest.raises(ModelMismatchError, match="pinned"):
         EncoderClient(server.url, expect_model="0123456789abcdef").encode(CASES["t2va"])
-    real = http_module.capabilities
+    real = handler_module.capabilities
 
     def other_version(service):
         caps = real(service)
         caps["protocol"] = {"name": protocol.PROTOCOL_NAME, "version": 99, "versions": [99]}
         return caps
 
-    monkeypatch.setattr(http_module, "capabilities", other_version)
+    monkeypatch.setattr(handler_module, "capabilities", other_version)
     with pytest.raises(ProtocolMismatchError, match="version"):
         EncoderClient(server.url).encode(CASES["t2va"])
-    monkeypatch.setattr(http_module, "capabilities", real)
+    monkeypatch.setattr(handler_module, "capabilities", real)
     # The JSON request carries its version too: a server refuses a client of another version outright.
     status, _, data = _raw(server.url, "POST", protocol.ENCODE_PATH,
                            json.dumps({"protocol": 2, "prompt": "x"}).encode(), {"Content-Type": "application/json"})

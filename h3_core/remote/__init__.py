@@ -5,9 +5,13 @@
     packing.py   client side: EncodeRequest -> multipart body (lossless media, no pickle)
     service.py   the service without HTTP: admission, bounded queue, one model thread, cache (pure asyncio)
                  (config.py settings, admission.py body budgets, fair_queue.py turns per client, cache.py)
-    metrics.py   Prometheus metrics of one server (its own registry); http_metrics.py serves `GET /metrics`
-    http.py      aiohttp transport: middleware, capped body reading, handlers, create_app
+    metrics.py   Prometheus metrics of one server (its own registry); handler.py serves `GET /metrics`
+    handler.py   the request handling, engine-neutral (routes, auth, errors, encode flow); body.py reads bodies
+    http.py      the aiohttp engine: adapter to handler.py, create_app
     server.py    running it: ServerThread (tests, embedding), main (CLI, signals, graceful drain)
+    ray_engine.py  the Ray Serve engine (optional): ingress + encoder replicas around handler.py; ray_run.py runs
+                 it (`serve --engine ray`, flags in engines.py); streams.py feeds ASGI bodies to handler.py;
+                 sharding.py spreads a text encoder over a replica's GPUs
     client.py    EncoderClient: handshake, one deadline per call, retries with backoff, failover, cancel
 
 `python -m h3_core serve --models DIR` starts the server; `python -m h3_core encode --server URL ...` and the

@@ -103,12 +103,7 @@ class ServerMetrics:
 
     def observe_job(self, job: "Job") -> None:
         """The phases a finished job passed (queue wait, decode, encoders, serialise)."""
-        timeline, end = job.timeline, job.finished or time.monotonic()
-        for phase, seconds in timeline.spans(end):
-            if phase not in PHASES:
-                continue
-            if phase in ("video_vae", "audio_vae") and phase not in timeline.worked:
-                continue  # the step ran but had nothing to encode
+        for phase, seconds in job_phases(job):
             self.phase_seconds.labels(phase=phase).observe(seconds)
 
     def observe_text_batch(self, size: int) -> None:
@@ -119,6 +114,20 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """(body, content type) in Prometheus' text format 0.0.4."""
         return generate_latest(self.registry), CONTENT_TYPE
+
+
+def job_phases(job: "Job") -> list[tuple[str, float]]:
+    """(phase, seconds) of the phases a finished job passed, as `observe_job` records them (the Ray engine's
+    replicas send them to the ingress, whose `/metrics` the clients' requests reach)."""
+    timeline, end = job.timeline, job.finished or time.monotonic()
+    out = []
+    for phase, seconds in timeline.spans(end):
+        if phase not in PHASES:
+            continue
+        if phase in ("video_vae", "audio_vae") and phase not in timeline.worked:
+            continue  # the step ran but had nothing to encode
+        out.append((phase, seconds))
+    return out
 
 
 class _StateCollector:
