@@ -27,7 +27,7 @@ from h3_core.request import EncodeRequest
 REPO = Path(__file__).resolve().parents[1]
 REQUEST = EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, num_frames=124)
 CAPS = {
-    "protocol": {"name": "h3-encoder", "version": 1, "versions": [1]},
+    "protocol": {"name": "h3-encoder", "version": 2, "versions": [2]},
     "model": {"fingerprint": "abc123", "components": ["text", "video", "audio"], "dtype": "float32"},
     "limits": {"max_body_bytes": 1 << 30},
     "deadline_s": {"default": 300, "max": 1800},

@@ -18,7 +18,7 @@ import re
 import secrets
 import time
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -29,7 +29,11 @@ from . import ingest, protocol, tracking
 from .connections import AcceptErrorLimiter, ConnectionReaper  # noqa: F401 - re-exported for server.py
 from .ingest import Part
 from .protocol import Limits, ProtocolError
+from .sending import EncodedPayload
 from .service import Admission, EncoderService, Job, QueueFull, ServerConfig, _Abandoned
+
+if TYPE_CHECKING:
+    from ..contract.wire import Encoded
 
 log = logging.getLogger("h3_core.remote.server")
 
@@ -128,7 +132,7 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 def capabilities(service: EncoderService) -> dict[str, Any]:
-    from ..contract import FORMAT_ID, FORMAT_VERSION
+    from ..contract import FORMAT_ID, WIRE_VERSION
 
     return {
         "protocol": {"name": protocol.PROTOCOL_NAME, "version": protocol.PROTOCOL_VERSION,
@@ -142,7 +146,7 @@ def capabilities(service: EncoderService) -> dict[str, Any]:
             "device": service.model_info.get("device", "cpu"),
             "components": list(service.components),
         },
-        "conditioning": {"format": FORMAT_ID, "version": FORMAT_VERSION,
+        "conditioning": {"format": FORMAT_ID, "version": WIRE_VERSION,
                          "content_type": protocol.CONDITIONING_CONTENT_TYPE},
         "tasks": list(rules.TASKS),
         "media_types": {kind: ingest.allowed_content_types(kind) for kind in ("image", "video", "audio")},
@@ -418,20 +422,19 @@ async def _wait(request: web.Request, job: Job, deadline: float) -> str:
             return "gone"
 
 
-def _conditioning(item: tuple[bytes, str], service: EncoderService, rid: str, cache: str, queue_s: float,
+def _conditioning(item: tuple[Encoded, str], service: EncoderService, rid: str, cache: str, queue_s: float,
                   encode_s: float) -> web.Response:
-    data, digest = item
-    from ..contract import FORMAT_ID, FORMAT_VERSION
+    encoded, checksum = item
+    from ..contract import FORMAT_ID, WIRE_VERSION
 
     return web.Response(
-        body=data,
-        content_type=protocol.CONDITIONING_CONTENT_TYPE,
+        body=EncodedPayload(encoded, protocol.CONDITIONING_CONTENT_TYPE),  # header + tensor storages, unjoined
         headers={
             protocol.H_PROTOCOL: str(protocol.PROTOCOL_VERSION),
             protocol.H_MODEL: service.fingerprint,
             protocol.H_CACHE: cache,
-            protocol.H_SHA256: digest,
-            protocol.H_FORMAT: f"{FORMAT_ID}/{FORMAT_VERSION}",
+            protocol.H_CHECKSUM: checksum,
+            protocol.H_FORMAT: f"{FORMAT_ID}/{WIRE_VERSION}",
             protocol.H_REQUEST_ID: rid,
             protocol.H_QUEUE_S: f"{queue_s:.4f}",
             protocol.H_ENCODE_S: f"{encode_s:.4f}",

@@ -14,7 +14,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import hashlib
 import math
 import threading
 import time
@@ -412,8 +411,8 @@ class EncoderService:
         with progress_phases.reporting(fine_phases):
             conditioning = self.stage.encode(request, cancel=job.cancel, progress=encoder_progress)
         job.phases.enter("serialise")
-        data = conditioning.to_bytes()
-        return data, hashlib.sha256(data).hexdigest()
+        encoded = conditioning.to_wire()  # header + the tensors' storages, sealed by one checksum; never joined
+        return encoded, encoded.checksum
 
     def _decode_settings(self, job: Job) -> ingest.DecodeSettings:
         """Sandboxed (unless configured off), within the job's deadline, onto the stage's canvas rule."""

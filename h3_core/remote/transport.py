@@ -24,6 +24,7 @@ from . import protocol
 MAX_SMALL_RESPONSE_BYTES = 1024 * 1024  # capabilities, health and error answers
 MAX_MESSAGE_CHARS = 300  # of a server's error message, as repeated in this client's exceptions
 MAX_JSON_DEPTH = 32
+READ_PIECE = 1 << 20  # bytes per read of an answer: the granularity at which an abort is noticed
 
 
 class RemoteEncodeError(RuntimeError):
@@ -74,7 +75,7 @@ class Endpoint:
 class Reply:
     status: int
     headers: http.client.HTTPMessage
-    body: bytes
+    body: bytes | bytearray  # a 200 answer's bytearray is the caller's to hand over (H3Conditioning.from_buffer)
 
     def error(self) -> dict[str, Any]:
         try:
@@ -162,22 +163,15 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
                     raise send_error from None
                 raise
             cap = max_bytes if response.status == 200 else MAX_SMALL_RESPONSE_BYTES
-            length = response.getheader("Content-Length")
-            if length is not None and length.strip().isdigit() and int(length) > cap:
-                raise RemoteEncodeError(f"{endpoint.url}: the answer declares {short(length, 24)} bytes, over "
+            declared = (response.getheader("Content-Length") or "").strip()
+            if declared.isdigit() and (len(declared) > 18 or int(declared) > cap):
+                raise RemoteEncodeError(f"{endpoint.url}: the answer declares {short(declared, 24)} bytes, over "
                                         f"the client's limit of {cap} bytes for it", url=endpoint.url)
-            data = bytearray()
-            while True:
-                chunk = response.read(min(1 << 20, cap + 1 - len(data)))
-                if not chunk:
-                    break
-                data += chunk
-                if len(data) > cap:
-                    raise RemoteEncodeError(f"{endpoint.url}: the answer is over the client's limit of {cap} "
-                                            "bytes for it", url=endpoint.url)
-                if aborted.is_set():
-                    return
-            data = bytes(data)
+            # http.client's own reading of Content-Length (None when chunked or unparsable)
+            length = None if response.chunked else response.length
+            data = _read_body(response, length, cap, aborted, endpoint.url)
+            if data is None:
+                return
             outcome["reply"] = Reply(response.status, response.headers, data)
         except BaseException as error:  # noqa: BLE001 - handed to the calling thread
             outcome["error"] = error
@@ -228,6 +222,34 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
     if isinstance(error, http.client.HTTPException):
         raise Transient(f"malformed HTTP answer ({type(error).__name__}: {error})")
     raise error  # type: ignore[misc]
+
+def _read_body(response: http.client.HTTPResponse, length: int | None, cap: int, aborted: threading.Event,
+               url: str) -> bytearray | None:
+    """The whole body in one buffer (None if aborted). With a Content-Length, the buffer is allocated once at that
+    size and filled in place (`readinto`: the socket writes straight into it), so the answer's bytes are copied
+    only by the kernel; without one, it grows up to `cap`. A short body raises `IncompleteRead`."""
+    if length is not None:
+        data = bytearray(length)
+        view, got = memoryview(data), 0
+        while got < length:
+            n = response.readinto(view[got:got + READ_PIECE])
+            if not n:
+                raise http.client.IncompleteRead(bytes(0), length - got)
+            got += n
+            if aborted.is_set():
+                return None
+        return data
+    data = bytearray()
+    while True:
+        chunk = response.read(min(READ_PIECE, cap + 1 - len(data)))
+        if not chunk:
+            return data
+        data += chunk
+        if len(data) > cap:
+            raise RemoteEncodeError(f"{url}: the answer is over the client's limit of {cap} bytes for it", url=url)
+        if aborted.is_set():
+            return None
+
 
 def abort(conn: http.client.HTTPConnection) -> None:
     sock = conn.sock
