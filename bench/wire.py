@@ -2,15 +2,17 @@
 
 Bytes: exact bytes in each direction of one /v1/encode exchange (a counting TCP proxy sits between the real client
 and the real server), against the raw tensor bytes of the contract.
-Throughput: serialise (server: to_bytes + digest) + HTTP send + receive + deserialise (client: digest check +
-from_bytes, which validates and re-hashes every tensor), i.e. `EncoderClient.encode` end to end on a synthetic
-stage, against a raw loopback TCP transfer of the same bytes (sendall / recv_into a fresh buffer), both served
-by the same subprocess and measured interleaved in the same run.
+Throughput: serialise (server: `to_wire`, i.e. the safetensors header + one xxh3-128 pass over the tensors) + HTTP
+send (the header, then the tensor storages as they are) + receive (client: one Content-Length buffer) + deserialise
+(`from_buffer`: checksum pass, tensors viewed out of the buffer, the contract validated), i.e.
+`EncoderClient.encode` end to end on a synthetic stage, against a raw loopback TCP transfer of the same bytes
+(sendall / recv_into a fresh buffer), both served by the same subprocess and measured interleaved in the same run.
+
+    python -m bench.wire [--quick]     this section alone: prints the ratio with its 95 % interval
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 import subprocess
@@ -41,7 +43,7 @@ class WireServer:
             self.close()
             raise RuntimeError(f"wire server did not start: {line!r}")
         info = json.loads(line)
-        self.url, self.raw_port, self.lean_port = info["h3"], info["raw_port"], info["lean_port"]
+        self.url, self.raw_port = info["h3"], info["raw_port"]
         self.bytes = info["bytes"]
 
     def close(self) -> None:
@@ -75,47 +77,6 @@ def raw_fetch(port: int, name: str, size: int) -> bytearray:
     if got != size or extra:
         raise RuntimeError(f"raw transfer got {got} of {size} bytes")
     return buf
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < view.nbytes:
-        n = sock.recv_into(view[got:], min(view.nbytes - got, 1 << 20))
-        if n == 0:
-            raise RuntimeError("connection closed early")
-        got += n
-
-
-def lean_fetch(port: int, name: str, checksum: bool = True):
-    """The lean prototype's client: header, then recv_into one preallocated buffer (with a running CRC32 unless
-    `checksum` is off), then tensors viewed out of that buffer and validated (bench/synth.py lean_parse)."""
-    import zlib
-
-    from bench.synth import lean_parse
-
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(name.encode() + (b"\n" if checksum else b" nocrc\n"))
-        length = bytearray(8)
-        _recv_exact(sock, memoryview(length))
-        header_bytes = bytearray(int.from_bytes(length, "little"))
-        _recv_exact(sock, memoryview(header_bytes))
-        header = json.loads(header_bytes)
-        size = max((info["data_offsets"][1] for info in header["tensors"].values()), default=0)
-        buf = bytearray(size)
-        view = memoryview(buf)
-        got, crc = 0, 0
-        while got < size:
-            n = sock.recv_into(view[got:], min(size - got, 1 << 20))
-            if n == 0:
-                raise RuntimeError("connection closed early")
-            if checksum:
-                crc = zlib.crc32(view[got : got + n], crc)
-            got += n
-        trailer = bytearray(4)
-        _recv_exact(sock, memoryview(trailer))
-    if int.from_bytes(trailer, "little") != crc:
-        raise RuntimeError("lean transfer: CRC mismatch")
-    return lean_parse(header, buf)
 
 
 class CountingProxy:
@@ -169,32 +130,54 @@ class CountingProxy:
         self.listener.close()
 
 
+# The last published value (bench/results/results.md before protocol 2: four SHA-256 passes, three copies).
+PREVIOUS = {"throughput_ratio": 0.1047, "ci95": [0.097, 0.114], "h3_mb_s": 134, "raw_mb_s": 1282}
+TARGET = 0.85
+
+
 def _breakdown(cond, reps: int) -> dict:
-    """In-process CPU cost of the pieces the h3 path adds on top of moving bytes (no sockets)."""
+    """In-process CPU cost of the pieces the h3 path adds on top of moving bytes (no sockets): the server's
+    `to_wire` (header + checksum pass), the client's `from_buffer` (checksum pass + views + validation) and, for
+    scale, one bare xxh3-128 pass and one copy of the same bytes into a fresh buffer."""
+    import xxhash
+
     from h3_core.contract import H3Conditioning
 
-    times = {"to_bytes": [], "sha256": [], "from_bytes": [], "copy": []}
+    times = {"to_wire": [], "from_buffer": [], "xxh3": [], "copy": []}
+    joined = bytearray(cond.to_wire().tobytes())
     for _ in range(reps):
+        buf = bytearray(joined)  # a fresh buffer, as the client receives into one (outside the timings)
         t0 = time.perf_counter()
-        data = cond.to_bytes()
+        cond.to_wire()
         t1 = time.perf_counter()
-        hashlib.sha256(data).hexdigest()
+        H3Conditioning.from_buffer(buf)
         t2 = time.perf_counter()
-        H3Conditioning.from_bytes(data)
+        xxhash.xxh3_128(joined).hexdigest()
         t3 = time.perf_counter()
-        bytes(bytearray(data))
+        bytes(joined)
         t4 = time.perf_counter()
-        for key, a, b in (("to_bytes", t0, t1), ("sha256", t1, t2), ("from_bytes", t2, t3), ("copy", t3, t4)):
+        for key, a, b in (("to_wire", t0, t1), ("from_buffer", t1, t2), ("xxh3", t2, t3), ("copy", t3, t4)):
             times[key].append(b - a)
-        del data
+        del buf
     return {key: float(sorted(v)[len(v) // 2]) for key, v in times.items()}
+
+
+def _request(name: str, answer_bytes: int):
+    """The request naming a prebuilt contract, its prompt padded just enough that the client's answer bound
+    (`packing.conditioning_bound`, which follows the prompt's length) admits the synthetic answer."""
+    from h3_core.remote.packing import conditioning_bound
+    from h3_core.request import EncodeRequest
+
+    prompt = f"size:{name}:"
+    while conditioning_bound(EncodeRequest(prompt=prompt)) < answer_bytes:
+        prompt += "." * 16
+    return EncodeRequest(prompt=prompt)
 
 
 def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) -> dict:
     import torch
 
     from h3_core.remote.client import EncoderClient
-    from h3_core.request import EncodeRequest
 
     out = {"loadavg_before": common.loadavg(), "sizes": {}}
     common.log("wire: starting the synthetic encoder server + raw TCP server")
@@ -205,7 +188,7 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
             cond = synth_conditioning(tokens)
             raw_bytes = raw_tensor_bytes(cond)
             contract_bytes = server.bytes[name]
-            request = EncodeRequest(prompt=f"size:{name}")
+            request = _request(name, contract_bytes)
 
             # exact bytes of one exchange, through the counting proxy
             proxy = CountingProxy(int(server.url.rsplit(":", 1)[1]))
@@ -220,26 +203,19 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
                 return client.encode(request)
 
             def raw(i, name=name, size=contract_bytes):
-                return raw_fetch(server.raw_port, name, size)
+                raw_fetch(server.raw_port, name, size)  # dropped, like h3's answer: no arm keeps 70 MB per round
 
-            def lean(i, name=name):
-                return lean_fetch(server.lean_port, name)
+            def h3_timed(i, request=request):
+                client.encode(request)
 
-            def lean_nocrc(i, name=name):
-                return lean_fetch(server.lean_port, name, checksum=False)
-
-            check = lean(0)
+            check = h3(0)
             assert check.prompt_embeds.view(torch.int16).equal(cond.prompt_embeds.view(torch.int16))
             assert check.text_token_tags.equal(cond.text_token_tags) and check.task == cond.task
-            common.log(f"wire: {name}: {reps[name]} interleaved rounds (h3 client/server, raw socket, lean prototype)")
-            runs = common.interleaved(
-                {"raw": raw, "h3": h3, "lean": lean, "lean_nocrc": lean_nocrc}, reps[name], warmup=1
-            )
-            h3_s, raw_s, lean_s = runs["h3"]["wall"], runs["raw"]["wall"], runs["lean"]["wall"]
-            nocrc_s = runs["lean_nocrc"]["wall"]
+            del check
+            common.log(f"wire: {name}: {reps[name]} interleaved rounds (h3 client/server, raw socket)")
+            runs = common.interleaved({"raw": raw, "h3": h3_timed}, reps[name], warmup=1)
+            h3_s, raw_s = runs["h3"]["wall"], runs["raw"]["wall"]
             ratio = common.paired(h3_s, raw_s)  # raw/h3 per pair = h3 throughput / raw throughput
-            lean_ratio = common.paired(lean_s, raw_s)
-            nocrc_ratio = common.paired(nocrc_s, raw_s)
             wire_total = exchange["to_server"] + exchange["to_client"]
             out["sizes"][name] = {
                 "tokens": tokens,
@@ -258,23 +234,47 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
                 "raw_mb_s": contract_bytes / common.summary(raw_s)["median"] / common.MB,
                 "throughput_ratio": ratio["median_ratio"],
                 "throughput_ratio_ci95": ratio["ci95"],
-                "lean_s": common.summary(lean_s),
-                "lean_mb_s": contract_bytes / common.summary(lean_s)["median"] / common.MB,
-                "lean_throughput_ratio": lean_ratio["median_ratio"],
-                "lean_throughput_ratio_ci95": lean_ratio["ci95"],
-                "lean_nocrc_s": common.summary(nocrc_s),
-                "lean_nocrc_mb_s": contract_bytes / common.summary(nocrc_s)["median"] / common.MB,
-                "lean_nocrc_throughput_ratio": nocrc_ratio["median_ratio"],
-                "lean_nocrc_throughput_ratio_ci95": nocrc_ratio["ci95"],
                 "breakdown_s": _breakdown(cond, 3 if tokens > 1000 else 7),
             }
             r = out["sizes"][name]
             common.log(
                 f"wire: {name}: wire {r['wire_ratio']:.4f}x raw tensors; h3 {r['h3_mb_s']:.0f} MB/s vs raw "
-                f"{r['raw_mb_s']:.0f} MB/s ({r['throughput_ratio']:.2f}); lean prototype {r['lean_mb_s']:.0f} MB/s "
-                f"({r['lean_throughput_ratio']:.2f}), without CRC {r['lean_nocrc_mb_s']:.0f} MB/s "
-                f"({r['lean_nocrc_throughput_ratio']:.2f})"
+                f"{r['raw_mb_s']:.0f} MB/s: {r['throughput_ratio']:.3f} (95 % CI {r['throughput_ratio_ci95'][0]:.3f} "
+                f".. {r['throughput_ratio_ci95'][1]:.3f})"
             )
     out["bytes_per_token_model"] = BYTES_PER_TOKEN
+    out["previous"] = PREVIOUS
+    out["target"] = TARGET
     out["loadavg_after"] = common.loadavg()
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="section 2 alone: the contract over HTTP vs a raw loopback socket")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {','.join(SIZES)}")
+    parser.add_argument("--reps", type=int, help="interleaved rounds per size (overrides --quick)")
+    args = parser.parse_args(argv)
+    reps = {"0.2MB": 10, "10MB": 6, "70MB": 4} if args.quick else {"0.2MB": 30, "10MB": 20, "70MB": 12}
+    if args.reps:
+        reps = {name: args.reps for name in reps}
+    sizes = {name: SIZES[name] for name in args.sizes.split(",") if name}
+    common.set_threads(args.threads)
+    out = run(reps=reps, threads=args.threads, sizes=sizes)
+    for name, r in out["sizes"].items():
+        lo, hi = r["throughput_ratio_ci95"]
+        print(f"{name}: h3/raw {r['throughput_ratio']:.3f} (95 % CI {lo:.3f} .. {hi:.3f}), h3 {r['h3_mb_s']:.0f} MB/s "
+              f"vs raw {r['raw_mb_s']:.0f} MB/s; breakdown ms "
+              + ", ".join(f"{k} {1000 * v:.1f}" for k, v in r["breakdown_s"].items()))
+    print(f"previous (protocol 1) 70MB: {PREVIOUS['throughput_ratio']:.3f} (95 % CI {PREVIOUS['ci95'][0]:.3f} .. "
+          f"{PREVIOUS['ci95'][1]:.3f}); target >= {TARGET}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -7,9 +7,9 @@ the `(kind, has_audio)` pairs of the normalised references and the canvas (`heig
 latents, the values ComfyUI core's and diffusers' VAE encoders both produce, so no conversion needs
 VAE statistics.
 
-This module holds the type, its validation and derived values. The three outside forms live beside it,
-one module each (`wire`: safetensors bytes, `files`: those bytes on disk; `comfy`: ComfyUI core's CONDITIONING; `vllm`: vLLM-Omni's
-stage-0 payload); the methods here are one-line delegates so callers keep one API.
+This module holds the type, its validation and derived values. The outside forms live beside it, one module
+each (`wire`: safetensors bytes; `files`: those bytes on disk; `comfy`: ComfyUI core's CONDITIONING; `vllm`:
+vLLM-Omni's stage-0 payload); the methods here are one-line delegates so callers keep one API.
 """
 
 from __future__ import annotations
