@@ -618,3 +618,30 @@ def test_500_hostile_requests_each_get_a_4xx_and_the_server_survives(server, sta
     assert status == 200 and json.loads(data)["status"] == "ok"
     for task in ("t2va", "fl2va"):
         assert EncoderClient(server.url).encode(CASES[task]).to_bytes() == stage.encode(CASES[task]).to_bytes()
+
+
+def test_a_version_1_client_gets_a_version_error(server):
+    """A fake client of the previous protocol (this code with its version set to 1, in its own process) against
+    this server: the handshake stops it with a version error; without the handshake, the request is refused."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from h3_core.remote import protocol\n"
+        "protocol.PROTOCOL_VERSION = 1\n"
+        "from h3_core.remote.client import EncoderClient, ProtocolMismatchError\n"
+        "from h3_core.request import EncodeRequest\n"
+        "try:\n"
+        "    EncoderClient(sys.argv[1], retries=0).encode(EncodeRequest(prompt='A fox.', width=64, height=64))\n"
+        "except ProtocolMismatchError as error:\n"
+        "    print('MISMATCH', error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, server.url], capture_output=True, text=True, timeout=120)
+    assert "MISMATCH" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "version(s) [2]; this client speaks version 1" in done.stdout
+    status, _, data = _raw(server.url, "POST", protocol.ENCODE_PATH,
+                           json.dumps({"protocol": 1, "prompt": "x"}).encode(), {"Content-Type": "application/json"})
+    error = json.loads(data)["error"]
+    assert status == 400 and error["code"] == "protocol_mismatch"
+    assert "speaks h3-encoder version 2; the request declares version 1" in error["message"]
