@@ -59,8 +59,8 @@ NOTES = [
     "before the op, after trimming the heap (malloc_trim). Full runs use a fresh process per point; --quick runs "
     "a sweep per process (checked against per-point processes: peaks within ~4 %).",
     "Wire: the same subprocess serves the real aiohttp app (around a synthetic stage that returns prebuilt "
-    "contracts; cache off, so each request pays to_bytes + the body digest) and a raw blocking TCP server that "
-    "sendall()s the very same bytes; the client side is EncoderClient.encode vs socket.recv_into a fresh buffer. "
+    "contracts; cache off, so each request pays to_wire: header + one xxh3-128 pass) and a raw blocking TCP server "
+    "that sendall()s the very same bytes; the client side is EncoderClient.encode vs socket.recv_into a fresh buffer. "
     "Exact bytes per direction come from a counting TCP proxy.",
     "p99 uses linear interpolation between samples; with n < 100 it is close to the maximum.",
 ]
