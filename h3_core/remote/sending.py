@@ -15,6 +15,8 @@ PIECE_BYTES = 1 << 20
 class EncodedPayload(payload.Payload):
     """An `Encoded` wire form as a response body; Content-Length is its exact size. Re-sendable (cache hits)."""
 
+    _autoclose = True  # memory only: nothing to release
+
     def __init__(self, encoded, content_type: str = "application/octet-stream"):
         super().__init__(encoded, content_type=content_type)
         self._size = len(encoded)
