@@ -260,3 +260,52 @@ def test_version_1_files_still_load(tmp_path, mapped):
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="checksum mismatch for tensor"):
         H3Conditioning.load(path, mmap=mapped)
+
+
+# --- the checksum taken while the payload arrives ------------------------------------------------------------
+
+
+def _arrive(data: bytes, piece: int = 97) -> tuple[bytearray, wire.Receiving]:
+    """Fill a buffer front to back in odd-sized pieces, as a socket would, telling a `Receiving` after each."""
+    buf = bytearray(len(data))
+    receiving = wire.Receiving(buf)
+    for start in range(0, len(data), piece):
+        end = min(start + piece, len(data))
+        buf[start:end] = data[start:end]
+        receiving.advance(end)
+    return buf, receiving
+
+
+@pytest.mark.parametrize("kind", ["t2va", "fl2va", "ref2va"])
+def test_receiving_checks_the_seal_on_arrival(kind, monkeypatch):
+    c = make(kind)
+    buf, receiving = _arrive(c.to_bytes())
+    assert receiving.checked_plan() is not None
+
+    def second_pass(*args):
+        raise AssertionError("the checksum was computed twice")
+
+    monkeypatch.setattr(wire, "verify", second_pass)
+    assert H3Conditioning.from_buffer(buf, receiving) == c
+
+
+def test_receiving_a_corrupted_or_lying_payload():
+    data = bytearray(make("ref2va").to_bytes())
+    data[-1] ^= 0x80
+    buf, receiving = _arrive(bytes(data))
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        H3Conditioning.from_buffer(buf, receiving)
+    lying = _relabel(make("ref2va").to_bytes(), lambda table: table["prompt_embeds"]["data_offsets"].reverse())
+    buf, receiving = _arrive(lying)
+    assert receiving.checked_plan() is None  # stopped at the header; from_buffer runs (and reports) every check
+    with pytest.raises(ContractError, match="corrupted tensor table entry"):
+        H3Conditioning.from_buffer(buf, receiving)
+    buf, receiving = _arrive(make("t2va").to_bytes())
+    other = bytearray(buf)
+    assert H3Conditioning.from_buffer(other, receiving) == make("t2va")  # a receipt for another buffer is ignored
+    data = make("t2va").to_bytes()
+    partial = bytearray(len(data))
+    receiving = wire.Receiving(partial)
+    partial[:len(data) // 2] = data[:len(data) // 2]
+    receiving.advance(len(data) // 2)
+    assert receiving.plan is not None and receiving.checked_plan() is None  # never covered the whole payload

@@ -312,12 +312,65 @@ def build(cls, plan_: Plan, buf, data_start: int):
     )
 
 
-def from_buffer(cls, buf: bytearray):
+class Receiving:
+    """The checksum pass of a payload done while it arrives: a receiver that fills `buf` front to back calls
+    `advance(end)` each time bytes [0, end) are in place, so each piece is hashed while it is still in the CPU's
+    cache (one pass over memory instead of two), and hands this to `from_buffer`. Once the header is in, it is
+    checked (`plan`) before anything after it is hashed; any defect just stops the early pass, and `from_buffer`
+    then runs every check itself and reports it."""
+
+    def __init__(self, buf: bytearray):
+        self.buf, self._view = buf, memoryview(buf)
+        self.plan: Plan | None = None
+        self.data_start = 0
+        self._hasher = None
+        self._done = 0
+        self._stopped = False
+
+    def advance(self, end: int) -> None:
+        if self._stopped:
+            return
+        try:
+            if self._hasher is None:
+                if end < 8:
+                    return
+                n = st.header_length(self._view[:8])
+                if end < 8 + n:
+                    return
+                parsed = st.parse_header(self._view[8:8 + n], n)
+                self.plan = plan(parsed, len(self.buf) - parsed.data_start)
+                if self.plan.checksum is None:  # version 1: per-tensor digests, checked by from_buffer
+                    self._stopped = True
+                    return
+                self.data_start = self._done = parsed.data_start
+                self._hasher = xxhash.xxh3_128(self.plan.seal_prefix)
+            if end > self._done:
+                self._hasher.update(self._view[self._done:end])
+                self._done = end
+        except (st.HeaderError, ContractError):
+            self._stopped = True
+
+    def checked_plan(self) -> Plan | None:
+        """The plan, once every data byte has been hashed and the checksum matched (`ChecksumError` if it did not);
+        None if this pass did not cover the payload."""
+        if self._stopped or self._hasher is None or self._done != len(self.buf):
+            return None
+        if f"{CHECKSUM_ALGORITHM}:{self._hasher.hexdigest()}" != self.plan.checksum:
+            raise ChecksumError(f"payload: corrupted: {CHECKSUM_ALGORITHM} checksum mismatch (the header, the "
+                                "tensor table or the data changed after it was written)", field="payload")
+        return self.plan
+
+
+def from_buffer(cls, buf: bytearray, receiving: Receiving | None = None):
     """Parse, check and validate a whole payload held in `buf`, which the returned tensors then share (no copy):
-    the caller hands it over and must not reuse it. Any defect raises `ContractError` (`ChecksumError` for
-    corruption); never unpickles."""
+    the caller hands it over and must not reuse it. With `receiving` (that filled `buf` and hashed it on the way
+    in), the checksum is not computed again. Any defect raises `ContractError` (`ChecksumError` for corruption);
+    never unpickles."""
     if not isinstance(buf, bytearray):
         raise ContractError(f"payload: expected a bytearray to take over, got {type(buf).__name__}", field="payload")
+    checked = receiving.checked_plan() if receiving is not None and receiving.buf is buf else None
+    if checked is not None:
+        return build(cls, checked, buf, receiving.data_start)
     try:
         parsed = st.read_header(buf)
     except st.HeaderError as error:

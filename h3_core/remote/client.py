@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from ..contract import ChecksumError, ContractError, H3Conditioning
+from ..contract.wire import Receiving
 from ..progress import Cancelled, ProgressFn, check_cancel
 from ..request import EncodeRequest
 from . import credentials, packing, polling, protocol, tracking
@@ -360,7 +361,7 @@ class EncoderClient:
 
         try:
             reply = self._call(endpoint, "POST", protocol.ENCODE_PATH, payload, headers, cancel,
-                               self.read_timeout, deadline, answer_cap, on_sent=sent)
+                               self.read_timeout, deadline, answer_cap, on_sent=sent, on_body=Receiving)
         finally:
             if poller is not None:
                 poller.stop()
@@ -368,8 +369,8 @@ class EncoderClient:
             raise self._status_error(endpoint, reply)
         report(polling.STEP_ANSWERED, polling.STEPS)
         body = reply.body if isinstance(reply.body, bytearray) else bytearray(reply.body)
-        try:  # the tensors become views of the received buffer; its checksum is checked once, here
-            conditioning = H3Conditioning.from_buffer(body)
+        try:  # the tensors become views of the received buffer, checksummed once (piece by piece as it arrived)
+            conditioning = H3Conditioning.from_buffer(body, reply.receipt)
         except ChecksumError:
             raise Transient("the conditioning arrived corrupted (checksum mismatch)") from None
         except ContractError as error:
@@ -428,10 +429,10 @@ class EncoderClient:
         return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=self.connect_timeout)
     def _call(self, endpoint: Endpoint, method: str, path: str, body: list | None, headers: dict[str, str],
               cancel: threading.Event | None, read_timeout: float, deadline: float, max_bytes: int,
-              on_sent: Callable[[], None] | None = None) -> Reply:
+              on_sent: Callable[[], None] | None = None, on_body: Callable[[bytearray], Any] | None = None) -> Reply:
         """One HTTP exchange (`transport.exchange`) with this client's connection, headers and connect timeout."""
         return exchange(self._connection(endpoint), endpoint, method, path, body, {**self._headers(), **headers},
-                        cancel, self.connect_timeout, read_timeout, deadline, max_bytes, on_sent)
+                        cancel, self.connect_timeout, read_timeout, deadline, max_bytes, on_sent, on_body)
 
 
 

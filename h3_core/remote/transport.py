@@ -76,6 +76,7 @@ class Reply:
     status: int
     headers: http.client.HTTPMessage
     body: bytes | bytearray  # a 200 answer's bytearray is the caller's to hand over (H3Conditioning.from_buffer)
+    receipt: Any = None  # what `on_body` made of a 200 answer's buffer while it was filled
 
     def error(self) -> dict[str, Any]:
         try:
@@ -120,10 +121,13 @@ def parse_url(url: str) -> Endpoint:
 
 def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, path: str, body: list | None,
              headers: dict[str, str], cancel: threading.Event | None, connect_timeout: float, read_timeout: float,
-             deadline: float, max_bytes: int, on_sent: Callable[[], None] | None = None) -> Reply:
+             deadline: float, max_bytes: int, on_sent: Callable[[], None] | None = None,
+             on_body: Callable[[bytearray], Any] | None = None) -> Reply:
     """One HTTP exchange in a helper thread; the calling thread closes the socket when `cancel` is set or
     the monotonic `deadline` passes (whatever phase: connect, send, headers, body). A 200 answer may be at
-    most `max_bytes`, any other at most MAX_SMALL_RESPONSE_BYTES."""
+    most `max_bytes`, any other at most MAX_SMALL_RESPONSE_BYTES. For a 200 answer with a Content-Length,
+    `on_body(buffer)` is called once its buffer is allocated and returns an object whose `advance(end)` is called
+    after each read (bytes [0, end) in place); it comes back as `Reply.receipt`."""
     if deadline - time.monotonic() <= 0:
         raise Transient("deadline passed before the call")
     conn.timeout = min(connect_timeout, max(0.01, deadline - time.monotonic()))
@@ -169,10 +173,12 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
                                         f"the client's limit of {cap} bytes for it", url=endpoint.url)
             # http.client's own reading of Content-Length (None when chunked or unparsable)
             length = None if response.chunked else response.length
-            data = _read_body(response, length, cap, aborted, endpoint.url)
+            receipt: list = []
+            watch = on_body if response.status == 200 else None
+            data = _read_body(response, length, cap, aborted, endpoint.url, watch, receipt)
             if data is None:
                 return
-            outcome["reply"] = Reply(response.status, response.headers, data)
+            outcome["reply"] = Reply(response.status, response.headers, data, receipt[0] if receipt else None)
         except BaseException as error:  # noqa: BLE001 - handed to the calling thread
             outcome["error"] = error
         finally:
@@ -224,18 +230,24 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
     raise error  # type: ignore[misc]
 
 def _read_body(response: http.client.HTTPResponse, length: int | None, cap: int, aborted: threading.Event,
-               url: str) -> bytearray | None:
+               url: str, on_body: Callable[[bytearray], Any] | None = None,
+               receipt: list | None = None) -> bytearray | None:
     """The whole body in one buffer (None if aborted). With a Content-Length, the buffer is allocated once at that
     size and filled in place (`readinto`: the socket writes straight into it), so the answer's bytes are copied
     only by the kernel; without one, it grows up to `cap`. A short body raises `IncompleteRead`."""
     if length is not None:
         data = bytearray(length)
+        watcher = on_body(data) if on_body is not None else None
+        if receipt is not None and watcher is not None:
+            receipt.append(watcher)
         view, got = memoryview(data), 0
         while got < length:
             n = response.readinto(view[got:got + READ_PIECE])
             if not n:
                 raise http.client.IncompleteRead(bytes(0), length - got)
             got += n
+            if watcher is not None:
+                watcher.advance(got)  # e.g. the checksum of the piece just read, while it is in the CPU's cache
             if aborted.is_set():
                 return None
         return data
