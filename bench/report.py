@@ -182,11 +182,13 @@ def _why_wire(big: dict) -> str:
         f"the raw socket needs {1000 * raw:.0f} ms, the h3 path {1000 * h3:.0f} ms. What the h3 path adds on top "
         f"of moving the bytes, measured in-process on the same contract: the server's to_wire "
         f"{1000 * b['to_wire']:.1f} ms (header + one xxh3-128 pass), the client's from_buffer "
-        f"{1000 * b['from_buffer']:.1f} ms (one xxh3-128 pass + views + validation); no copy in user space on "
-        f"either side (a copy of these bytes into a fresh buffer costs {1000 * b['copy']:.0f} ms here). The rest is "
-        f"HTTP (request, multipart parse, the model-thread hand-off, aiohttp's 1 MiB writes with a drain each) "
-        f"and, on this shared 2-core machine, the other processes' load, which hits the raw arm alike only on "
-        f"average"
+        f"{1000 * b['from_buffer']:.1f} ms (one xxh3-128 pass + views + validation; the real client takes that "
+        f"pass piece by piece as the body arrives, while each piece is in cache); no copy in user space on either "
+        f"side (one copy of these bytes into a fresh buffer costs {1000 * b['copy']:.0f} ms here). The rest is "
+        f"HTTP (the request, its parse, the hand-off to the model thread and back, aiohttp's 1 MiB writes with a "
+        f"drain each) and thread wake-ups, which cost the most when the machine is loaded: with more runnable "
+        f"processes than cores (see the load average), each hand-off waits for a core and wall time follows CPU "
+        f"demand, where the h3 path needs ~1.25x the raw one (client about equal, server + checksum and HTTP)"
     )
 
 
