@@ -46,6 +46,19 @@ class WireServer:
         self.url, self.raw_port = info["h3"], info["raw_port"]
         self.bytes = info["bytes"]
 
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used so far, all threads (Linux /proc; 0.0 elsewhere)."""
+        import glob
+
+        total = 0
+        for path in glob.glob(f"/proc/{self.proc.pid}/task/*/schedstat"):
+            try:
+                with open(path) as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass
+        return total / 1e9
+
     def close(self) -> None:
         try:
             self.proc.stdin.close()
@@ -202,11 +215,17 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
             def h3(i, request=request):
                 return client.encode(request)
 
-            def raw(i, name=name, size=contract_bytes):
-                raw_fetch(server.raw_port, name, size)  # dropped, like h3's answer: no arm keeps 70 MB per round
+            server_cpu: dict[str, list[float]] = {"raw": [], "h3": []}
 
-            def h3_timed(i, request=request):
+            def raw(i, name=name, size=contract_bytes, server_cpu=server_cpu):
+                before = server.cpu_s()
+                raw_fetch(server.raw_port, name, size)  # dropped, like h3's answer: no arm keeps 70 MB per round
+                server_cpu["raw"].append(server.cpu_s() - before)
+
+            def h3_timed(i, request=request, server_cpu=server_cpu):
+                before = server.cpu_s()
                 client.encode(request)
+                server_cpu["h3"].append(server.cpu_s() - before)
 
             check = h3(0)
             assert check.prompt_embeds.view(torch.int16).equal(cond.prompt_embeds.view(torch.int16))
@@ -214,6 +233,9 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
             del check
             common.log(f"wire: {name}: {reps[name]} interleaved rounds (h3 client/server, raw socket)")
             runs = common.interleaved({"raw": raw, "h3": h3_timed}, reps[name], warmup=1)
+            # CPU both processes spent per transfer (client: the whole bench process; server: its threads), which
+            # wall time follows when the machine has more runnable threads than cores
+            cpu = {arm: [c + s for c, s in zip(runs[arm]["cpu"], server_cpu[arm][-reps[name]:])] for arm in runs}
             h3_s, raw_s = runs["h3"]["wall"], runs["raw"]["wall"]
             ratio = common.paired(h3_s, raw_s)  # raw/h3 per pair = h3 throughput / raw throughput
             wire_total = exchange["to_server"] + exchange["to_client"]
@@ -232,6 +254,9 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
                 "raw_s": common.summary(raw_s),
                 "h3_mb_s": contract_bytes / common.summary(h3_s)["median"] / common.MB,
                 "raw_mb_s": contract_bytes / common.summary(raw_s)["median"] / common.MB,
+                "h3_cpu_s": common.summary(cpu["h3"]),
+                "raw_cpu_s": common.summary(cpu["raw"]),
+                "cpu_ratio": common.paired(cpu["raw"], cpu["h3"])["median_ratio"],  # h3 CPU / raw CPU
                 "throughput_ratio": ratio["median_ratio"],
                 "throughput_ratio_ci95": ratio["ci95"],
                 "breakdown_s": _breakdown(cond, 3 if tokens > 1000 else 7),
@@ -267,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in out["sizes"].items():
         lo, hi = r["throughput_ratio_ci95"]
         print(f"{name}: h3/raw {r['throughput_ratio']:.3f} (95 % CI {lo:.3f} .. {hi:.3f}), h3 {r['h3_mb_s']:.0f} MB/s "
-              f"vs raw {r['raw_mb_s']:.0f} MB/s; breakdown ms "
+              f"vs raw {r['raw_mb_s']:.0f} MB/s; CPU per transfer (client + server) h3 "
+              f"{1000 * r['h3_cpu_s']['median']:.1f} ms vs raw {1000 * r['raw_cpu_s']['median']:.1f} ms; breakdown ms "
               + ", ".join(f"{k} {1000 * v:.1f}" for k, v in r["breakdown_s"].items()))
+    print(f"load average before / after: {out['loadavg_before']} / {out['loadavg_after']}")
     print(f"previous (protocol 1) 70MB: {PREVIOUS['throughput_ratio']:.3f} (95 % CI {PREVIOUS['ci95'][0]:.3f} .. "
           f"{PREVIOUS['ci95'][1]:.3f}); target >= {TARGET}")
     return 0
