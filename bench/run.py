@@ -29,7 +29,7 @@ SECTIONS = ("split", "wire", "remote", "vae")
 
 FULL = {
     "split": dict(pairs=20, steps=50, width=64, height=64, frames=124, load_rounds=3),
-    "wire": dict(reps={"0.2MB": 30, "10MB": 20, "70MB": 12}),
+    "wire": dict(reps={"0.2MB": 30, "10MB": 20, "70MB": 24}),
     "remote": dict(reps={"text": 30, "refs": 10}, plan={1: 50, 4: 12, 16: 4}, passes=4,
                    hits={"sequential": 400, "concurrent": 20, "under_load": 100, "busy_per_client": 15}),
     "vae": dict(canvas=[256, 384, 512, 768, 1024], canvas_frames=22, frames=[22, 56, 124, 209], frames_canvas=384,

@@ -283,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {','.join(SIZES)}")
     parser.add_argument("--reps", type=int, help="interleaved rounds per size (overrides --quick)")
     args = parser.parse_args(argv)
-    reps = {"0.2MB": 10, "10MB": 6, "70MB": 4} if args.quick else {"0.2MB": 30, "10MB": 20, "70MB": 12}
+    from bench.run import FULL, QUICK
+
+    reps = dict((QUICK if args.quick else FULL)["wire"]["reps"])
     if args.reps:
         reps = {name: args.reps for name in reps}
     sizes = {name: SIZES[name] for name in args.sizes.split(",") if name}
