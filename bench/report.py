@@ -455,6 +455,19 @@ def _md_wire(wire):
 
         lo, hi = s["throughput_ratio_ci95"]
         L.append(f"| {name} | {cell('raw')} | {cell('h3')} | {s['throughput_ratio']:.3f} ({lo:.3f} .. {hi:.3f}) |")
+    zeroed = [(name, s) for name, s in wire["sizes"].items() if "throughput_ratio_vs_zeroed" in s]
+    if zeroed:
+        L += ["", "Both raw and h3 clients read into an uninitialised buffer; against a raw client that zero-fills a "
+                  "bytearray first (the baseline of the protocol-1 figure; it flatters h3, which no longer does): "
+                  + "; ".join(f"{name} {s['throughput_ratio_vs_zeroed']:.3f} "
+                              f"({s['throughput_ratio_vs_zeroed_ci95'][0]:.3f} .. "
+                              f"{s['throughput_ratio_vs_zeroed_ci95'][1]:.3f}), raw {s['raw_zeroed_mb_s']:.0f} MB/s"
+                              for name, s in zeroed) + "."]
+    cpu = [(name, s) for name, s in wire["sizes"].items() if "h3_cpu_s" in s]
+    if cpu:
+        L += ["", "CPU per transfer, client + server processes (median ms): "
+                  + "; ".join(f"{name} h3 {_ms(s['h3_cpu_s']['median'])} vs raw {_ms(s['raw_cpu_s']['median'])}"
+                              for name, s in cpu) + "."]
     previous = wire.get("previous")
     if previous:
         L += ["", f"Before protocol 2 (SHA-256 per tensor and of the body, three copies), the 70 MB contract moved at "

@@ -6,7 +6,9 @@ Throughput: serialise (server: `to_wire`, i.e. the safetensors header + one xxh3
 send (the header, then the tensor storages as they are) + receive (client: one Content-Length buffer) + deserialise
 (`from_buffer`: checksum pass, tensors viewed out of the buffer, the contract validated), i.e.
 `EncoderClient.encode` end to end on a synthetic stage, against a raw loopback TCP transfer of the same bytes
-(sendall / recv_into a fresh buffer), both served by the same subprocess and measured interleaved in the same run.
+(sendall / recv_into a fresh buffer of the same kind the client uses: uninitialised, `wire.new_buffer`), both
+served by the same subprocess and measured interleaved in the same run. A third arm, a raw client that zero-fills a
+bytearray first, is the baseline the protocol-1 figure (0.105) was measured against.
 
     python -m bench.wire [--quick]     this section alone: prints the ratio with its 95 % interval
 """
@@ -74,9 +76,13 @@ class WireServer:
         self.close()
 
 
-def raw_fetch(port: int, name: str, size: int) -> bytearray:
-    """Best-case loopback transfer: connect, ask, recv_into a fresh buffer until the sender closes."""
-    buf = bytearray(size)
+def raw_fetch(port: int, name: str, size: int, zeroed: bool = False):
+    """Best-case loopback transfer: connect, ask, recv_into a fresh buffer until the sender closes. The buffer is
+    the same uninitialised allocation the h3 client reads into; `zeroed` uses a bytearray instead (zero-filled
+    first), as the baseline behind the protocol-1 figure did."""
+    from h3_core.contract.wire import new_buffer
+
+    buf = bytearray(size) if zeroed else new_buffer(size)
     view = memoryview(buf)
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(name.encode() + b"\n")
@@ -222,6 +228,9 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
                 raw_fetch(server.raw_port, name, size)  # dropped, like h3's answer: no arm keeps 70 MB per round
                 server_cpu["raw"].append(server.cpu_s() - before)
 
+            def raw_zeroed(i, name=name, size=contract_bytes):
+                raw_fetch(server.raw_port, name, size, zeroed=True)
+
             def h3_timed(i, request=request, server_cpu=server_cpu):
                 before = server.cpu_s()
                 client.encode(request)
@@ -232,10 +241,11 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
             assert check.text_token_tags.equal(cond.text_token_tags) and check.task == cond.task
             del check
             common.log(f"wire: {name}: {reps[name]} interleaved rounds (h3 client/server, raw socket)")
-            runs = common.interleaved({"raw": raw, "h3": h3_timed}, reps[name], warmup=1)
+            runs = common.interleaved({"raw": raw, "h3": h3_timed, "raw_zeroed": raw_zeroed}, reps[name], warmup=1)
             # CPU both processes spent per transfer (client: the whole bench process; server: its threads), which
             # wall time follows when the machine has more runnable threads than cores
-            cpu = {arm: [c + s for c, s in zip(runs[arm]["cpu"], server_cpu[arm][-reps[name]:])] for arm in runs}
+            cpu = {arm: [c + s for c, s in zip(runs[arm]["cpu"], server_cpu[arm][-reps[name]:])] for arm in server_cpu}
+            zeroed_s = runs["raw_zeroed"]["wall"]
             h3_s, raw_s = runs["h3"]["wall"], runs["raw"]["wall"]
             ratio = common.paired(h3_s, raw_s)  # raw/h3 per pair = h3 throughput / raw throughput
             wire_total = exchange["to_server"] + exchange["to_client"]
@@ -257,6 +267,12 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
                 "h3_cpu_s": common.summary(cpu["h3"]),
                 "raw_cpu_s": common.summary(cpu["raw"]),
                 "cpu_ratio": common.paired(cpu["raw"], cpu["h3"])["median_ratio"],  # h3 CPU / raw CPU
+                # continuity with the protocol-1 figure, whose raw client zero-filled a bytearray first (flatters h3,
+                # which no longer does): h3 throughput / that raw's
+                "raw_zeroed_s": common.summary(zeroed_s),
+                "raw_zeroed_mb_s": contract_bytes / common.summary(zeroed_s)["median"] / common.MB,
+                "throughput_ratio_vs_zeroed": common.paired(h3_s, zeroed_s)["median_ratio"],
+                "throughput_ratio_vs_zeroed_ci95": common.paired(h3_s, zeroed_s)["ci95"],
                 "throughput_ratio": ratio["median_ratio"],
                 "throughput_ratio_ci95": ratio["ci95"],
                 "breakdown_s": _breakdown(cond, 3 if tokens > 1000 else 7),
@@ -295,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = r["throughput_ratio_ci95"]
         print(f"{name}: h3/raw {r['throughput_ratio']:.3f} (95 % CI {lo:.3f} .. {hi:.3f}), h3 {r['h3_mb_s']:.0f} MB/s "
               f"vs raw {r['raw_mb_s']:.0f} MB/s; CPU per transfer (client + server) h3 "
-              f"{1000 * r['h3_cpu_s']['median']:.1f} ms vs raw {1000 * r['raw_cpu_s']['median']:.1f} ms; breakdown ms "
+              f"{1000 * r['h3_cpu_s']['median']:.1f} ms vs raw {1000 * r['raw_cpu_s']['median']:.1f} ms; vs a raw "
+              f"client that zero-fills a bytearray first {r['throughput_ratio_vs_zeroed']:.3f} "
+              f"({r['throughput_ratio_vs_zeroed_ci95'][0]:.3f} .. {r['throughput_ratio_vs_zeroed_ci95'][1]:.3f}); "
+              f"breakdown ms "
               + ", ".join(f"{k} {1000 * v:.1f}" for k, v in r["breakdown_s"].items()))
     print(f"load average before / after: {out['loadavg_before']} / {out['loadavg_after']}")
     print(f"previous (protocol 1) 70MB: {PREVIOUS['throughput_ratio']:.3f} (95 % CI {PREVIOUS['ci95'][0]:.3f} .. "

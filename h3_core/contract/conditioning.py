@@ -346,9 +346,9 @@ class H3Conditioning:
         return wire.from_bytes(cls, data)
 
     @classmethod
-    def from_buffer(cls, buf: bytearray, receiving: wire.Receiving | None = None) -> H3Conditioning:
-        """`from_bytes` without the copy: the tensors are views of `buf`, which the caller hands over (checked on
-        arrival already if `receiving` filled it)."""
+    def from_buffer(cls, buf, receiving: wire.Receiving | None = None) -> H3Conditioning:
+        """`from_bytes` without the copy: the tensors are views of `buf` (a bytearray or `wire.new_buffer`), which
+        the caller hands over (checked on arrival already if `receiving` filled it)."""
         return wire.from_buffer(cls, buf, receiving)
 
     def save(self, path) -> None:

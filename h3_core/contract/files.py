@@ -47,8 +47,8 @@ def save(cond, path: str | os.PathLike) -> None:
         raise
 
 
-def _read_data(f, length: int, shown: str) -> bytearray:
-    buf = bytearray(length)
+def _read_data(f, length: int, shown: str):
+    buf = wire.new_buffer(length)
     view, got = memoryview(buf), 0
     while got < length:
         n = f.readinto(view[got:])

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -312,14 +313,33 @@ def build(cls, plan_: Plan, buf, data_start: int):
     )
 
 
+def new_buffer(length: int) -> np.ndarray:
+    """A fresh, uninitialised byte buffer for a payload of `length` bytes, for a receiver to fill and `from_buffer`
+    to take over. Not a bytearray: bytearray(n) writes n zeros first (a full pass, plus a page fault per 4 KiB),
+    while numpy leaves the memory untouched and asks the kernel for huge pages on large allocations, so filling
+    it faults once per 2 MiB."""
+    return np.empty(length, dtype=np.uint8)
+
+
+def _is_buffer(buf: Any) -> bool:
+    if isinstance(buf, bytearray):
+        return True
+    return (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous
+            and buf.flags.writeable)
+
+
 class Receiving:
     """The checksum pass of a payload done while it arrives: a receiver that fills `buf` front to back calls
     `advance(end)` each time bytes [0, end) are in place, so each piece is hashed while it is still in the CPU's
     cache (one pass over memory instead of two), and hands this to `from_buffer`. Once the header is in, it is
     checked (`plan`) before anything after it is hashed; any defect just stops the early pass, and `from_buffer`
-    then runs every check itself and reports it."""
+    then runs every check itself and reports it. `Receiving.new(length)` brings its own `new_buffer`."""
 
-    def __init__(self, buf: bytearray):
+    @classmethod
+    def new(cls, length: int) -> Receiving:
+        return cls(new_buffer(length))
+
+    def __init__(self, buf: bytearray | np.ndarray):
         self.buf, self._view = buf, memoryview(buf)
         self.plan: Plan | None = None
         self.data_start = 0
@@ -361,18 +381,19 @@ class Receiving:
         return self.plan
 
 
-def from_buffer(cls, buf: bytearray, receiving: Receiving | None = None):
-    """Parse, check and validate a whole payload held in `buf`, which the returned tensors then share (no copy):
-    the caller hands it over and must not reuse it. With `receiving` (that filled `buf` and hashed it on the way
-    in), the checksum is not computed again. Any defect raises `ContractError` (`ChecksumError` for corruption);
-    never unpickles."""
-    if not isinstance(buf, bytearray):
-        raise ContractError(f"payload: expected a bytearray to take over, got {type(buf).__name__}", field="payload")
+def from_buffer(cls, buf: bytearray | np.ndarray, receiving: Receiving | None = None):
+    """Parse, check and validate a whole payload held in `buf` (a bytearray or a `new_buffer`), which the returned
+    tensors then share (no copy): the caller hands it over and must not reuse it. With `receiving` (that filled
+    `buf` and hashed it on the way in), the checksum is not computed again. Any defect raises `ContractError`
+    (`ChecksumError` for corruption); never unpickles."""
+    if not _is_buffer(buf):
+        raise ContractError(f"payload: expected a bytearray or a writable uint8 buffer to take over, got "
+                            f"{type(buf).__name__}", field="payload")
     checked = receiving.checked_plan() if receiving is not None and receiving.buf is buf else None
     if checked is not None:
         return build(cls, checked, buf, receiving.data_start)
     try:
-        parsed = st.read_header(buf)
+        parsed = st.read_header(memoryview(buf))
     except st.HeaderError as error:
         raise _bad(str(error)) from None
     checked = plan(parsed, len(buf) - parsed.data_start)

@@ -361,14 +361,14 @@ class EncoderClient:
 
         try:
             reply = self._call(endpoint, "POST", protocol.ENCODE_PATH, payload, headers, cancel,
-                               self.read_timeout, deadline, answer_cap, on_sent=sent, on_body=Receiving)
+                               self.read_timeout, deadline, answer_cap, on_sent=sent, on_body=Receiving.new)
         finally:
             if poller is not None:
                 poller.stop()
         if reply.status != 200:
             raise self._status_error(endpoint, reply)
         report(polling.STEP_ANSWERED, polling.STEPS)
-        body = reply.body if isinstance(reply.body, bytearray) else bytearray(reply.body)
+        body = reply.body if reply.receipt is not None else bytearray(reply.body)  # a chunked answer: a copy
         try:  # the tensors become views of the received buffer, checksummed once (piece by piece as it arrived)
             conditioning = H3Conditioning.from_buffer(body, reply.receipt)
         except ChecksumError:
@@ -429,7 +429,7 @@ class EncoderClient:
         return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=self.connect_timeout)
     def _call(self, endpoint: Endpoint, method: str, path: str, body: list | None, headers: dict[str, str],
               cancel: threading.Event | None, read_timeout: float, deadline: float, max_bytes: int,
-              on_sent: Callable[[], None] | None = None, on_body: Callable[[bytearray], Any] | None = None) -> Reply:
+              on_sent: Callable[[], None] | None = None, on_body: Callable[[int], Any] | None = None) -> Reply:
         """One HTTP exchange (`transport.exchange`) with this client's connection, headers and connect timeout."""
         return exchange(self._connection(endpoint), endpoint, method, path, body, {**self._headers(), **headers},
                         cancel, self.connect_timeout, read_timeout, deadline, max_bytes, on_sent, on_body)

@@ -75,8 +75,8 @@ class Endpoint:
 class Reply:
     status: int
     headers: http.client.HTTPMessage
-    body: bytes | bytearray  # a 200 answer's bytearray is the caller's to hand over (H3Conditioning.from_buffer)
-    receipt: Any = None  # what `on_body` made of a 200 answer's buffer while it was filled
+    body: Any  # bytes-like; a 200 answer read through `on_body` is that receiver's buffer, the caller's to hand over
+    receipt: Any = None  # the `on_body` receiver that filled a 200 answer's buffer
 
     def error(self) -> dict[str, Any]:
         try:
@@ -122,12 +122,12 @@ def parse_url(url: str) -> Endpoint:
 def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, path: str, body: list | None,
              headers: dict[str, str], cancel: threading.Event | None, connect_timeout: float, read_timeout: float,
              deadline: float, max_bytes: int, on_sent: Callable[[], None] | None = None,
-             on_body: Callable[[bytearray], Any] | None = None) -> Reply:
+             on_body: Callable[[int], Any] | None = None) -> Reply:
     """One HTTP exchange in a helper thread; the calling thread closes the socket when `cancel` is set or
     the monotonic `deadline` passes (whatever phase: connect, send, headers, body). A 200 answer may be at
     most `max_bytes`, any other at most MAX_SMALL_RESPONSE_BYTES. For a 200 answer with a Content-Length,
-    `on_body(buffer)` is called once its buffer is allocated and returns an object whose `advance(end)` is called
-    after each read (bytes [0, end) in place); it comes back as `Reply.receipt`."""
+    `on_body(length)` returns an object holding the buffer to read into (`.buf`) whose `advance(end)` is called
+    after each read (bytes [0, end) in place); it comes back as `Reply.receipt`, its buffer as `Reply.body`."""
     if deadline - time.monotonic() <= 0:
         raise Transient("deadline passed before the call")
     conn.timeout = min(connect_timeout, max(0.01, deadline - time.monotonic()))
@@ -230,14 +230,14 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
     raise error  # type: ignore[misc]
 
 def _read_body(response: http.client.HTTPResponse, length: int | None, cap: int, aborted: threading.Event,
-               url: str, on_body: Callable[[bytearray], Any] | None = None,
-               receipt: list | None = None) -> bytearray | None:
+               url: str, on_body: Callable[[int], Any] | None = None, receipt: list | None = None) -> Any:
     """The whole body in one buffer (None if aborted). With a Content-Length, the buffer is allocated once at that
-    size and filled in place (`readinto`: the socket writes straight into it), so the answer's bytes are copied
-    only by the kernel; without one, it grows up to `cap`. A short body raises `IncompleteRead`."""
+    size (by `on_body(length)`, whose `.buf` it is, when given) and filled in place (`readinto`: the socket writes
+    straight into it), so the answer's bytes are copied only by the kernel; without one, it grows up to `cap`.
+    A short body raises `IncompleteRead`."""
     if length is not None:
-        data = bytearray(length)
-        watcher = on_body(data) if on_body is not None else None
+        watcher = on_body(length) if on_body is not None else None
+        data = watcher.buf if watcher is not None else bytearray(length)
         if receipt is not None and watcher is not None:
             receipt.append(watcher)
         view, got = memoryview(data), 0
