@@ -85,18 +85,21 @@ def targets(results: dict) -> list[dict[str, Any]]:
         )
         big = wire.get("70MB")
         if big:
+            previous = _get(results, "wire", "previous") or {}
+            before = (f"; before protocol 2: {previous['throughput_ratio']:.3f} ({previous['ci95'][0]:.3f} .. "
+                      f"{previous['ci95'][1]:.3f})") if previous else ""
             add(
-                "transfer throughput >= 70 % of a raw loopback socket, 70 MB contract (h3/raw)",
+                WIRE_TARGET,
                 big["throughput_ratio"],
-                0.70,
+                0.85,
                 ">=",
                 f"{big['h3_mb_s']:.0f} MB/s vs {big['raw_mb_s']:.0f} MB/s raw (95 % CI of the ratio "
-                f"{big['throughput_ratio_ci95'][0]:.3f} .. {big['throughput_ratio_ci95'][1]:.3f})",
+                f"{big['throughput_ratio_ci95'][0]:.3f} .. {big['throughput_ratio_ci95'][1]:.3f}){before}",
                 why=_why_wire(big),
             )
     else:
         add("wire bytes <= 1.01 x raw tensor bytes (worst of the contract sizes)", None, 1.01, "<=", "")
-        add("transfer throughput >= 70 % of a raw loopback socket, 70 MB contract (h3/raw)", None, 0.70, ">=", "")
+        add(WIRE_TARGET, None, 0.85, ">=", "")
 
     load = _get(results, "remote", "load")
     if load:
@@ -193,39 +196,27 @@ def _why_split(split: dict) -> str:
     )
 
 
+WIRE_TARGET = "transfer throughput >= 85 % of a raw loopback socket, 70 MB contract (h3/raw)"
+
+
 def _why_wire(big: dict) -> str:
     b = big["breakdown_s"]
-    raw = big["raw_s"]["median"]
-    budget = raw / 0.7 - raw
+    raw, h3 = big["raw_s"]["median"], big["h3_s"]["median"]
+    cpu = ""
+    if "h3_cpu_s" in big:
+        cpu = (f" CPU per transfer, both processes: h3 {1000 * big['h3_cpu_s']['median']:.1f} ms vs raw "
+               f"{1000 * big['raw_cpu_s']['median']:.1f} ms; with more runnable threads than cores (see the load "
+               f"average) wall time follows that CPU demand.")
     return (
-        f"Moving the bytes is not the cost: the raw socket needs {1000 * raw:.0f} ms, the h3 path "
-        f"{1000 * big['h3_s']['median']:.0f} ms. Measured in-process on the same contract: to_bytes "
-        f"{1000 * b['to_bytes']:.0f} ms (a full copy + SHA-256 of every tensor for the header), SHA-256 of the "
-        f"body {1000 * b['sha256']:.0f} ms (done twice: server X-H3-Sha256, client check), from_bytes "
-        f"{1000 * b['from_bytes']:.0f} ms (a copy + SHA-256 of every tensor again), a body copy "
-        f"{1000 * b['copy'] / 2:.0f} ms (http.client's read(amt) copies once more): four SHA-256 passes and three "
-        f"user-space copies of 70 MB, plus aiohttp/http.client buffering. Reaching 70 % leaves {1000 * budget:.0f} ms "
-        f"on top of the raw transfer, i.e. at most "
-        f"about one pass over the data: serialise without copying (send the safetensors header, then the tensor "
-        f"memoryviews), hash once (the per-tensor digests, computed while sending; drop the whole-body digest "
-        f"or use it instead of them) or with a fast checksum (CRC32C/xxh3, > 10 GB/s), read the body into one "
-        f"preallocated buffer (readinto with Content-Length) and let from_bytes take that buffer without a "
-        f"copy.{_lean_sentence(big)} How much it matters: the 70 MB contract's {1000 * big['h3_s']['median']:.0f} ms "
-        f"is {100 * big['h3_s']['median'] / VLLM_OMNI['e2e_50_steps_s']:.2f} % of a 284 s 50-step job but "
-        f"{100 * big['h3_s']['median'] / VLLM_OMNI['disaggregated_s']:.1f} % of vLLM-Omni's 15.6 s 5-step one."
-    )
-
-
-def _lean_sentence(big: dict) -> str:
-    if "lean_throughput_ratio" not in big:
-        return ""
-    return (
-        f" Measured in this run, a prototype of that path (bench/wire_server.py lean_server: header + tensor "
-        f"storages sent as they are, received into one buffer, tensors viewed out of it and validated by the "
-        f"contract's constructor) reaches {big['lean_mb_s']:.0f} MB/s = {big['lean_throughput_ratio']:.2f} of "
-        f"raw with a CRC32 on each side, and {big['lean_nocrc_mb_s']:.0f} MB/s = "
-        f"{big['lean_nocrc_throughput_ratio']:.2f} without an application checksum (TCP's own, or TLS's MAC "
-        f"off loopback)."
+        f"the raw socket needs {1000 * raw:.0f} ms, the h3 path {1000 * h3:.0f} ms (no copy in user space on either "
+        f"side; one copy of these bytes into a fresh buffer would cost {1000 * b['copy']:.0f} ms here). What the h3 "
+        f"path adds on top of moving the bytes: the server's to_wire {1000 * b['to_wire']:.1f} ms in-process (the "
+        f"header + one cold xxh3-128 pass over the tensors, before the first byte can go), the client's hashing of "
+        f"each piece as it lands (from_buffer alone, with its own pass: {1000 * b['from_buffer']:.1f} ms), the HTTP "
+        f"request and its hand-offs (event loop -> model thread -> event loop; ~2 ms of CPU for a 0.2 MB answer "
+        f"against 0.4 ms raw) and asyncio's paced 1 MiB writes instead of one blocking sendall.{cpu} What would "
+        f"close more of the gap: the checksum in a trailing 16-byte tensor, hashed piece by piece while sending (no "
+        f"cold pass before the first byte), and sending from a worker thread with blocking writes"
     )
 
 
@@ -397,10 +388,10 @@ def _md_split(split, wire=None):
     big = (wire or {}).get("sizes", {}).get("70MB")
     if big:
         b = big["breakdown_s"]
-        ser = b["to_bytes"] + b["from_bytes"]
+        ser = b["to_wire"] + b["from_buffer"]
         L.append("")
         L.append(
-            f"Projected to real contract sizes: to_bytes + from_bytes of a 70 MB contract take {1000 * ser:.0f} ms "
+            f"Projected to real contract sizes: to_wire + from_buffer of a 70 MB contract take {1000 * ser:.0f} ms "
             f"on this CPU (section 2), {100 * ser / VLLM_OMNI['e2e_50_steps_s']:.3f} % of a 284 s 50-step "
             f"1344x768x124 job and {100 * ser / VLLM_OMNI['colocated_s']:.2f} % of vLLM-Omni's 15.7 s 5-step "
             f"one; a text-only contract (~0.2-3 MB) costs well under 1 % of either."
@@ -460,28 +451,34 @@ def _md_wire(wire):
         "Serialise + send + receive + deserialise, interleaved with a raw loopback transfer of the same bytes "
         "(median ms and MB/s; ratio = paired median of raw time / arm time, 95 % CI):",
         "",
-        "| contract | raw socket | h3 server + client | h3 / raw | lean prototype, CRC32 | lean / raw | "
-        "lean, no checksum | lean no-CRC / raw |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| contract | raw socket | h3 server + client | h3 / raw |",
+        "|---|---:|---:|---:|",
     ]
     for name, s in wire["sizes"].items():
 
         def cell(key, s=s):
             return f"{_ms(s[key + '_s']['median'])} ms, {s[key + '_mb_s']:.0f} MB/s"
 
-        def ratio(key, s=s):
-            lo, hi = s[key + "_ci95"]
-            return f"{s[key]:.3f} ({lo:.2f} .. {hi:.2f})"
-
-        lean = (
-            (
-                f"{cell('lean')} | {ratio('lean_throughput_ratio')} | {cell('lean_nocrc')} | "
-                f"{ratio('lean_nocrc_throughput_ratio')}"
-            )
-            if "lean_s" in s
-            else "- | - | - | -"
-        )
-        L.append(f"| {name} | {cell('raw')} | {cell('h3')} | {ratio('throughput_ratio')} | {lean} |")
+        lo, hi = s["throughput_ratio_ci95"]
+        L.append(f"| {name} | {cell('raw')} | {cell('h3')} | {s['throughput_ratio']:.3f} ({lo:.3f} .. {hi:.3f}) |")
+    zeroed = [(name, s) for name, s in wire["sizes"].items() if "throughput_ratio_vs_zeroed" in s]
+    if zeroed:
+        L += ["", "Both raw and h3 clients read into an uninitialised buffer; against a raw client that zero-fills a "
+                  "bytearray first (the baseline of the protocol-1 figure; it flatters h3, which no longer does): "
+                  + "; ".join(f"{name} {s['throughput_ratio_vs_zeroed']:.3f} "
+                              f"({s['throughput_ratio_vs_zeroed_ci95'][0]:.3f} .. "
+                              f"{s['throughput_ratio_vs_zeroed_ci95'][1]:.3f}), raw {s['raw_zeroed_mb_s']:.0f} MB/s"
+                              for name, s in zeroed) + "."]
+    cpu = [(name, s) for name, s in wire["sizes"].items() if "h3_cpu_s" in s]
+    if cpu:
+        L += ["", "CPU per transfer, client + server processes (median ms): "
+                  + "; ".join(f"{name} h3 {_ms(s['h3_cpu_s']['median'])} vs raw {_ms(s['raw_cpu_s']['median'])}"
+                              for name, s in cpu) + "."]
+    previous = wire.get("previous")
+    if previous:
+        L += ["", f"Before protocol 2 (SHA-256 per tensor and of the body, three copies), the 70 MB contract moved at "
+                  f"{previous['throughput_ratio']:.3f} of raw (95 % CI {previous['ci95'][0]:.3f} .. "
+                  f"{previous['ci95'][1]:.3f}; {previous['h3_mb_s']} vs {previous['raw_mb_s']} MB/s)."]
     L.append("")
     L.append(
         f"Handshake (GET /v1/capabilities, once per client per 5 min): "
@@ -490,14 +487,15 @@ def _md_wire(wire):
     )
     L += [
         "",
-        "In-process cost of the pieces the h3 path adds (median ms; no sockets):",
+        "In-process cost of the pieces the h3 path adds (median ms; no sockets), and for scale one bare xxh3-128 "
+        "pass and one copy into a fresh buffer:",
         "",
-        "| contract | to_bytes | SHA-256 of the body | from_bytes | bytes(bytearray) (2 copies) |",
+        "| contract | to_wire (server) | from_buffer (client) | xxh3-128 pass | copy |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, s in wire["sizes"].items():
         b = s["breakdown_s"]
-        L.append(f"| {name} | {_ms(b['to_bytes'])} | {_ms(b['sha256'])} | {_ms(b['from_bytes'])} | {_ms(b['copy'])} |")
+        L.append(f"| {name} | {_ms(b['to_wire'])} | {_ms(b['from_buffer'])} | {_ms(b['xxh3'])} | {_ms(b['copy'])} |")
     return L
 
 
@@ -706,13 +704,7 @@ def plots(results: dict, out: Path) -> list[str]:
         names = list(wire["sizes"])
         fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
         x = range(len(names))
-        arms = [
-            ("raw_mb_s", "raw loopback socket"),
-            ("h3_mb_s", "h3 server + client"),
-            ("lean_mb_s", "lean prototype, CRC32"),
-            ("lean_nocrc_mb_s", "lean, no checksum"),
-        ]
-        arms = [(k, label) for k, label in arms if k in wire["sizes"][names[0]]]
+        arms = [("raw_mb_s", "raw loopback socket"), ("h3_mb_s", "h3 server + client")]
         width = 0.8 / len(arms)
         for n_arm, (key, label) in enumerate(arms):
             a.bar(
@@ -721,13 +713,8 @@ def plots(results: dict, out: Path) -> list[str]:
         a.set_xticks(list(x), names), a.set_ylabel("MB/s"), a.set_title("transfer throughput"), a.legend(fontsize=7)
         big = wire["sizes"][names[-1]]
         bd = big["breakdown_s"]
-        parts = [
-            ("raw transfer", big["raw_s"]["median"]),
-            ("to_bytes", bd["to_bytes"]),
-            ("SHA-256 x2", 2 * bd["sha256"]),
-            ("from_bytes", bd["from_bytes"]),
-            ("body copy", bd["copy"] / 2),
-        ]
+        parts = [("raw transfer", big["raw_s"]["median"]), ("to_wire", bd["to_wire"]),
+                 ("from_buffer", bd["from_buffer"])]
         bottom = 0
         for label, v in parts:
             b.bar(["parts (in-process)"], [1000 * v], bottom=bottom, label=label)

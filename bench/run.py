@@ -29,7 +29,7 @@ SECTIONS = ("split", "wire", "remote", "vae", "ray", "fairness")
 
 FULL = {
     "split": dict(pairs=20, steps=50, width=64, height=64, frames=124, load_rounds=3),
-    "wire": dict(reps={"0.2MB": 30, "10MB": 20, "70MB": 12}),
+    "wire": dict(reps={"0.2MB": 30, "10MB": 20, "70MB": 24}),
     "remote": dict(reps={"text": 30, "refs": 10}, plan={1: 50, 4: 12, 16: 4}, passes=4,
                    hits={"sequential": 400, "concurrent": 20, "under_load": 100, "busy_per_client": 15}),
     "vae": dict(canvas=[256, 384, 512, 768, 1024], canvas_frames=22, frames=[22, 56, 124, 209], frames_canvas=384,
@@ -59,8 +59,8 @@ NOTES = [
     "before the op, after trimming the heap (malloc_trim). Full runs use a fresh process per point; --quick runs "
     "a sweep per process (checked against per-point processes: peaks within ~4 %).",
     "Wire: the same subprocess serves the real aiohttp app (around a synthetic stage that returns prebuilt "
-    "contracts; cache off, so each request pays to_bytes + the body digest) and a raw blocking TCP server that "
-    "sendall()s the very same bytes; the client side is EncoderClient.encode vs socket.recv_into a fresh buffer. "
+    "contracts; cache off, so each request pays to_wire: header + one xxh3-128 pass) and a raw blocking TCP server "
+    "that sendall()s the very same bytes; the client side is EncoderClient.encode vs socket.recv_into a fresh buffer. "
     "Exact bytes per direction come from a counting TCP proxy.",
     "p99 uses linear interpolation between samples; with n < 100 it is close to the maximum.",
 ]

@@ -20,7 +20,7 @@ FINGERPRINT = "5e17be0c000000aa"  # hex, like ModelSource.fingerprint()
 
 
 class SyntheticStage:
-    """Quacks like EncoderStage for the server: the prompt `size:NAME` selects a prebuilt conditioning."""
+    """Quacks like EncoderStage for the server: the prompt `size:NAME[:padding]` selects a prebuilt conditioning."""
 
     components = ("text", "video", "audio")
     fingerprint = FINGERPRINT
@@ -29,12 +29,12 @@ class SyntheticStage:
         self.conditionings = conditionings
 
     def encode(self, request, metadata=None, cancel=None, progress=None):
-        return self.conditionings[request.prompt.split(":", 1)[1]]
+        return self.conditionings[request.prompt.split(":")[1]]
 
 
 def _line_server(answer) -> int:
     """Blocking loopback TCP server: per connection, read one request line and call `answer(conn, line)`.
-    Returns the port. Shared by the raw and the lean servers so both measure the same scaffolding."""
+    Returns the port. The counting proxy's handshake is the only concurrent use, and it goes to the h3 server."""
     listener = socket.create_server(("127.0.0.1", 0), backlog=64)
     port = listener.getsockname()[1]
 
@@ -50,9 +50,11 @@ def _line_server(answer) -> int:
             conn.shutdown(socket.SHUT_WR)
 
     def accept_loop() -> None:
+        # One connection at a time, in this one long-lived thread (the bench asks one at a time): no thread start
+        # per transfer, and the CPU it spends stays visible in /proc/PID/task (bench.wire's CPU per transfer).
         while True:
             conn, _ = listener.accept()
-            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+            serve_one(conn)
 
     threading.Thread(target=accept_loop, daemon=True).start()
     return port
@@ -63,35 +65,6 @@ def raw_server(payloads: dict[str, bytes]) -> int:
     return _line_server(lambda conn, name: conn.sendall(memoryview(payloads[name])))
 
 
-def lean_server(conditionings) -> int:
-    """Prototype of a copy-free, single-checksum wire (what would reach the throughput target), raw TCP.
-
-    Per request: 8-byte little-endian header length, the JSON header (the contract's fields and a safetensors-style
-    tensor table), then each tensor's bytes straight from its storage in 1 MiB pieces with a running CRC32, then the
-    4-byte CRC (0 when the request line says `nocrc`). Nothing is copied in user space; with the CRC every byte is
-    checksummed once on each side.
-    """
-    import zlib
-
-    from bench.synth import lean_header
-
-    def answer(conn: socket.socket, line: str) -> None:
-        key, _, mode = line.partition(" ")
-        checksum = mode != "nocrc"
-        header, views = lean_header(conditionings[key])
-        conn.sendall(len(header).to_bytes(8, "little") + header)
-        crc = 0
-        for view in views:
-            for offset in range(0, view.nbytes, 1 << 20):
-                piece = view[offset: offset + (1 << 20)]
-                if checksum:
-                    crc = zlib.crc32(piece, crc)
-                conn.sendall(piece)
-        conn.sendall(crc.to_bytes(4, "little"))
-
-    return _line_server(answer)
-
-
 def main(args: dict) -> None:
     from h3_core.remote.server import ServerConfig, create_app, start_site
 
@@ -99,14 +72,13 @@ def main(args: dict) -> None:
                      for name, tokens in args["sizes"].items()}
     payloads = {name: cond.to_bytes() for name, cond in conditionings.items()}
     port = raw_server(payloads)
-    lean_port = lean_server(conditionings)
-    # Cache off: every request pays the server's serialisation (to_bytes + digest), as a fresh encode would.
+    # Cache off: every request pays the server's serialisation (to_wire: header + checksum), as a fresh encode would.
     config = ServerConfig(cache_bytes=0, threads=int(args.get("threads", 1)))
 
     async def serve():
         app = create_app(SyntheticStage(conditionings), config, {"synthetic": True})
         runner, _, bound = await start_site(app, "127.0.0.1", 0)
-        print(json.dumps({"h3": f"http://127.0.0.1:{bound}", "raw_port": port, "lean_port": lean_port,
+        print(json.dumps({"h3": f"http://127.0.0.1:{bound}", "raw_port": port,
                           "bytes": {name: len(data) for name, data in payloads.items()}}), flush=True)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes our stdin

@@ -11,7 +11,8 @@ import json
 import safetensors.torch as st
 import torch
 
-from h3_core.contract import HEADER_KEY, H3Conditioning, H3Reference
+from h3_core.contract import CHECKSUM_KEY, HEADER_KEY, H3Conditioning, H3Reference
+from h3_core.contract.wire import checksum_of
 
 H = W = 64
 NF = 124
@@ -85,12 +86,24 @@ def _st_metadata(data):
     return json.loads(data[8:8 + n])["__metadata__"]
 
 
-def _retamper(data, edit_header=None, edit_tensors=None):
-    """Re-serialise a payload with an edited contract header and/or tensor dict."""
+def _st_header(data):
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]), 8 + n
+
+
+def _retamper(data, edit_header=None, edit_tensors=None, seal=True):
+    """Re-serialise a payload with an edited contract header and/or tensor dict, re-sealed with a matching
+    checksum (a self-consistent hostile payload) unless `seal=False`."""
     header = json.loads(_st_metadata(data)[HEADER_KEY])
     tensors = {k: v.clone() for k, v in st.load(data).items()}
     if edit_header:
         edit_header(header)
     if edit_tensors:
         edit_tensors(tensors)
-    return st.save(tensors, metadata={HEADER_KEY: json.dumps(header)})
+    text = json.dumps(header)
+    unsealed = st.save(tensors, metadata={HEADER_KEY: text})
+    if not seal:
+        return unsealed
+    table, start = _st_header(unsealed)
+    table.pop("__metadata__")
+    return st.save(tensors, metadata={HEADER_KEY: text, CHECKSUM_KEY: checksum_of(text, table, unsealed[start:])})

@@ -1,7 +1,7 @@
 """A small slice of every benchmark section (bench/), so the benchmark cannot rot. Seconds, not minutes.
 
 The real numbers come from `python bench/run.py` (bench/results/); here only the machinery is exercised: statistics
-and interleaving, the synthetic contracts and the lean wire prototype, one wire round over the real server code,
+and interleaving, the synthetic contracts in the wire form, one wire round over the real server code,
 the load driver and cache-hit probe against an in-process server, the streamed VAE decode's bit-exactness, one VAE
 memory worker, the stage-1-only folder, and the report (targets, markdown, JSON, plots) from a fabricated result.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench import common, remote, report, split, vae, wire
-from bench.synth import lean_header, lean_parse, raw_tensor_bytes, synth_conditioning
+from bench.synth import raw_tensor_bytes, synth_conditioning
 
 
 def test_statistics_and_abba_interleaving():
@@ -29,15 +29,14 @@ def test_statistics_and_abba_interleaving():
     assert len(runs["a"]["wall"]) == 3 and all(t >= 0 for t in runs["b"]["cpu"])
 
 
-def test_synthetic_contract_and_lean_roundtrip():
+def test_synthetic_contract_round_trips_through_the_wire_form():
+    from h3_core.contract import H3Conditioning
+
     cond = synth_conditioning(20, text_dim=5120)
     data = cond.to_bytes()
     assert cond.prompt_embeds.dtype == torch.bfloat16 and raw_tensor_bytes(cond) == 20 * 5120 * 2 + 20 * 8
     assert len(data) / raw_tensor_bytes(cond) < 1.01
-    header, views = lean_header(cond)
-    buf = bytearray(b"".join(bytes(v) for v in views))
-    back = lean_parse(json.loads(header), buf)
-    assert back == cond
+    assert H3Conditioning.from_buffer(bytearray(cond.to_wire().tobytes())) == cond
 
 
 def test_wire_slice_over_the_real_server_code():
@@ -45,8 +44,9 @@ def test_wire_slice_over_the_real_server_code():
     s = out["sizes"]["0.2MB"]
     assert s["raw_tensor_bytes"] == 20 * 10_248
     assert s["contract_bytes"] < s["response_bytes"] < s["wire_bytes"] and s["wire_ratio"] < 1.02
-    assert s["h3_s"]["n"] == s["raw_s"]["n"] == s["lean_s"]["n"] == 1
-    assert set(s["breakdown_s"]) == {"to_bytes", "sha256", "from_bytes", "copy"}
+    assert s["h3_s"]["n"] == s["raw_s"]["n"] == 1
+    assert set(s["breakdown_s"]) == {"to_wire", "from_buffer", "xxh3", "copy"}
+    assert out["previous"]["throughput_ratio"] == 0.1047 and out["target"] == 0.85
 
 
 class _TinyTextStage:
@@ -120,11 +120,9 @@ def _fake_results() -> dict:
              for s in (2.5, 10.0)]
     size = dict(tokens=20, raw_tensor_bytes=204960, contract_bytes=205648, request_bytes=566, response_bytes=206078,
                 wire_bytes=206644, wire_ratio=1.008, handshake_bytes=1917, wire_bytes_per_token=10332.0,
-                h3_s=summ(0.5), raw_s=summ(0.06), lean_s=summ(0.08), lean_nocrc_s=summ(0.065), h3_mb_s=140.0,
-                raw_mb_s=1100.0, lean_mb_s=900.0, lean_nocrc_mb_s=1050.0, throughput_ratio=0.12,
-                throughput_ratio_ci95=[0.1, 0.14], lean_throughput_ratio=0.75, lean_throughput_ratio_ci95=[0.7, 0.8],
-                lean_nocrc_throughput_ratio=0.95, lean_nocrc_throughput_ratio_ci95=[0.9, 1.0],
-                breakdown_s=dict(to_bytes=0.14, sha256=0.05, from_bytes=0.1, copy=0.09))
+                h3_s=summ(0.08), raw_s=summ(0.06), h3_mb_s=880.0, raw_mb_s=1100.0, throughput_ratio=0.8,
+                throughput_ratio_ci95=[0.75, 0.84], breakdown_s=dict(to_wire=0.003, from_buffer=0.003, xxh3=0.002,
+                                                                     copy=0.03))
     level = lambda c, rps, lat: dict(clients=c, requests=8, errors=[], error_count=0, throughput_rps=rps,
                                      latency_s=summ(lat), latencies=[lat] * 3, server_encode_s=summ(0.03),
                                      server_queue_s=summ(lat - 0.03), client_mean_spread=1.05)
@@ -152,7 +150,7 @@ def _fake_results() -> dict:
                       wall=dict(ratios=[0.99, 0.993, 0.995], ratio_of_medians=0.993), overhead=-0.007,
                       overhead_ci95=[-0.01, 0.0], overhead_cpu=-0.006, split_parts_s=split_part, contract_bytes=5696,
                       bit_exact_video=True, load={"monolithic": load_arm, "diffusion_stage1_only": load_arm}),
-        "wire": dict(sizes={"0.2MB": size, "70MB": size}),
+        "wire": dict(sizes={"0.2MB": size, "70MB": size}, previous=wire.PREVIOUS, target=wire.TARGET),
         "remote": dict(server_start_s=9.0, remote_vs_local={"text": rvl}, load=load),
         "vae": dict(decode_canvas=canvas, decode_frames=frames, encode_canvas=canvas[:2], encode_frames=frames,
                     audio_decode=audio, audio_encode=audio, pixel_ratios=vae.pixel_ratios(canvas),

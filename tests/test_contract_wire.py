@@ -47,7 +47,7 @@ def test_loaded_tensors_own_their_memory():
     assert back != c
 
 
-def test_bytes_are_safetensors_with_one_header_key():
+def test_bytes_are_safetensors_with_a_header_and_a_checksum():
     c = make("ref2va_video")
     data = c.to_bytes()
     tensors = st.load(data)
@@ -55,9 +55,10 @@ def test_bytes_are_safetensors_with_one_header_key():
                                "condition_latents.1", "prompt_embeds", "text_token_tags"]
     assert torch.equal(tensors["condition_latents.1"], c.condition_latents[1])
     header = _st_metadata(data)
-    assert list(header) == [hc.HEADER_KEY]
+    assert sorted(header) == [hc.CHECKSUM_KEY, hc.HEADER_KEY]
+    assert header[hc.CHECKSUM_KEY].startswith("xxh3-128:") and len(header[hc.CHECKSUM_KEY]) == 9 + 32
     meta = json.loads(header[hc.HEADER_KEY])
-    assert meta["format"] == "minimax-h3-conditioning" and meta["version"] == 1
+    assert meta["format"] == "minimax-h3-conditioning" and meta["version"] == hc.WIRE_VERSION == 2
     assert meta["tensor_count"] == 6
     assert meta["references"] == [{"kind": "image", "has_audio": False}, {"kind": "audio", "has_audio": True},
                                   {"kind": "video", "has_audio": True}]
@@ -104,7 +105,8 @@ def test_truncated_bytes(cut):
 def test_corrupted_tensor_data_fails_checksum():
     data = bytearray(make("ref2va").to_bytes())
     data[-10] ^= 0x01
-    _payload_error(bytes(data), "checksum mismatch")
+    err = _payload_error(bytes(data), "xxh3-128 checksum mismatch")
+    assert isinstance(err, hc.ChecksumError)
 
 
 def test_corrupted_header_bytes():
@@ -133,8 +135,8 @@ def test_wrong_format():
 
 def test_unknown_version():
     data = make("fl2va").to_bytes()
-    err = _payload_error(_retamper(data, lambda h: h.update(version=2)), "unsupported version 2")
-    assert "reads version 1" in str(err)
+    err = _payload_error(_retamper(data, lambda h: h.update(version=3)), "unsupported version 3")
+    assert "reads versions 1, 2 (writes 2)" in str(err)
 
 
 def test_extra_and_missing_tensors():

@@ -27,7 +27,7 @@ from h3_core.request import EncodeRequest
 REPO = Path(__file__).resolve().parents[1]
 REQUEST = EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, num_frames=124)
 CAPS = {
-    "protocol": {"name": "h3-encoder", "version": 1, "versions": [1]},
+    "protocol": {"name": "h3-encoder", "version": 2, "versions": [2]},
     "model": {"fingerprint": "abc123", "components": ["text", "video", "audio"], "dtype": "float32"},
     "limits": {"max_body_bytes": 1 << 30},
     "deadline_s": {"default": 300, "max": 1800},
@@ -256,3 +256,73 @@ def test_error_messages_are_truncated(hostile):
     with pytest.raises(RemoteRequestError) as info:
         EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST)
     assert len(str(info.value)) < 1000 and len(str(info.value.field)) < 1000
+
+
+# --- the answer's wire form (protocol 2): one buffer, one checksum, offsets checked before any view ----------
+
+
+def _answering(body: bytes, declared: int | None = None, counter: list | None = None):
+    def encode(server, conn):
+        if counter is not None:
+            counter.append(1)
+        server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: %d\r\n"
+                          b"Connection: close\r\n\r\n" % (len(body) if declared is None else declared) + body)
+    return encode
+
+
+def test_a_sound_answer_round_trips_bitwise(hostile):
+    from contract_cases import make
+
+    server = hostile(encode=_answering(make("t2va").to_bytes()))
+    assert EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST) == make("t2va")
+
+
+def test_a_corrupted_answer_is_retried_then_refused(hostile):
+    from contract_cases import make
+
+    body = bytearray(make("t2va").to_bytes())
+    body[-7] ^= 0x04
+    calls = []
+    server = hostile(encode=_answering(bytes(body), counter=calls))
+    with pytest.raises(RemoteEncodeError, match="corrupted \\(checksum mismatch\\)"):
+        EncoderClient(server.url, retries=1, backoff_s=0.01, read_timeout=10).encode(REQUEST)
+    assert len(calls) == 2  # a flipped bit in transit is worth one more try; the answer is deterministic
+
+
+def test_a_short_answer_is_refused(hostile):
+    from contract_cases import make
+
+    body = make("t2va").to_bytes()
+    server = hostile(encode=_answering(body, declared=len(body) + 4096))
+    with pytest.raises(RemoteEncodeError, match="connection lost mid-request"):
+        EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST)
+
+
+def test_an_answer_whose_header_lies_about_offsets_is_refused(hostile):
+    from contract_cases import _st_header, make
+
+    from h3_core.contract import CHECKSUM_KEY, HEADER_KEY
+    from h3_core.contract.wire import checksum_of
+
+    data = make("t2va").to_bytes()
+    table, start = _st_header(data)
+    meta = table.pop("__metadata__")
+    table["prompt_embeds"]["shape"][1] += 1000  # 1000 rows more than the body holds, sealed to match
+    table["prompt_embeds"]["data_offsets"][1] += 1000 * 64 * 4
+    meta[CHECKSUM_KEY] = checksum_of(meta[HEADER_KEY], table, data[start:])
+    text = json.dumps({"__metadata__": meta, **table}).encode()
+    server = hostile(encode=_answering(len(text).to_bytes(8, "little") + text + data[start:]))
+    with pytest.raises(RemoteEncodeError, match="sent an invalid conditioning: payload: truncated: tensors need"):
+        EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST)
+
+
+def test_a_version_1_server_is_refused_at_the_handshake(hostile):
+    """A fake server of the previous protocol: the client stops at the handshake with a version error and never
+    sends the request (so it never reads a wire-form-1 answer as if it were form 2)."""
+    calls = []
+    old_caps = json.dumps(dict(CAPS, protocol={"name": "h3-encoder", "version": 1, "versions": [1]})).encode()
+    server = hostile(caps=old_caps, encode=_answering(b"{}", counter=calls))
+    expected = r"speaks h3-encoder version\(s\) \[1\]; this client speaks version 2"
+    with pytest.raises(ProtocolMismatchError, match=expected):
+        EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST)
+    assert calls == []

@@ -82,7 +82,7 @@ def test_refused_videos_leave_memory_and_threads_flat(served):
     """A reference video under H3's 2 s minimum is decoded, then refused (422): 100 of them must not pile up."""
     server = served()
     video = _video(1.9, 360, 640)  # 45 frames, 30 MiB decoded
-    body = {"protocol": 1, "prompt": "<Video 1> moves.", "num_frames": 124,
+    body = {"protocol": 2, "prompt": "<Video 1> moves.", "num_frames": 124,
             "ref_videos": [{"part": "v", "soundtrack": False}]}
 
     def refuse(count):
@@ -119,7 +119,7 @@ def test_peak_memory_of_an_accepted_request_is_under_the_stated_bound(served):
     image = _big_png()
     parts = [("v", "video/mp4", "v.mp4", video)] + [(f"i{k}", "image/png", "i.png", image) for k in range(5)]
     assert sum(len(part[3]) for part in parts) < body_cap
-    body = {"protocol": 1, "prompt": "<Picture 1> to <Picture 5> watch <Video 1>.", "num_frames": 124,
+    body = {"protocol": 2, "prompt": "<Picture 1> to <Picture 5> watch <Video 1>.", "num_frames": 124,
             "ref_images": [{"part": f"i{k}"} for k in range(5)], "ref_videos": [{"part": "v", "soundtrack": False}]}
     idle = _status(server.proc.pid)
     status, reply = _post(server.url, body, parts, timeout=600)
@@ -165,7 +165,7 @@ def test_4k_reference_clip_never_materialises_at_4k(served):
     server = served("--max-body-mb", "64", "--max-decoded-mb", "256")
     video = _video_4k()
     assert media.probe(video)["frames"] == 126 and len(video) < body_cap
-    body = {"protocol": 1, "prompt": "<Video 1> moves.", "num_frames": 124,
+    body = {"protocol": 2, "prompt": "<Video 1> moves.", "num_frames": 124,
             "ref_videos": [{"part": "v", "soundtrack": False}]}
     idle = _status(server.proc.pid)
     started = time.monotonic()
@@ -192,9 +192,9 @@ def test_a_crashing_decode_costs_one_request(served):
     pid = server.proc.pid
     image = media.encode_png_bytes(np.full((64, 96, 3), 120, np.uint8))
     video = _video(2.5, 64, 64, seed=4)
-    good_image = ({"protocol": 1, "prompt": "<Picture 1> waves.", "num_frames": 124, "ref_images": [{"part": "i"}]},
+    good_image = ({"protocol": 2, "prompt": "<Picture 1> waves.", "num_frames": 124, "ref_images": [{"part": "i"}]},
                   [("i", "image/png", "i.png", image)])
-    good_video = ({"protocol": 1, "prompt": "<Video 1> moves.", "num_frames": 124,
+    good_video = ({"protocol": 2, "prompt": "<Video 1> moves.", "num_frames": 124,
                    "ref_videos": [{"part": "v", "soundtrack": False}]}, [("v", "video/mp4", "v.mp4", video)])
     # The marker rides after the PNG's IEND and the mp4's last box: the headers read fine, the decode crashes.
     crash_image = (good_image[0], [("i", "image/png", "i.png", image + marker.encode())])
@@ -223,7 +223,7 @@ def test_a_crashing_decode_costs_one_request(served):
 def test_second_sigterm_stops_at_once(served):
     server = served()
     video = _video(14.0, 256, 256, seed=3)
-    body = {"protocol": 1, "prompt": "<Video 1> moves.", "num_frames": 124,
+    body = {"protocol": 2, "prompt": "<Video 1> moves.", "num_frames": 124,
             "ref_videos": [{"part": "v", "soundtrack": False}]}
     answers = []
     threads = [threading.Thread(target=lambda: answers.append(_safe_post(server.url, body, video)), daemon=True)

@@ -53,7 +53,7 @@ def _start_upload(url: str, declared: int, first: bytes = b"") -> socket.socket:
             f"boundary={boundary}\r\nContent-Length: {declared}\r\n\r\n").encode()
     part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"request\"\r\nContent-Type: application/json"
             "\r\n\r\n").encode()
-    body = json.dumps({"protocol": 1, "prompt": "<Picture 1> waves.", "ref_images": [{"part": "i"}]}).encode()
+    body = json.dumps({"protocol": 2, "prompt": "<Picture 1> waves.", "ref_images": [{"part": "i"}]}).encode()
     image = (f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"i\"; filename=\"i.png\"\r\n"
              "Content-Type: image/png\r\n\r\n").encode()
     sock.sendall(head + part + body + image + first)
@@ -194,7 +194,7 @@ def _post_json(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
 
 def test_corrupt_gzip_body_is_a_400(stage):
     with ServerThread(stage, ServerConfig(threads=1)) as srv:
-        good = gzip.compress(json.dumps({"protocol": 1, "prompt": "A fox.", "width": 64, "height": 64}).encode())
+        good = gzip.compress(json.dumps({"protocol": 2, "prompt": "A fox.", "width": 64, "height": 64}).encode())
         status, body = _post_json(srv.url, good[:12] + b"\x00garbage" * 8, {"Content-Encoding": "gzip"})
         assert status == 400 and body["error"]["code"] == "bad_encoding", body
         status, _ = _post_json(srv.url, good, {"Content-Encoding": "gzip"})
@@ -206,7 +206,7 @@ def test_operator_deadline_caps_client_deadlines(stage):
     config = config_from_args(args, None)
     assert config.max_deadline_s == 30.0
     with ServerThread(stage, ServerConfig(threads=1, default_deadline_s=30.0, max_deadline_s=30.0)) as srv:
-        body = json.dumps({"protocol": 1, "prompt": "A fox.", "width": 64, "height": 64, "deadline_s": 100}).encode()
+        body = json.dumps({"protocol": 2, "prompt": "A fox.", "width": 64, "height": 64, "deadline_s": 100}).encode()
         status, reply = _post_json(srv.url, body, {})
         assert status == 422 and reply["error"]["field"] == "deadline_s" and "30" in reply["error"]["message"]
         assert EncoderClient(srv.url).capabilities()["deadline_s"]["max"] == 30.0
@@ -222,7 +222,7 @@ def test_decoded_bytes_are_bounded_per_request(stage):
     with ServerThread(stage, ServerConfig(threads=1, limits=limits)) as srv:
         import http.client
 
-        body = {"protocol": 1, "prompt": "<Picture 1> meets <Picture 2>.", "num_frames": 124,
+        body = {"protocol": 2, "prompt": "<Picture 1> meets <Picture 2>.", "num_frames": 124,
                 "ref_images": [{"part": "i0"}, {"part": "i1"}]}
         content_type, buffers = packing.encode_multipart(
             body, [("i0", "image/png", "i0.png", image), ("i1", "image/png", "i1.png", image)])
@@ -303,7 +303,7 @@ def test_truncated_reference_is_still_checked_on_its_real_length(stage):
         stage.encode(request)
     assert "15.50 s" in str(local.value)
     # The client checks the rule itself before uploading: send the request as a hand-written multipart body.
-    body = {"protocol": 1, "prompt": request.prompt, "num_frames": 124,
+    body = {"protocol": 2, "prompt": request.prompt, "num_frames": 124,
             "ref_videos": [{"part": "v", "fps": 24.0, "soundtrack": False}]}
     content_type, buffers = packing.encode_multipart(
         body, [("v", "video/mp4", "v.mp4", media.encode_mp4_bytes(video.frames, None, fps=24.0))])

@@ -24,7 +24,7 @@ def _tone(seconds, rate=32000, freq=440.0, channels=2):
 
 
 def _parse(**fields):
-    body = {"protocol": 1, "prompt": "a fox", **fields}
+    body = {"protocol": 2, "prompt": "a fox", **fields}
     return protocol.parse_request(body, Limits(), max_deadline_s=600)
 
 
@@ -52,8 +52,8 @@ def test_minimal_request_defaults():
         ({"width": 8192, "height": 4096}, 413, "too_large", "width"),
         ({"task": "i2v"}, 422, "invalid_request", "task"),
         ({"task": "fl2va"}, 422, "invalid_request", "task"),
-        ({"protocol": 2}, 400, "protocol_mismatch", "protocol"),
-        ({"protocol": "1"}, 400, "bad_request", "protocol"),
+        ({"protocol": 1}, 400, "protocol_mismatch", "protocol"),
+        ({"protocol": "2"}, 400, "bad_request", "protocol"),
         ({"prompt": "   "}, 422, "invalid_request", "prompt"),
         ({"prompt": 5}, 400, "bad_request", "prompt"),
         ({"prompt": "x" * 20000}, 413, "too_large", "prompt"),
@@ -83,7 +83,7 @@ def test_request_errors_name_the_constraint(fields, status, code, field):
 
 
 def test_strict_json():
-    for raw in (b'{"protocol": 1, "prompt": NaN}', b'{"a": 1, "a": 2}', b"[" * 5000, b"\xff\xfe", b'{"x": 1e999}'):
+    for raw in (b'{"protocol": 2, "prompt": NaN}', b'{"a": 1, "a": 2}', b"[" * 5000, b"\xff\xfe", b'{"x": 1e999}'):
         with pytest.raises(ProtocolError) as info:
             protocol.parse_request_json(raw)
         assert info.value.status == 400

@@ -123,7 +123,7 @@ def test_ray_equals_aiohttp_and_local_bit_for_bit(task, stage, ray_url, aiohttp_
     answers = [_raw(url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type, **AUTH})
                for url in (ray_url, aiohttp_url)]
     assert [status for status, _, _ in answers] == [200, 200] and answers[0][2] == answers[1][2] == local
-    for name in (protocol.H_MODEL, protocol.H_SHA256, protocol.H_FORMAT, protocol.H_PROTOCOL, "Content-Type"):
+    for name in (protocol.H_MODEL, protocol.H_CHECKSUM, protocol.H_FORMAT, protocol.H_PROTOCOL, "Content-Type"):
         assert answers[0][1][name] == answers[1][1][name], name
     for _, headers, _ in answers:  # one request id per answer (Ray's proxy adds its own: the ingress uses it)
         assert len(headers.get_all(protocol.H_REQUEST_ID)) == 1

@@ -388,7 +388,7 @@ def test_handshake_rejects_protocol_and_model_mismatch(server, stage, monkeypatc
     monkeypatch.setattr(handler_module, "capabilities", real)
     # The JSON request carries its version too: a server refuses a client of another version outright.
     status, _, data = _raw(server.url, "POST", protocol.ENCODE_PATH,
-                           json.dumps({"protocol": 2, "prompt": "x"}).encode(), {"Content-Type": "application/json"})
+                           json.dumps({"protocol": 1, "prompt": "x"}).encode(), {"Content-Type": "application/json"})
     assert status == 400 and json.loads(data)["error"]["code"] == "protocol_mismatch"
 
 
@@ -446,7 +446,7 @@ def _hostile_cases():
     rng = random.Random(1234)
     png = media.encode_png_bytes(_image(5, 64, 96))
     wav = media.encode_wav_bytes(_tone(2.5), 32000)
-    fl2va = {"protocol": 1, "prompt": "The door opens.", "first_frame": {"part": "kf"}}
+    fl2va = {"protocol": 2, "prompt": "The door opens.", "first_frame": {"part": "kf"}}
     cases = []  # (label, method, path, headers, body)
 
     def post(label, body, content_type, extra=None, path=protocol.ENCODE_PATH):
@@ -463,7 +463,7 @@ def _hostile_cases():
         post(f"garbage after boundary {i}", b"--hostileBoundary123\r\n" + rng.randbytes(rng.randint(0, 800)),
              "multipart/form-data; boundary=hostileBoundary123")
     # 2. wrong content types / methods / paths
-    good_json = json.dumps({"protocol": 1, "prompt": "hi"}).encode()
+    good_json = json.dumps({"protocol": 2, "prompt": "hi"}).encode()
     for content_type in ("text/plain", "application/xml", "application/x-www-form-urlencoded", "image/png",
                          "application/octet-stream", "multipart/mixed; boundary=x", "multipart/form-data",
                          "multipart/form-data; boundary=", "audio/wav", "video/mp4", "text/html; charset=utf-8",
@@ -488,14 +488,14 @@ def _hostile_cases():
     for declared in ("-1", "1e9", "0x10", "12 34", "99999999999999999999999"):
         post(f"bad Content-Length {declared}", good_json, "application/json", {"Content-Length": declared})
     # 5. bad JSON (alone and as the multipart request part)
-    bad_json = [b"", b"{", b"}", b"[]", b"null", b"1", b'"str"', b"{'protocol': 1}", b'{"protocol": 1,}',
-                b'{"protocol": 1 "prompt": "x"}', b'{"protocol": NaN, "prompt": "x"}',
-                b'{"protocol": 1, "prompt": Infinity}', b'{"protocol": 1, "prompt": "x", "protocol": 1}',
-                b"\xef\xbb\xbf" + good_json, b"\xff\xfe{}", b'{"protocol": 1, "prompt": "\\ud800"}',
+    bad_json = [b"", b"{", b"}", b"[]", b"null", b"1", b'"str"', b"{'protocol': 1}", b'{"protocol": 2,}',
+                b'{"protocol": 2 "prompt": "x"}', b'{"protocol": NaN, "prompt": "x"}',
+                b'{"protocol": 2, "prompt": Infinity}', b'{"protocol": 2, "prompt": "x", "protocol": 2}',
+                b"\xef\xbb\xbf" + good_json, b"\xff\xfe{}", b'{"protocol": 2, "prompt": "\\ud800"}',
                 b"[" * 3000 + b"]" * 3000, b'{"a":' * 2000 + b"1" + b"}" * 2000, b'{"protocol": 1e999}',
-                b'{"protocol": 1, "prompt": "x"} trailing', b'{"protocol": 1, "prompt": "x\x00"}',
-                b"/* comment */ " + good_json, b'{"protocol": 1, "prompt": "x", "num_frames": 1' + b"0" * 5000 + b"}",
-                b" " * 70000, b'{"protocol": 1, "prompt": "' + b"y" * 70000 + b'"}']
+                b'{"protocol": 2, "prompt": "x"} trailing', b'{"protocol": 2, "prompt": "x\x00"}',
+                b"/* comment */ " + good_json, b'{"protocol": 2, "prompt": "x", "num_frames": 1' + b"0" * 5000 + b"}",
+                b" " * 70000, b'{"protocol": 2, "prompt": "' + b"y" * 70000 + b'"}']
     bad_json += [good_json[:i] for i in range(1, len(good_json), 2)]
     for i, raw in enumerate(bad_json):
         post(f"bad json {i}", raw, "application/json")
@@ -505,7 +505,7 @@ def _hostile_cases():
         "num_frames": [0, -1, 1, 5, 123, 125, 346, 362, 10**9, 10**30, 1.5, "124", [124], {"n": 1}, True],
         "width": [0, -64, 33, 65, 10**6, 64.0, "64", True],
         "task": ["", "T2VA", "i2v", 1, ["t2va"], "fl2va", "ref2va"],
-        "protocol": [0, 2, -1, "1", 1.0, None, True, [1]],
+        "protocol": [0, 1, 3, -1, "2", 2.0, None, True, [2]],
         "prompt": ["", "   ", 123, None, ["x"], {"t": "x"}, "x" * 20000],
         "deadline_s": [0, -5, 10**7, "10", True, [1]],
         "model": ["XYZ", "0" * 65, 12, ["a"]],
@@ -520,19 +520,19 @@ def _hostile_cases():
     }
     for name, values in bad_fields.items():
         for value in values:
-            obj = {"protocol": 1, "prompt": "A fox.", name: value}
+            obj = {"protocol": 2, "prompt": "A fox.", name: value}
             if name == "width":
                 obj["height"] = 64
             post(f"{name}={str(value)[:40]}", json.dumps(obj).encode(), "application/json")
             if name in ("num_frames", "width", "task", "prompt"):
                 raw = json.dumps(obj).encode()
                 post(f"{name}={str(value)[:40]} (multipart)", _multipart([_json_part(raw)])[0], content_type)
-    for obj in ({"protocol": 1, "prompt": "x", "width": 64},  # width without height
-                {"protocol": 1, "prompt": "x", "width": 128, "height": 16},  # aspect 8:1
-                {"protocol": 1, "prompt": "x", "task": "t2va", "first_frame": {"part": "kf"}},
-                {"protocol": 1, "prompt": "x", "first_frame": {"part": "a"}, "last_frame": {"part": "b"},
+    for obj in ({"protocol": 2, "prompt": "x", "width": 64},  # width without height
+                {"protocol": 2, "prompt": "x", "width": 128, "height": 16},  # aspect 8:1
+                {"protocol": 2, "prompt": "x", "task": "t2va", "first_frame": {"part": "kf"}},
+                {"protocol": 2, "prompt": "x", "first_frame": {"part": "a"}, "last_frame": {"part": "b"},
                  "ref_images": [{"part": "c"}]},
-                {"protocol": 1, "prompt": "x", "ref_images": [{"part": f"i{i}"} for i in range(9)],
+                {"protocol": 2, "prompt": "x", "ref_images": [{"part": f"i{i}"} for i in range(9)],
                  "ref_videos": [{"part": f"v{i}"} for i in range(3)], "ref_audios": [{"part": "a"}]}):
         post(f"rule {sorted(obj)}", json.dumps(obj).encode(), "application/json")
     # 7. unsafe part and file names
@@ -563,7 +563,7 @@ def _hostile_cases():
                    ("audio/wav", png), ("video/mp4", png), ("image/png; charset=x", b"\x89PNG\r\n\x1a\n")]
     for i, (media_type, data) in enumerate(media_cases):
         post(f"keyframe {i} as {media_type}", *_multipart([_json_part(fl2va), _media_part("kf", media_type, data)]))
-    ref2va = {"protocol": 1, "prompt": "<Picture 1> <Audio 2>", "ref_images": [{"part": "img"}],
+    ref2va = {"protocol": 2, "prompt": "<Picture 1> <Audio 2>", "ref_images": [{"part": "img"}],
               "ref_audios": [{"part": "snd"}]}
     riff = bytearray(wav)
     riff[24:28] = (10**9).to_bytes(4, "little")  # absurd sample rate
@@ -575,7 +575,7 @@ def _hostile_cases():
                                             ("audio/wav", media.encode_wav_bytes(_tone(0.5), 32000))]):
         post(f"audio {i}", *_multipart([_json_part(ref2va), _media_part("img", "image/png", png),
                                         _media_part("snd", media_type, data)]))
-    video_ref = {"protocol": 1, "prompt": "<Video 1>", "ref_videos": [{"part": "vid"}]}
+    video_ref = {"protocol": 2, "prompt": "<Video 1>", "ref_videos": [{"part": "vid"}]}
     for i, data in enumerate([b"\x00\x00\x00\x18ftypisom" + rng.randbytes(1000), b"\x00\x00\x00\x18ftypmp42",
                               b"\x1a\x45\xdf\xa3" + rng.randbytes(500)]):
         post(f"video {i}", *_multipart([_json_part(video_ref),
@@ -618,3 +618,30 @@ def test_500_hostile_requests_each_get_a_4xx_and_the_server_survives(server, sta
     assert status == 200 and json.loads(data)["status"] == "ok"
     for task in ("t2va", "fl2va"):
         assert EncoderClient(server.url).encode(CASES[task]).to_bytes() == stage.encode(CASES[task]).to_bytes()
+
+
+def test_a_version_1_client_gets_a_version_error(server):
+    """A fake client of the previous protocol (this code with its version set to 1, in its own process) against
+    this server: the handshake stops it with a version error; without the handshake, the request is refused."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from h3_core.remote import protocol\n"
+        "protocol.PROTOCOL_VERSION = 1\n"
+        "from h3_core.remote.client import EncoderClient, ProtocolMismatchError\n"
+        "from h3_core.request import EncodeRequest\n"
+        "try:\n"
+        "    EncoderClient(sys.argv[1], retries=0).encode(EncodeRequest(prompt='A fox.', width=64, height=64))\n"
+        "except ProtocolMismatchError as error:\n"
+        "    print('MISMATCH', error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, server.url], capture_output=True, text=True, timeout=120)
+    assert "MISMATCH" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "version(s) [2]; this client speaks version 1" in done.stdout
+    status, _, data = _raw(server.url, "POST", protocol.ENCODE_PATH,
+                           json.dumps({"protocol": 1, "prompt": "x"}).encode(), {"Content-Type": "application/json"})
+    error = json.loads(data)["error"]
+    assert status == 400 and error["code"] == "protocol_mismatch"
+    assert "speaks h3-encoder version 2; the request declares version 1" in error["message"]

@@ -5,7 +5,8 @@ Its outside forms live one per module, each an adapter to a format that changes 
 
     conditioning.py  the dataclass, validation, derived values, __eq__/__repr__, check_compatible
     layout.py        patchify/unpatchify and audio rows <-> latents (what the DiT sees)
-    wire.py          to_bytes/from_bytes/save/load/fingerprint: one safetensors file, never pickle
+    wire.py          encode/to_bytes/from_buffer/from_bytes/fingerprint: safetensors bytes, never pickle
+    files.py         save/load: those bytes in a file, memory-mapped when loaded
     comfy.py         to_comfy/from_comfy: ComfyUI core's H3 CONDITIONING
     vllm.py          to_vllm/from_vllm: vLLM-Omni's unified stage-0 payload
 
@@ -23,12 +24,13 @@ from .conditioning import (
     H3Conditioning,
     H3Reference,
 )
-from .errors import ContractError
+from .errors import ChecksumError, ContractError
 from .layout import *  # noqa: F403 (the layout helpers are part of the contract's public surface)
 from .vllm import VLLM_LAYOUT_KEY, VLLM_STAGE_SCHEMA_VERSION, VLLM_WIRE_SCHEMA_ID
-from .wire import FORMAT_ID, FORMAT_VERSION, HEADER_KEY
+from .wire import CHECKSUM_KEY, FORMAT_ID, FORMAT_VERSION, HEADER_KEY, WIRE_VERSION
 
 __all__ = [
+    "CHECKSUM_KEY",
     "COMFY_PACK_KEY",
     "FORMAT_ID",
     "FORMAT_VERSION",
@@ -40,6 +42,8 @@ __all__ = [
     "VLLM_LAYOUT_KEY",
     "VLLM_STAGE_SCHEMA_VERSION",
     "VLLM_WIRE_SCHEMA_ID",
+    "WIRE_VERSION",
+    "ChecksumError",
     "ContractError",
     "H3Conditioning",
     "H3Reference",

@@ -7,9 +7,9 @@ the `(kind, has_audio)` pairs of the normalised references and the canvas (`heig
 latents, the values ComfyUI core's and diffusers' VAE encoders both produce, so no conversion needs
 VAE statistics.
 
-This module holds the type, its validation and derived values. The three outside forms live beside it,
-one module each (`wire`: safetensors bytes; `comfy`: ComfyUI core's CONDITIONING; `vllm`: vLLM-Omni's
-stage-0 payload); the methods here are one-line delegates so callers keep one API.
+This module holds the type, its validation and derived values. The outside forms live beside it, one module
+each (`wire`: safetensors bytes; `files`: those bytes on disk; `comfy`: ComfyUI core's CONDITIONING; `vllm`:
+vLLM-Omni's stage-0 payload); the methods here are one-line delegates so callers keep one API.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from ..facts import (
     audio_latents,
     video_latent_frames,
 )
-from . import comfy, vllm, wire
+from . import comfy, files, vllm, wire
 from .errors import check_tensor, fail, is_int, shape
 
 TASKS = ("t2va", "fl2va", "ref2va")
@@ -335,19 +335,31 @@ class H3Conditioning:
         """One safetensors byte string (see `h3_core.contract.wire`). Deterministic for equal contents."""
         return wire.to_bytes(self)
 
+    def to_wire(self) -> wire.Encoded:
+        """The same bytes, not joined: the header, then each tensor's storage as it is (for sockets and files)."""
+        return wire.encode(self)
+
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> H3Conditioning:
-        """Parse and validate `to_bytes()` output; any defect raises `ContractError`; never unpickles."""
+        """Parse and validate `to_bytes()` output (copied first); any defect raises `ContractError`; never
+        unpickles."""
         return wire.from_bytes(cls, data)
 
+    @classmethod
+    def from_buffer(cls, buf, receiving: wire.Receiving | None = None) -> H3Conditioning:
+        """`from_bytes` without the copy: the tensors are views of `buf` (a bytearray or `wire.new_buffer`), which
+        the caller hands over (checked on arrival already if `receiving` filled it)."""
+        return wire.from_buffer(cls, buf, receiving)
+
     def save(self, path) -> None:
-        """Write `to_bytes()` to `path` atomically."""
-        wire.save(self, path)
+        """Write the wire form to `path` atomically."""
+        files.save(self, path)
 
     @classmethod
-    def load(cls, path) -> H3Conditioning:
-        """Read and validate a file written by `save`; the header is checked before the data is read."""
-        return wire.load(cls, path)
+    def load(cls, path, *, mmap: bool | None = None) -> H3Conditioning:
+        """Read and validate a file written by `save`; the header is checked before the data is mapped (or read,
+        with `mmap=False`)."""
+        return files.load(cls, path, mmap=mmap)
 
     def fingerprint(self) -> str:
         """sha256 (hex) of the canonical serialised bytes: a content cache key."""

@@ -16,6 +16,11 @@ class ContractError(ValueError):
         self.field = field
 
 
+class ChecksumError(ContractError):
+    """A payload's bytes differ from what was written (its checksum does not match): corruption in transit or on
+    disk, not a malformed contract, so fetching or reading it again may help."""
+
+
 def fail(field_name: str, constraint: str) -> ContractError:
     """`ContractError("field: constraint")`, the one message shape every check uses."""
     return ContractError(f"{field_name}: {constraint}", field=field_name)

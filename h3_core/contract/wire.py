@@ -1,54 +1,89 @@
 """The contract's wire form: one safetensors byte string (never pickle), to and from `H3Conditioning`.
 
-Layout: the tensors `prompt_embeds`, `text_token_tags`, `condition_latents.{i}` and
-`audio_condition_latents.{i}`, plus one `__metadata__` key (`HEADER_KEY`) holding a canonical JSON header:
-the non-tensor fields, the tensor counts and a sha256 per tensor. Parsing the safetensors header itself is
-`h3_core.safetensors_header`'s job; this module checks what is specific to the contract: the header schema,
-the exact tensor set (with counts bounded before any name list is built), that the tensors tile the data
-buffer exactly, and every checksum. Then the constructor validates the contract itself.
+Layout (version `WIRE_VERSION`): the safetensors length prefix and JSON header, then the tensors' own bytes in
+the order of their offsets (8-byte dtypes first, so every tensor starts aligned for its dtype). The header's
+`__metadata__` holds two keys: `HEADER_KEY`, a canonical JSON object with the non-tensor fields and the tensor
+counts, and `CHECKSUM_KEY`, one xxh3-128 over the contract header, the tensor table and the data (`_seal`).
 
-`load` reads the 8-byte prefix and the header first and checks them against the file's size before it
-reads (or allocates for) the data, and refuses anything but a regular file without opening it for a read
-that could block (a FIFO, a device). No error message repeats bytes from the payload: sizes and counts
-are stated as numbers, names are escaped and cut short.
+Writing never joins the pieces: `encode` returns the header bytes and a memoryview of each tensor's storage
+(`Encoded`), which a socket or a file takes one after the other. Reading takes one buffer (`from_buffer`: a
+received bytearray, or a memory-mapped file) and cuts the tensors out of it as views, after checking what is
+specific to the contract: the header schema, the exact tensor set (counts bounded before any name list is
+built), that the tensors tile the data exactly (so no offset points outside the buffer), and the checksum.
+Then the constructor validates the contract itself. Parsing the safetensors header is
+`h3_core.safetensors_header`'s job; files (`save`, `load`) are `contract.files`'.
+
+Version 1 (a sha256 per tensor in the contract header, no checksum key) is still read. No error message
+repeats bytes from the payload: sizes and counts are stated as numbers, names are escaped and cut short.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 
 from .. import safetensors_header as st
 from ..facts import MAX_KEYFRAMES, MAX_REF_AUDIOS, MAX_REF_VIDEOS, MAX_REFS
-from .errors import ContractError, is_int, preview
+from .errors import ChecksumError, ContractError, is_int, preview
 
 FORMAT_ID = "minimax-h3-conditioning"
-FORMAT_VERSION = 1
-HEADER_KEY = "minimax_h3_conditioning"  # the one key of the safetensors `__metadata__`
-HEADER_FIELDS = frozenset({
+FORMAT_VERSION = 1  # the contract's fields, shared by every outside form (the ComfyUI and vLLM pack keys too)
+WIRE_VERSION = 2  # this safetensors form; 1 carried a sha256 per tensor instead of one checksum
+READ_VERSIONS = (1, 2)
+HEADER_KEY = "minimax_h3_conditioning"  # the contract header inside the safetensors `__metadata__`
+CHECKSUM_KEY = "minimax_h3_checksum"  # "xxh3-128:<32 hex digits>" (version 2)
+CHECKSUM_ALGORITHM = "xxh3-128"
+_BASE_FIELDS = frozenset({
     "format", "version", "task", "height", "width", "num_frames", "keyframe_anchors", "references", "metadata",
-    "num_condition_latents", "num_audio_condition_latents", "tensor_count", "sha256",
+    "num_condition_latents", "num_audio_condition_latents", "tensor_count",
 })
+HEADER_FIELDS = {1: _BASE_FIELDS | {"sha256"}, 2: _BASE_FIELDS}
 WIRE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 # Upper bounds a valid conditioning never exceeds (a latent per visual reference, audio rows per soundtrack
 # and standalone audio); a header claiming more is refused before any list of names is built from it.
 MAX_CONDITION_LATENTS = MAX_REFS
 MAX_AUDIO_CONDITIONS = MAX_REF_VIDEOS + MAX_REF_AUDIOS
+_ALIGN = 8  # the data starts on this boundary (safetensors pads its header with spaces to it)
 
 
 def _bad(msg: str) -> ContractError:
     return ContractError(f"payload: {msg}", field="payload")
 
 
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
 # --- writing -----------------------------------------------------------------------------------------
+
+
+class Encoded:
+    """A conditioning's wire form, not joined: `head` (length prefix + JSON header), then `views` (each tensor's
+    storage, in data order). `checksum` is the one in the header; `len()` is the total byte count. The views keep
+    the tensors alive and share their memory: nothing may write to those tensors while this is being sent."""
+
+    __slots__ = ("head", "views", "checksum", "nbytes")
+
+    def __init__(self, head: bytes, views: tuple[memoryview, ...], checksum: str):
+        self.head, self.views, self.checksum = head, views, checksum
+        self.nbytes = len(head) + sum(view.nbytes for view in views)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def buffers(self) -> list[bytes | memoryview]:
+        return [self.head, *self.views]
+
+    def tobytes(self) -> bytes:
+        """The joined bytes (one copy): for callers that need a single `bytes`."""
+        return b"".join(self.buffers())
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -60,14 +95,7 @@ def _wire_tensors(cond) -> dict[str, torch.Tensor]:
     tensors = {"prompt_embeds": cond.prompt_embeds, "text_token_tags": cond.text_token_tags}
     tensors.update({f"condition_latents.{i}": t for i, t in enumerate(cond.condition_latents)})
     tensors.update({f"audio_condition_latents.{i}": t for i, t in enumerate(cond.audio_condition_latents)})
-    out, seen = {}, set()
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        if t.untyped_storage().data_ptr() in seen:  # safetensors refuses tensors that share storage
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    return out
+    return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
 
 
 def identity_fields(cond) -> dict[str, Any]:
@@ -83,63 +111,87 @@ def identity_fields(cond) -> dict[str, Any]:
     }
 
 
-def _header(cond, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def _header(cond, count: int) -> dict[str, Any]:
     return {
         **identity_fields(cond),
+        "version": WIRE_VERSION,
         "keyframe_anchors": list(cond.keyframe_anchors),
         "references": [{"kind": r.kind, "has_audio": r.has_audio} for r in cond.references],
         "metadata": dict(cond.metadata),
         "num_condition_latents": len(cond.condition_latents),
         "num_audio_condition_latents": len(cond.audio_condition_latents),
-        "tensor_count": len(tensors),
-        "sha256": {name: hashlib.sha256(_tensor_bytes(t)).hexdigest() for name, t in tensors.items()},
+        "tensor_count": count,
     }
 
 
-def to_bytes(cond) -> bytes:
-    """The tensors plus a versioned JSON header in `__metadata__`. Deterministic for equal contents (the
-    header is canonical JSON, the metadata holds one key)."""
-    from safetensors.torch import save
+def _seal_prefix(contract_header: str, entries: list[st.TensorEntry]) -> bytes:
+    """What the checksum covers before the data: the contract header text and the tensor table (in data order),
+    so a flipped bit in a shape, a dtype, an offset or a metadata value fails the checksum like one in the data."""
+    table = [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in entries]
+    return _canonical([contract_header, table]).encode("ascii")
 
+
+def _seal(prefix: bytes, data: list[memoryview] | memoryview) -> str:
+    hasher = xxhash.xxh3_128(prefix)
+    for view in data if isinstance(data, list) else [data]:
+        hasher.update(view)
+    return f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}"
+
+
+def encode(cond) -> Encoded:
+    """The wire form of `cond`: header bytes plus the tensors' storages as they are (no copy). Deterministic for
+    equal contents (canonical JSON, fixed order). Costs one checksum pass over the data."""
     tensors = _wire_tensors(cond)
-    header = json.dumps(_header(cond, tensors), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return save(tensors, metadata={HEADER_KEY: header})
+    # Widest dtypes first (stable: name order within a width), so every tensor starts aligned for its dtype.
+    order = sorted(tensors, key=lambda name: -tensors[name].element_size())
+    entries, views, offset = [], [], 0
+    for name in order:
+        t = tensors[name]
+        view = _tensor_bytes(t) if t.numel() else memoryview(b"")
+        entries.append(st.TensorEntry(name, st.DTYPE_TAGS[t.dtype], tuple(int(s) for s in t.shape), offset,
+                                      offset + view.nbytes))
+        views.append(view)
+        offset += view.nbytes
+    contract_header = _canonical(_header(cond, len(tensors)))
+    checksum = _seal(_seal_prefix(contract_header, entries), views)
+    table = {e.name: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]} for e in entries}
+    text = json.dumps({"__metadata__": {HEADER_KEY: contract_header, CHECKSUM_KEY: checksum}, **table},
+                      separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    text += b" " * (-(8 + len(text)) % _ALIGN)
+    return Encoded(len(text).to_bytes(8, "little") + text, tuple(v for v in views if v.nbytes), checksum)
 
 
-def save(cond, path: str | os.PathLike) -> None:
-    """Write `to_bytes()` to `path` atomically (a temporary file in the same folder, then a rename)."""
-    data = to_bytes(cond)
-    path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def to_bytes(cond) -> bytes:
+    """`encode(cond)` joined into one byte string."""
+    return encode(cond).tobytes()
 
 
 def fingerprint(cond) -> str:
-    return hashlib.sha256(to_bytes(cond)).hexdigest()
+    """sha256 (hex) of `to_bytes(cond)`, hashed piece by piece (no joined copy). A content key for caches: computed
+    on demand, never on the transfer path."""
+    hasher = hashlib.sha256()
+    for buffer in encode(cond).buffers():
+        hasher.update(buffer)
+    return hasher.hexdigest()
 
 
 # --- reading -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """A checked header: what to cut out of the data buffer, and the contract fields around it."""
 
     header: dict[str, Any]
-    entries: dict[str, st.TensorEntry]  # in expected order
+    entries: dict[str, st.TensorEntry]  # in expected (name) order
     n_cond: int
     n_audio: int
     data_len: int
+    seal_prefix: bytes | None  # version 2: what the checksum covers before the data
+    checksum: str | None
 
 
-def _contract_header(parsed: st.ParsedHeader) -> dict[str, Any]:
+def _contract_header(parsed: st.ParsedHeader) -> tuple[str, dict[str, Any]]:
     meta = parsed.metadata
     if not isinstance(meta, dict) or not isinstance(meta.get(HEADER_KEY), str):
         raise _bad(f"wrong format: no {HEADER_KEY!r} entry in the safetensors metadata (not an H3 conditioning file)")
@@ -151,18 +203,18 @@ def _contract_header(parsed: st.ParsedHeader) -> dict[str, Any]:
         raise _bad("corrupted: the contract header is not a JSON object")
     if header.get("format") != FORMAT_ID:
         raise _bad(f"wrong format: expected format {FORMAT_ID!r}, got {header.get('format')!r:.40}")
-    if header.get("version") != FORMAT_VERSION:
-        raise _bad(f"unsupported version {header.get('version')!r:.40} of {FORMAT_ID!r}; this build reads version "
-                   f"{FORMAT_VERSION}")
-    missing, extra = HEADER_FIELDS - set(header), set(header) - HEADER_FIELDS
+    version = header.get("version")
+    if not is_int(version) or version not in READ_VERSIONS:
+        raise _bad(f"unsupported version {version!r:.40} of {FORMAT_ID!r}; this build reads versions "
+                   f"{', '.join(map(str, READ_VERSIONS))} (writes {WIRE_VERSION})")
+    missing, extra = HEADER_FIELDS[version] - set(header), set(header) - HEADER_FIELDS[version]
     if missing or extra:
         raise _bad(f"corrupted header: missing fields {preview(missing)}, unknown fields {preview(extra)}")
-    return header
+    return meta[HEADER_KEY], header
 
 
-def _plan(parsed: st.ParsedHeader, data_len: int) -> _Plan:
-    """Every check that needs only the header and the data length, so `load` runs them before reading data."""
-    header = _contract_header(parsed)
+def _checked_counts(header: dict[str, Any]) -> list[str]:
+    """The tensor names the header's counts imply, after bounding the counts and the lists."""
     n_cond, n_audio, count = header["num_condition_latents"], header["num_audio_condition_latents"], \
         header["tensor_count"]
     if not all(is_int(v) and v >= 0 for v in (n_cond, n_audio, count)):
@@ -182,47 +234,70 @@ def _plan(parsed: st.ParsedHeader, data_len: int) -> _Plan:
     if count != len(expected):
         raise _bad(f"corrupted header: tensor_count {count} does not match the {len(expected)} tensors the counts "
                    f"imply")
+    return expected
+
+
+def plan(parsed: st.ParsedHeader, data_len: int) -> Plan:
+    """Every check that needs only the header and the data length, run before any data is read or viewed."""
+    contract_header, header = _contract_header(parsed)
+    expected = _checked_counts(header)
     present = set(parsed.tensors)
     if present != set(expected):
         raise _bad(f"tensor set mismatch: missing {preview(set(expected) - present)}, "
                    f"unexpected {preview(present - set(expected))}")
-    digests = header["sha256"]
-    if not isinstance(digests, dict) or set(digests) != set(expected):
-        raise _bad("corrupted header: sha256 must list every tensor")
-
     entries = {name: parsed.tensors[name] for name in expected}
     for name, entry in entries.items():
         if entry.dtype not in WIRE_DTYPES:
             raise _bad(f"tensor {name!r} has dtype {entry.dtype!r:.20}, not one the contract uses")
-    cursor = 0  # the tensors must tile the data buffer exactly: no gaps, no overlaps, nothing after
-    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+    in_order = sorted(entries.values(), key=lambda e: (e.begin, e.end))
+    cursor = 0  # the tensors must tile the data exactly: no gaps, no overlaps, nothing after, nothing outside
+    for entry in in_order:
         if entry.begin != cursor:
             raise _bad(f"corrupted: tensor {entry.name!r} starts at byte {entry.begin}, expected {cursor}")
         cursor = entry.end
     if cursor != data_len:
         kind = "truncated" if cursor > data_len else "corrupted"
         raise _bad(f"{kind}: tensors need {cursor} data bytes, the payload holds {data_len}")
-    return _Plan(header, entries, n_cond, n_audio, data_len)
+    if header["version"] == 1:
+        digests = header["sha256"]
+        if not isinstance(digests, dict) or set(digests) != set(expected):
+            raise _bad("corrupted header: sha256 must list every tensor")
+        return Plan(header, entries, header["num_condition_latents"], header["num_audio_condition_latents"],
+                    data_len, None, None)
+    checksum = parsed.metadata.get(CHECKSUM_KEY)
+    if not isinstance(checksum, str) or not checksum.startswith(f"{CHECKSUM_ALGORITHM}:") or len(checksum) > 64:
+        raise _bad(f"corrupted header: {CHECKSUM_KEY!r} must be an {CHECKSUM_ALGORITHM} checksum")
+    return Plan(header, entries, header["num_condition_latents"], header["num_audio_condition_latents"], data_len,
+                _seal_prefix(contract_header, in_order), checksum)
 
 
-def _build(cls, plan: _Plan, buf: bytearray, data_start: int):
-    """Checksum and cut the tensors out of `buf` (which they then own), and construct the conditioning."""
-    view = memoryview(buf)
+def verify(plan_: Plan, data: memoryview) -> None:
+    """One pass over `data` (the data section, `plan_.data_len` bytes): the checksum, else `ChecksumError`."""
+    if plan_.checksum is not None:
+        if _seal(plan_.seal_prefix, data) != plan_.checksum:
+            raise ChecksumError(f"payload: corrupted: {CHECKSUM_ALGORITHM} checksum mismatch (the header, the "
+                                "tensor table or the data changed after it was written)", field="payload")
+        return
+    for name, entry in plan_.entries.items():  # version 1
+        if hashlib.sha256(data[entry.begin:entry.end]).hexdigest() != plan_.header["sha256"][name]:
+            raise ChecksumError(f"payload: corrupted: checksum mismatch for tensor {name!r}", field="payload")
+
+
+def build(cls, plan_: Plan, buf, data_start: int):
+    """Cut the tensors out of `buf` as views (they share and keep alive its memory), and construct the
+    conditioning. `plan` has checked every offset against the buffer's length."""
     tensors = {}
-    for name, entry in plan.entries.items():
-        begin, end = data_start + entry.begin, data_start + entry.end
-        if hashlib.sha256(view[begin:end]).hexdigest() != plan.header["sha256"][name]:
-            raise _bad(f"corrupted: checksum mismatch for tensor {name!r}")
+    for name, entry in plan_.entries.items():
         dtype = WIRE_DTYPES[entry.dtype]
-        if end == begin:
+        if entry.end == entry.begin:
             t = torch.empty(entry.shape, dtype=dtype)
         else:
-            t = torch.frombuffer(buf, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin)
-            t = t.reshape(entry.shape)
+            t = torch.frombuffer(buf, dtype=dtype, count=(entry.end - entry.begin) // dtype.itemsize,
+                                 offset=data_start + entry.begin).reshape(entry.shape)
             if t.data_ptr() % t.element_size():
-                t = t.clone()  # keep kernels on aligned memory
+                t = t.clone()  # another writer's layout: keep kernels on aligned memory
         tensors[name] = t
-    header = plan.header
+    header = plan_.header
     return cls(
         task=header["task"],
         height=header["height"],
@@ -230,56 +305,113 @@ def _build(cls, plan: _Plan, buf: bytearray, data_start: int):
         num_frames=header["num_frames"],
         prompt_embeds=tensors["prompt_embeds"],
         text_token_tags=tensors["text_token_tags"],
-        condition_latents=tuple(tensors[f"condition_latents.{i}"] for i in range(plan.n_cond)),
-        audio_condition_latents=tuple(tensors[f"audio_condition_latents.{i}"] for i in range(plan.n_audio)),
+        condition_latents=tuple(tensors[f"condition_latents.{i}"] for i in range(plan_.n_cond)),
+        audio_condition_latents=tuple(tensors[f"audio_condition_latents.{i}"] for i in range(plan_.n_audio)),
         keyframe_anchors=tuple(header["keyframe_anchors"]),
         references=tuple(header["references"]),
         metadata=header["metadata"],
     )
 
 
-def from_bytes(cls, data: bytes | bytearray | memoryview):
-    """Parse and validate `to_bytes()` output. Any defect raises `ContractError`; never unpickles."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ContractError(f"payload: expected bytes, got {type(data).__name__}", field="payload")
-    buf = bytearray(data)  # a private, writable copy the tensors can own
+def new_buffer(length: int) -> np.ndarray:
+    """A fresh, uninitialised byte buffer for a payload of `length` bytes, for a receiver to fill and `from_buffer`
+    to take over. Not a bytearray: bytearray(n) writes n zeros first (a full pass, plus a page fault per 4 KiB),
+    while numpy leaves the memory untouched and asks the kernel for huge pages on large allocations, so filling
+    it faults once per 2 MiB."""
+    return np.empty(length, dtype=np.uint8)
+
+
+def _is_buffer(buf: Any) -> bool:
+    if isinstance(buf, bytearray):
+        return True
+    return (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous
+            and buf.flags.writeable)
+
+
+class Receiving:
+    """The checksum pass of a payload done while it arrives: a receiver that fills `buf` front to back calls
+    `advance(end)` each time bytes [0, end) are in place, so each piece is hashed while it is still in the CPU's
+    cache (one pass over memory instead of two), and hands this to `from_buffer`. Once the header is in, it is
+    checked (`plan`) before anything after it is hashed; any defect just stops the early pass, and `from_buffer`
+    then runs every check itself and reports it. `Receiving.new(length)` brings its own `new_buffer`."""
+
+    @classmethod
+    def new(cls, length: int) -> Receiving:
+        return cls(new_buffer(length))
+
+    def __init__(self, buf: bytearray | np.ndarray):
+        self.buf, self._view = buf, memoryview(buf)
+        self.plan: Plan | None = None
+        self.data_start = 0
+        self._hasher = None
+        self._done = 0
+        self._stopped = False
+
+    def advance(self, end: int) -> None:
+        if self._stopped:
+            return
+        try:
+            if self._hasher is None:
+                if end < 8:
+                    return
+                n = st.header_length(self._view[:8])
+                if end < 8 + n:
+                    return
+                parsed = st.parse_header(self._view[8:8 + n], n)
+                self.plan = plan(parsed, len(self.buf) - parsed.data_start)
+                if self.plan.checksum is None:  # version 1: per-tensor digests, checked by from_buffer
+                    self._stopped = True
+                    return
+                self.data_start = self._done = parsed.data_start
+                self._hasher = xxhash.xxh3_128(self.plan.seal_prefix)
+            if end > self._done:
+                self._hasher.update(self._view[self._done:end])
+                self._done = end
+        except (st.HeaderError, ContractError):
+            self._stopped = True
+
+    def checked_plan(self) -> Plan | None:
+        """The plan, once every data byte has been hashed and the checksum matched (`ChecksumError` if it did not);
+        None if this pass did not cover the payload."""
+        if self._stopped or self._hasher is None or self._done != len(self.buf):
+            return None
+        if f"{CHECKSUM_ALGORITHM}:{self._hasher.hexdigest()}" != self.plan.checksum:
+            raise ChecksumError(f"payload: corrupted: {CHECKSUM_ALGORITHM} checksum mismatch (the header, the "
+                                "tensor table or the data changed after it was written)", field="payload")
+        return self.plan
+
+
+def from_buffer(cls, buf: bytearray | np.ndarray, receiving: Receiving | None = None):
+    """Parse, check and validate a whole payload held in `buf` (a bytearray or a `new_buffer`), which the returned
+    tensors then share (no copy): the caller hands it over and must not reuse it. With `receiving` (that filled
+    `buf` and hashed it on the way in), the checksum is not computed again. Any defect raises `ContractError`
+    (`ChecksumError` for corruption); never unpickles."""
+    if not _is_buffer(buf):
+        raise ContractError(f"payload: expected a bytearray or a writable uint8 buffer to take over, got "
+                            f"{type(buf).__name__}", field="payload")
+    checked = receiving.checked_plan() if receiving is not None and receiving.buf is buf else None
+    if checked is not None:
+        return build(cls, checked, buf, receiving.data_start)
     try:
-        parsed = st.read_header(buf)
+        parsed = st.read_header(memoryview(buf))
     except st.HeaderError as error:
         raise _bad(str(error)) from None
-    return _build(cls, _plan(parsed, len(buf) - parsed.data_start), buf, parsed.data_start)
+    checked = plan(parsed, len(buf) - parsed.data_start)
+    verify(checked, memoryview(buf)[parsed.data_start:])
+    return build(cls, checked, buf, parsed.data_start)
 
 
-def load(cls, path: str | os.PathLike):
-    """Read and validate a file written by `save`: prefix and header first, the data only once they pass."""
-    path = os.fspath(path)
-    shown = ascii(path) if len(path) <= 200 else ascii(path[:200]) + "..."
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as error:
-        raise _bad(f"cannot read {shown}: {error.strerror}") from None
-    if not stat.S_ISREG(mode):  # a directory, FIFO, socket or device: refuse without opening it
-        raise _bad(f"{shown} is not a regular file")
-    try:  # O_NONBLOCK: should the path be swapped for a FIFO after the check, opening it cannot hang
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except OSError as error:
-        raise _bad(f"cannot read {shown}: {error.strerror}") from None
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise _bad(f"{shown} is not a regular file")
-        try:
-            parsed = st.read_header(f, size=info.st_size)
-        except st.HeaderError as error:
-            raise _bad(str(error)) from None
-        plan = _plan(parsed, info.st_size - parsed.data_start)
-        buf = bytearray(plan.data_len)
-        view, got = memoryview(buf), 0
-        while got < plan.data_len:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    if got != plan.data_len:
-        raise _bad(f"truncated: read {got} of {plan.data_len} data bytes from {shown} (changed while reading?)")
-    return _build(cls, plan, buf, 0)
+def from_bytes(cls, data: bytes | bytearray | memoryview):
+    """`from_buffer` on a private copy of `data` (the caller's buffer stays its own)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ContractError(f"payload: expected bytes, got {type(data).__name__}", field="payload")
+    return from_buffer(cls, bytearray(data))
+
+
+def checksum_of(contract_header: str, table: Mapping[str, Mapping[str, Any]], data: bytes | memoryview) -> str:
+    """The `CHECKSUM_KEY` value for a payload with this contract header text, safetensors tensor table and data
+    section: for tools (and tests) that assemble a payload by other means than `encode`."""
+    entries = [st.TensorEntry(name, info["dtype"], tuple(info["shape"]), *info["data_offsets"])
+               for name, info in table.items()]
+    entries.sort(key=lambda e: (e.begin, e.end))
+    return _seal(_seal_prefix(contract_header, entries), memoryview(data))

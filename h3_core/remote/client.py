@@ -16,7 +16,6 @@ caller may treat differently; request problems the server refuses (4xx) are also
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import logging
 import os
@@ -26,7 +25,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..contract import ContractError, H3Conditioning
+from ..contract import ChecksumError, ContractError, H3Conditioning
+from ..contract.wire import Receiving
 from ..progress import Cancelled, ProgressFn, check_cancel
 from ..request import EncodeRequest
 from . import credentials, packing, polling, protocol, tracking
@@ -361,18 +361,18 @@ class EncoderClient:
 
         try:
             reply = self._call(endpoint, "POST", protocol.ENCODE_PATH, payload, headers, cancel,
-                               self.read_timeout, deadline, answer_cap, on_sent=sent)
+                               self.read_timeout, deadline, answer_cap, on_sent=sent, on_body=Receiving.new)
         finally:
             if poller is not None:
                 poller.stop()
         if reply.status != 200:
             raise self._status_error(endpoint, reply)
         report(polling.STEP_ANSWERED, polling.STEPS)
-        digest = reply.headers.get(protocol.H_SHA256)
-        if digest and hashlib.sha256(reply.body).hexdigest() != digest:
-            raise Transient("the conditioning arrived corrupted (sha256 mismatch)")
-        try:
-            conditioning = H3Conditioning.from_bytes(reply.body)
+        body = reply.body if reply.receipt is not None else bytearray(reply.body)  # a chunked answer: a copy
+        try:  # the tensors become views of the received buffer, checksummed once (piece by piece as it arrived)
+            conditioning = H3Conditioning.from_buffer(body, reply.receipt)
+        except ChecksumError:
+            raise Transient("the conditioning arrived corrupted (checksum mismatch)") from None
         except ContractError as error:
             raise RemoteEncodeError(f"{endpoint.url} sent an invalid conditioning: {short(str(error))}",
                                     status=200, url=endpoint.url) from None
@@ -429,10 +429,10 @@ class EncoderClient:
         return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=self.connect_timeout)
     def _call(self, endpoint: Endpoint, method: str, path: str, body: list | None, headers: dict[str, str],
               cancel: threading.Event | None, read_timeout: float, deadline: float, max_bytes: int,
-              on_sent: Callable[[], None] | None = None) -> Reply:
+              on_sent: Callable[[], None] | None = None, on_body: Callable[[int], Any] | None = None) -> Reply:
         """One HTTP exchange (`transport.exchange`) with this client's connection, headers and connect timeout."""
         return exchange(self._connection(endpoint), endpoint, method, path, body, {**self._headers(), **headers},
-                        cancel, self.connect_timeout, read_timeout, deadline, max_bytes, on_sent)
+                        cancel, self.connect_timeout, read_timeout, deadline, max_bytes, on_sent, on_body)
 
 
 

@@ -59,7 +59,7 @@ class Incoming:
 class Reply:
     status: int
     headers: dict[str, str]
-    body: bytes = b""
+    body: Any = b""  # bytes, or a conditioning's unjoined wire form (`contract.wire.Encoded`, len() = its size)
     content_type: str | None = None
     reason: str | None = None
     phases: tuple[tuple[str, float], ...] = ()  # a computed job's phase seconds (the Ray replica reports them)
@@ -91,7 +91,7 @@ def authorized(headers: Mapping[str, str], token: str) -> bool:
 
 
 def capabilities(service: EncoderService) -> dict[str, Any]:
-    from ..contract import FORMAT_ID, FORMAT_VERSION
+    from ..contract import FORMAT_ID, WIRE_VERSION
 
     return {
         "protocol": {"name": protocol.PROTOCOL_NAME, "version": protocol.PROTOCOL_VERSION,
@@ -105,7 +105,7 @@ def capabilities(service: EncoderService) -> dict[str, Any]:
             "device": service.model_info.get("device", "cpu"),
             "components": list(service.components),
         },
-        "conditioning": {"format": FORMAT_ID, "version": FORMAT_VERSION,
+        "conditioning": {"format": FORMAT_ID, "version": WIRE_VERSION,
                          "content_type": protocol.CONDITIONING_CONTENT_TYPE},
         "tasks": list(rules.TASKS),
         "media_types": {kind: ingest.allowed_content_types(kind) for kind in ("image", "video", "audio")},
@@ -118,17 +118,18 @@ def capabilities(service: EncoderService) -> dict[str, Any]:
     }
 
 
-def conditioning_reply(item: tuple[bytes, str], service: EncoderService, rid: str, cache: str, queue_s: float,
+def conditioning_reply(item: tuple[Any, str], service: EncoderService, rid: str, cache: str, queue_s: float,
                        encode_s: float) -> Reply:
-    data, digest = item
-    from ..contract import FORMAT_ID, FORMAT_VERSION
+    """`item`: (the wire form - `Encoded`, or its bytes on the Ray ingress -, its xxh3 checksum)."""
+    data, checksum = item
+    from ..contract import FORMAT_ID, WIRE_VERSION
 
     return Reply(200, {
         protocol.H_PROTOCOL: str(protocol.PROTOCOL_VERSION),
         protocol.H_MODEL: service.fingerprint,
         protocol.H_CACHE: cache,
-        protocol.H_SHA256: digest,
-        protocol.H_FORMAT: f"{FORMAT_ID}/{FORMAT_VERSION}",
+        protocol.H_CHECKSUM: checksum,
+        protocol.H_FORMAT: f"{FORMAT_ID}/{WIRE_VERSION}",
         protocol.H_REQUEST_ID: rid,
         protocol.H_QUEUE_S: f"{queue_s:.4f}",
         protocol.H_ENCODE_S: f"{encode_s:.4f}",

@@ -18,6 +18,7 @@ from . import handler as handling
 from . import protocol
 from .connections import AcceptErrorLimiter, ConnectionReaper  # noqa: F401 - re-exported for server.py
 from .handler import Handler, Incoming, Reply, capabilities  # noqa: F401 - capabilities re-exported
+from .sending import EncodedPayload
 from .service import EncoderService, ServerConfig
 
 log = logging.getLogger("h3_core.remote.server")
@@ -42,7 +43,10 @@ def response(reply: Reply) -> web.Response:
     headers = dict(reply.headers)
     if reply.content_type:  # as a header: aiohttp's content_type= refuses parameters (metrics' version=0.0.4)
         headers["Content-Type"] = reply.content_type
-    return web.Response(status=reply.status, reason=reply.reason, body=reply.body or None, headers=headers)
+    body = reply.body
+    if not isinstance(body, (bytes, bytearray)):  # a conditioning's wire form: header + storages, never joined
+        body = EncodedPayload(body, reply.content_type or protocol.CONDITIONING_CONTENT_TYPE)
+    return web.Response(status=reply.status, reason=reply.reason, body=body or None, headers=headers)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

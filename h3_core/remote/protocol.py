@@ -1,4 +1,4 @@
-"""The H3 encoder protocol, version 1: the schema shared by the server and the client.
+"""The H3 encoder protocol, version 2: the schema shared by the server and the client.
 
 Wire (docs/PROTOCOL.md has the full text):
 
@@ -6,6 +6,9 @@ Wire (docs/PROTOCOL.md has the full text):
     GET  /v1/capabilities  protocol version, model fingerprint, loaded components, limits   (auth)
     POST /v1/encode        multipart/form-data: a JSON part named "request", then one part per media item;
                            200 -> the conditioning contract as safetensors bytes      (auth)
+
+Version 2 answers carry the contract's wire form 2 (`h3_core.contract.wire`: one xxh3-128 checksum inside the
+body instead of a sha256 per tensor and an X-H3-Sha256 header); the request side is unchanged from version 1.
 
 Everything a request can get wrong is a `ProtocolError` carrying the HTTP status, a stable `code`, the
 offending `field` and a message that names the constraint; the server sends it as
@@ -34,7 +37,7 @@ __all__ = ["PROTOCOL_NAME", "PROTOCOL_VERSION", "HEALTH_PATH", "CAPABILITIES_PAT
 
 
 PROTOCOL_NAME = "h3-encoder"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 1: answers in wire form 1 with an X-H3-Sha256 header
 HEALTH_PATH = "/v1/health"
 CAPABILITIES_PATH = "/v1/capabilities"
 ENCODE_PATH = "/v1/encode"
@@ -49,7 +52,7 @@ CONVERSION_ID = "h3_core.media.read_*/1"
 H_PROTOCOL = "X-H3-Protocol"
 H_MODEL = "X-H3-Model"
 H_CACHE = "X-H3-Cache"
-H_SHA256 = "X-H3-Sha256"
+H_CHECKSUM = "X-H3-Checksum"  # the body's own checksum, repeated for logs and proxies
 H_FORMAT = "X-H3-Format"
 H_REQUEST_ID = "X-Request-Id"
 H_QUEUE_S = "X-H3-Queue-Seconds"
@@ -390,7 +393,7 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
     if version != PROTOCOL_VERSION:
         raise ProtocolError(400, "protocol_mismatch",
                             f"this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION}; the request declares "
-                            f"version {version}", "protocol")
+                            f"version {version} (update the client or the server so they match)", "protocol")
 
     prompt = obj.get("prompt")
     if not isinstance(prompt, str):

@@ -141,7 +141,8 @@ class H3Encoder:
         del parts
         reply = await self.handler.compute(key, spec, raw, received, time.monotonic() + seconds_left, seconds, rid,
                                            client=client)
-        return reply.status, reply.headers, reply.body, self.name, list(reply.phases)
+        data = reply.body if isinstance(reply.body, bytes) else reply.body.tobytes()  # Ray moves bytes, not views
+        return reply.status, reply.headers, data, self.name, list(reply.phases)
 
     def check_health(self) -> None:
         worker = getattr(self.service, "_worker", None)
@@ -261,7 +262,7 @@ class RayHandler(Handler):
             return
         reply = task.result()
         if reply.status == 200:
-            self.service.cache.put(key, reply.body, reply.headers[protocol.H_SHA256])
+            self.service.cache.put(key, reply.body, reply.headers[protocol.H_CHECKSUM])
             self.service.counters["computed"] += 1
 
     async def _remote(self, key: str, raw: bytes, wire: list, deadline: float, seconds: float, rid: str,

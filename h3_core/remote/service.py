@@ -20,7 +20,6 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
-import hashlib
 import math
 import threading
 import time
@@ -284,13 +283,13 @@ class EncoderService:
                 else:
                     self._finish(member, result=outcome)
 
-    def _run_one(self, job: Job) -> tuple[bytes, str] | BaseException:
+    def _run_one(self, job: Job) -> tuple[Any, str] | BaseException:
         try:
             return self._run_job(job)
         except BaseException as error:  # noqa: BLE001 - handed to the job's waiters
             return error
 
-    def _run_job(self, job: Job) -> tuple[bytes, str]:
+    def _run_job(self, job: Job) -> tuple[Any, str]:
         """Runs in the model thread: decode the media, encode, serialise."""
         import torch
 
@@ -304,7 +303,7 @@ class EncoderService:
             self.metrics.observe_text_batch(1)
         return self._serialise(job, conditioning)
 
-    def _run_batch(self, jobs: list[Job]) -> list[tuple[bytes, str] | BaseException]:
+    def _run_batch(self, jobs: list[Job]) -> list[tuple[Any, str] | BaseException]:
         """Runs in the model thread: t2va jobs whose prompts have the same token count, one text forward."""
         import torch
 
@@ -365,11 +364,11 @@ class EncoderService:
 
         return coarse, fine
 
-    def _serialise(self, job: Job, conditioning) -> tuple[bytes, str]:
+    def _serialise(self, job: Job, conditioning) -> tuple[Any, str]:
         job.phases.enter("serialise")
         job.timeline.mark("serialise")
-        data = conditioning.to_bytes()
-        return data, hashlib.sha256(data).hexdigest()
+        encoded = conditioning.to_wire()  # header + the tensors' storages, sealed by one checksum; never joined
+        return encoded, encoded.checksum
 
     def _decode_settings(self, job: Job) -> ingest.DecodeSettings:
         """Sandboxed (unless configured off), within the job's deadline, onto the stage's canvas rule."""
@@ -379,7 +378,7 @@ class EncoderService:
             getattr(self.stage, "pipeline_config", None), isolate=self.config.isolate_media,
             timeout_s=max(1.0, min(self.config.decode_timeout_s, left)))
 
-    def _finish(self, job: Job, result: tuple[bytes, str] | None = None, exception: BaseException | None = None):
+    def _finish(self, job: Job, result: tuple[Any, str] | None = None, exception: BaseException | None = None):
         job.state, job.finished = "done", time.monotonic()
         self._forget(job)
         if result is not None:

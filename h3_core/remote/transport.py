@@ -24,6 +24,7 @@ from . import protocol
 MAX_SMALL_RESPONSE_BYTES = 1024 * 1024  # capabilities, health and error answers
 MAX_MESSAGE_CHARS = 300  # of a server's error message, as repeated in this client's exceptions
 MAX_JSON_DEPTH = 32
+READ_PIECE = 1 << 20  # bytes per read of an answer: the granularity at which an abort is noticed
 
 
 class RemoteEncodeError(RuntimeError):
@@ -74,7 +75,8 @@ class Endpoint:
 class Reply:
     status: int
     headers: http.client.HTTPMessage
-    body: bytes
+    body: Any  # bytes-like; a 200 answer read through `on_body` is that receiver's buffer, the caller's to hand over
+    receipt: Any = None  # the `on_body` receiver that filled a 200 answer's buffer
 
     def error(self) -> dict[str, Any]:
         try:
@@ -119,10 +121,13 @@ def parse_url(url: str) -> Endpoint:
 
 def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, path: str, body: list | None,
              headers: dict[str, str], cancel: threading.Event | None, connect_timeout: float, read_timeout: float,
-             deadline: float, max_bytes: int, on_sent: Callable[[], None] | None = None) -> Reply:
+             deadline: float, max_bytes: int, on_sent: Callable[[], None] | None = None,
+             on_body: Callable[[int], Any] | None = None) -> Reply:
     """One HTTP exchange in a helper thread; the calling thread closes the socket when `cancel` is set or
     the monotonic `deadline` passes (whatever phase: connect, send, headers, body). A 200 answer may be at
-    most `max_bytes`, any other at most MAX_SMALL_RESPONSE_BYTES."""
+    most `max_bytes`, any other at most MAX_SMALL_RESPONSE_BYTES. For a 200 answer with a Content-Length,
+    `on_body(length)` returns an object holding the buffer to read into (`.buf`) whose `advance(end)` is called
+    after each read (bytes [0, end) in place); it comes back as `Reply.receipt`, its buffer as `Reply.body`."""
     if deadline - time.monotonic() <= 0:
         raise Transient("deadline passed before the call")
     conn.timeout = min(connect_timeout, max(0.01, deadline - time.monotonic()))
@@ -162,23 +167,18 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
                     raise send_error from None
                 raise
             cap = max_bytes if response.status == 200 else MAX_SMALL_RESPONSE_BYTES
-            length = response.getheader("Content-Length")
-            if length is not None and length.strip().isdigit() and int(length) > cap:
-                raise RemoteEncodeError(f"{endpoint.url}: the answer declares {short(length, 24)} bytes, over "
+            declared = (response.getheader("Content-Length") or "").strip()
+            if declared.isdigit() and (len(declared) > 18 or int(declared) > cap):
+                raise RemoteEncodeError(f"{endpoint.url}: the answer declares {short(declared, 24)} bytes, over "
                                         f"the client's limit of {cap} bytes for it", url=endpoint.url)
-            data = bytearray()
-            while True:
-                chunk = response.read(min(1 << 20, cap + 1 - len(data)))
-                if not chunk:
-                    break
-                data += chunk
-                if len(data) > cap:
-                    raise RemoteEncodeError(f"{endpoint.url}: the answer is over the client's limit of {cap} "
-                                            "bytes for it", url=endpoint.url)
-                if aborted.is_set():
-                    return
-            data = bytes(data)
-            outcome["reply"] = Reply(response.status, response.headers, data)
+            # http.client's own reading of Content-Length (None when chunked or unparsable)
+            length = None if response.chunked else response.length
+            receipt: list = []
+            watch = on_body if response.status == 200 else None
+            data = _read_body(response, length, cap, aborted, endpoint.url, watch, receipt)
+            if data is None:
+                return
+            outcome["reply"] = Reply(response.status, response.headers, data, receipt[0] if receipt else None)
         except BaseException as error:  # noqa: BLE001 - handed to the calling thread
             outcome["error"] = error
         finally:
@@ -228,6 +228,40 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
     if isinstance(error, http.client.HTTPException):
         raise Transient(f"malformed HTTP answer ({type(error).__name__}: {error})")
     raise error  # type: ignore[misc]
+
+def _read_body(response: http.client.HTTPResponse, length: int | None, cap: int, aborted: threading.Event,
+               url: str, on_body: Callable[[int], Any] | None = None, receipt: list | None = None) -> Any:
+    """The whole body in one buffer (None if aborted). With a Content-Length, the buffer is allocated once at that
+    size (by `on_body(length)`, whose `.buf` it is, when given) and filled in place (`readinto`: the socket writes
+    straight into it), so the answer's bytes are copied only by the kernel; without one, it grows up to `cap`.
+    A short body raises `IncompleteRead`."""
+    if length is not None:
+        watcher = on_body(length) if on_body is not None else None
+        data = watcher.buf if watcher is not None else bytearray(length)
+        if receipt is not None and watcher is not None:
+            receipt.append(watcher)
+        view, got = memoryview(data), 0
+        while got < length:
+            n = response.readinto(view[got:got + READ_PIECE])
+            if not n:
+                raise http.client.IncompleteRead(bytes(0), length - got)
+            got += n
+            if watcher is not None:
+                watcher.advance(got)  # e.g. the checksum of the piece just read, while it is in the CPU's cache
+            if aborted.is_set():
+                return None
+        return data
+    data = bytearray()
+    while True:
+        chunk = response.read(min(READ_PIECE, cap + 1 - len(data)))
+        if not chunk:
+            return data
+        data += chunk
+        if len(data) > cap:
+            raise RemoteEncodeError(f"{url}: the answer is over the client's limit of {cap} bytes for it", url=url)
+        if aborted.is_set():
+            return None
+
 
 def abort(conn: http.client.HTTPConnection) -> None:
     sock = conn.sock
