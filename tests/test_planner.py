@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from h3_core import cli, planner, plan_report, plan_tables
+from h3_core import cli, plan_report, plan_tables, planner
 
 GB = 1e9
 
