@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from . import devices, facts, plan_report, progress
+from . import devices, facts, loadbar, plan_report, progress
 
 
 def _log(message: str) -> None:
@@ -92,7 +92,7 @@ def _cmd_encode(args) -> int:
         from .models import ModelSource
 
         request.validate()  # cheap rules before loading any weights
-        with progress.reporting(_phase_printer()):
+        with progress.reporting(loadbar.wrap(_phase_printer())):
             stage = EncoderStage(ModelSource.from_path(args.models, layout=args.layout),
                                  **devices.stage_kwargs(args, "text_encoder"))
             cond = stage.encode(request)
@@ -125,7 +125,7 @@ def _cmd_generate(args) -> int:
         lora=LoRA.load(args.lora) if args.lora else None,
         lora_strength=args.lora_strength,
     )
-    with progress.reporting(_phase_printer()):
+    with progress.reporting(loadbar.wrap(_phase_printer())):
         latents, decoded = stage.generate(cond, options)
     media.write_mp4(args.out, decoded.video, decoded.audio, fps=decoded.fps, sample_rate=decoded.sample_rate)
     if args.dump:

@@ -99,3 +99,19 @@ def test_auto_chooses_from_free_memory_and_the_planner():
     assert placed.mode == "none"  # VAEs never stream
     with pytest.raises(ValueError, match="offload must be"):
         offload.place(module, "transformer", "cpu", "disk")
+
+
+def test_load_progress_bar_on_stderr(tiny_dir, capsys):
+    """The CLI shows weight loading as a bar on stderr (one line per tenth when stderr is not a terminal)."""
+    import io
+
+    from h3_core import loadbar, progress
+
+    other, out = [], io.StringIO()
+    with progress.reporting(loadbar.wrap(lambda *report: other.append(report), stream=out)):
+        ModelSource.from_path(tiny_dir, layout="comfyui").load("text_encoder")
+        progress.report("denoise", 1, 3)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("load [..............................]   0% 0.00/0.05 GB")
+    assert lines[-1].startswith("load [##############################] 100% 0.05/0.05 GB")
+    assert 2 <= len(lines) <= 12 and other == [("denoise", 1, 3)]
