@@ -149,9 +149,10 @@ def _gb(value: int) -> str:
 
 def run(args) -> int:
     if args.table:
-        from .plan_tables import machine_table
+        from .plan_tables import machine_choices, machine_table
 
-        print(machine_table(width=args.width, height=args.height, frames=args.frames, text_tokens=args.text_tokens))
+        job = {"width": args.width, "height": args.height, "frames": args.frames, "text_tokens": args.text_tokens}
+        print(machine_table(**job) + "\n\n" + machine_choices(**job))
         return 0
     if args.vram is None:
         raise ValueError("plan needs --vram GB (the GPU's memory)")

@@ -171,3 +171,47 @@ def machine_table(*, width: int = 1344, height: int = 768, frames: int = 124, te
         lines.append(f"| {plan.name} | {plan.stored_bytes / GB:.2f} | {plan.resident_peak / GB:.1f} | - | - | "
                      + " | ".join("resident" for _ in GPUS) + " |")
     return "\n".join(lines)
+
+
+def _best(plans, decoders, vram: int, ram: int):
+    """The first plan (in the caller's quality order) that fits the machine, with its verdict."""
+    from .plan_report import GB, _decide
+
+    for plan in plans:
+        def extra(offload, plan=plan):
+            if plan.component == "text_encoder":
+                return plan.peak(offload) + decoders[0]
+            return (plan.device_bytes if offload == "none" else 0) + decoders[0] + decoders[1] + planner.RESERVE_BYTES
+
+        verdict = _decide("", plan, extra, int(vram * GB), int(ram * GB))
+        if verdict.offload is not None:
+            return plan, verdict
+    return None, None
+
+
+def machine_choices(*, width: int = 1344, height: int = 768, frames: int = 124, text_tokens: int = 512) -> str:
+    """Per machine (GPU x RAM): the highest-precision DiT and text encoder that run there, how, and at what
+    planned peak; a text encoder that fits nowhere locally is run remotely."""
+    from .plan_report import GB
+
+    plans = release_plans(width=width, height=height, frames=frames, text_tokens=text_tokens)
+    vae, audio = plans[-2], plans[-1]
+    decoders = (vae.device_bytes + audio.device_bytes, max(vae.activation, audio.activation))
+    dits = [p for p in plans if p.component == "transformer"]
+    texts = [p for p in plans if p.component == "text_encoder"]
+    lines = [
+        f"| GPU | RAM | DiT (job {width}x{height}x{frames}) | text encoder (local, beside both VAEs) |",
+        "|---:|---:|---|---|",
+    ]
+    for gpu in GPUS:
+        for ram in RAMS:
+            cells = []
+            for group, missing in ((dits, "none fits"), (texts, "remote: `serve` elsewhere + `encode --server URL`")):
+                plan, verdict = _best(group, decoders, gpu, ram)
+                if plan is None:
+                    cells.append(missing)
+                    continue
+                how = "resident" if verdict.offload == "none" else "--offload block"
+                cells.append(f"{plan.name.split('minimax_h3_')[-1]}, {how}, {verdict.peak / GB:.0f} GB")
+            lines.append(f"| {gpu} GB | {ram} GB | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
