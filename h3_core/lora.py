@@ -7,7 +7,9 @@ kohya `lora_down`/`lora_up` + `.alpha`, musubi-tuner, DiffSynth) onto diffusers'
 The low-rank update runs beside each targeted Linear as a forward hook, y = W x + s * B (A x), the
 way an unmerged peft adapter computes it (peft itself is not needed). Nothing is written into the
 weights, so leaving `applied(...)` restores the DiT exactly, and one loaded DiT serves requests with
-and without the LoRA. Turbo LoRAs change the schedule too: the Turbo LoRAs' cards ask for 5 or 9
+and without the LoRA. A quantised layer (`QuantLinear`, from an int8 / fp8 / w6a8 file) gets the same
+branch inside its forward (`QuantLinear.add_lora`): its codes are never re-quantised.
+Turbo LoRAs change the schedule too: the Turbo LoRAs' cards ask for 5 or 9
 sigma points and video shift 6 or 12 (`SamplingOptions` carries both).
 """
 
@@ -72,10 +74,12 @@ class LoRA:
 
     def check(self, transformer: torch.nn.Module) -> None:
         """Every factor targets a Linear of this DiT with matching shapes (else the LoRA is for other weights)."""
+        from .weights.quant.linear import QuantLinear
+
         modules = dict(transformer.named_modules())
         for module, (down, up, _) in self.factors.items():
             target = modules.get(module)
-            if not isinstance(target, torch.nn.Linear):
+            if not isinstance(target, (torch.nn.Linear, QuantLinear)):
                 raise LoraError(f"{self.name}: {module} is not a Linear of this H3 DiT")
             if (
                 down.shape[1] != target.in_features
@@ -90,6 +94,8 @@ class LoRA:
     @contextlib.contextmanager
     def applied(self, transformer: torch.nn.Module, strength: float = 1.0):
         """Run `transformer` with this LoRA at `strength` inside the block; exactly as before after it."""
+        from .weights.quant.linear import QuantLinear
+
         self.check(transformer)
         modules = dict(transformer.named_modules())
         handles = []
@@ -97,6 +103,9 @@ class LoRA:
             for module, (down, up, scale) in self.factors.items():
                 target = modules[module]
                 factor = float(strength) * scale
+                if isinstance(target, QuantLinear):  # computed in the activation's dtype, beside the codes
+                    handles.append(target.add_lora(down.to(target.weight.device), up.to(target.weight.device), factor))
+                    continue
                 down_d = down.to(target.weight.device, target.weight.dtype)
                 up_d = up.to(target.weight.device, target.weight.dtype)
 

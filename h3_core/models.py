@@ -56,7 +56,10 @@ class ModelSource:
             results = [error]
         for item in results:
             if isinstance(item, weights.Detection):
-                found.setdefault(item.slot, item)  # scan order: the first file of a slot wins
+                # Several files for one slot (bf16 + int8_convrot, ...): the largest, i.e. most precise, wins;
+                # equal sizes keep scan order. Quantised files are picked explicitly (CLI flags, loader nodes).
+                if item.slot not in found or item.total_bytes > found[item.slot].total_bytes:
+                    found[item.slot] = item
             else:  # ComfyUI folders hold other models too; say why if a needed slot stays empty
                 problems[str(getattr(item, "path", root))] = str(item)
         if not found:

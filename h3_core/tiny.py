@@ -8,7 +8,8 @@
                      MiniMaxH3ModularPipeline loads it
     DIR/comfyui/     a ComfyUI `models/` folder with the Comfy-Org single-file key layouts:
                      diffusion_models/ (fl2va + ref2va DiT), text_encoders/ (50-layer Qwen3-VL),
-                     vae/ (video VAE, audio VAE)
+                     vae/ (video VAE, audio VAE) in fp32, plus the twins of the published
+                     precisions and quantised files (bf16 / fp16, int8_convrot, nvfp4_awq: `tiny_twins`)
     DIR/native/      the native MiniMaxAI partitions FL2VA/ and Ref2VA/ (DiT with per-head QKV)
     DIR/tiny.json    what was built (seed, versions, sha256 of every file)
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import configs
+from . import configs, tiny_twins
 
 # Salts keep the components' draws independent: changing one component's config must not
 # change another component's weights.
@@ -231,6 +232,7 @@ def build(out: str | os.PathLike, seed: int = 0) -> Path:
     models = build_models(seed)
     write_diffusers_root(models, out / "diffusers")
     write_comfy_models(models, out / "comfyui")
+    tiny_twins.write_twins(out / "comfyui")
     write_native_partitions(models, out / "native", out / "diffusers")
     _write_json(out / "tiny.json", _manifest(out, seed))
     return out

@@ -76,7 +76,7 @@ def test_dense_files_report_their_format(tmp_path, models):
     det = weights.detect(path)
     assert (det.component, det.slot, det.format) == ("vae", "vae", "dense")
     assert "dense weights" in det.summary()
-    assert [fmt.name for fmt in weights.FORMATS if fmt.supported] == ["dense"]
+    assert sorted(fmt.name for fmt in weights.FORMATS if fmt.supported) == ["dense", "quantised"]
 
 
 def test_an_unknown_weight_format_is_refused_by_name_before_any_read(tmp_path, models, monkeypatch):
@@ -104,12 +104,13 @@ def test_an_unknown_weight_format_is_refused_by_name_before_any_read(tmp_path, m
 def test_refused_formats_are_named(tmp_path, models):
     model = models["transformer"]
     shapes = support.shapes_of(transformer_keys.from_diffusers(model.state_dict(), dict(model.config), "comfy"))
-    quantised = dict(shapes)
-    quantised["blocks.0.mlp.fc1.comfy_quant"] = (torch.uint8, (40,))
+    quantised = dict(shapes)  # fp8 codes without a .comfy_quant marker: no layer format to read them by
+    quantised["blocks.0.mlp.fc1.weight"] = (torch.float8_e4m3fn, shapes["blocks.0.mlp.fc1.weight"][1])
     support.write_header_only(str(tmp_path / "q.safetensors"), quantised)
     pruned = {k: v for k, v in shapes.items() if not k.startswith("time_embedder.")}
     pruned[formats.PRUNED_TABLE_KEY] = (torch.float32, (1025, 8))
     support.write_header_only(str(tmp_path / "p.safetensors"), pruned)
-    for file, name in (("q.safetensors", "quantised"), ("p.safetensors", "pruned_adaln")):
-        with pytest.raises(weights.UnsupportedCheckpointError, match=f"weight format '{name}' is not supported"):
-            weights.detect(tmp_path / file)
+    with pytest.raises(weights.UnsupportedCheckpointError, match="without a .comfy_quant marker"):
+        weights.detect(tmp_path / "q.safetensors")
+    with pytest.raises(weights.UnsupportedCheckpointError, match="weight format 'pruned_adaln' is not supported"):
+        weights.detect(tmp_path / "p.safetensors")

@@ -14,7 +14,27 @@ from dataclasses import dataclass, field
 from . import components
 from .detect import Detection, scan
 from .errors import H3WeightsError, KeyMismatchError, preview
+from .formats import PRUNED_TABLE_KEY
 from .headers import meta_state_dict
+from .quant import route as quant_route
+from .quant.plan import meta_with_markers
+
+
+def format_line(det: Detection) -> str:
+    """How every layer family of a checkpoint is stored, in one line, e.g. "DiT fl2va · pruned AdaLN table
+    [1025, 8] · block linears int8_convrot (group 256) x200 · other tensors BF16/F16/F32 · 20.96 GB"."""
+    parts = [f"{det.handler.label} {det.partition}" if det.partition else det.handler.label]
+    table = det.header.tensors.get(PRUNED_TABLE_KEY)
+    if table is not None:
+        parts.append(f"pruned AdaLN table {list(table.shape)}")
+    stored = set()
+    if det.quant is not None:
+        parts += [f"{family} {label} x{count}" for family, label, count in det.quant.families()]
+        stored = det.quant.stored_keys()
+    rest = sorted({info.dtype for key, info in det.header.tensors.items() if key not in stored})
+    parts.append(f"{'other tensors' if det.quant is not None else 'dense'} {'/'.join(rest)}")
+    parts.append(f"{det.total_bytes / 1e9:.2f} GB")
+    return " · ".join(parts)
 
 
 @dataclass
@@ -50,7 +70,7 @@ class ComponentCheck:
             return f"FAIL {self.path}\n     {self.error}"
         det = self.detection
         head = f"{'OK  ' if self.ok else 'FAIL'} {self.path}\n     {det.summary()}"
-        lines = [head]
+        lines = [head, f"     formats: {format_line(det)}"]
         for note in det.notes:
             lines.append(f"     note: {note}")
         target = det.handler.model_class
@@ -104,10 +124,12 @@ def check_detection(det: Detection) -> ComponentCheck:
     result = ComponentCheck(path=det.path, detection=det)
     try:
         result.config = components.resolve_config(det)
-        converted, unexpected_file_keys = components.to_model_names(det, meta_state_dict(det.header), result.config)
+        tensors = quant_route.before_conversion(det, meta_with_markers(det.quant, meta_state_dict(det.header)))
+        converted, unexpected_file_keys = components.to_model_names(det, tensors, result.config)
         model = components.empty_model(det, result.config)
+        converted, quant_mismatched = quant_route.install(model, converted)
         missing, unexpected, mismatched = compare(components.expected_keys(model), converted)
-        result.missing, result.mismatched = missing, mismatched
+        result.missing, result.mismatched = missing, sorted(mismatched + quant_mismatched)
         result.unexpected = sorted(unexpected_file_keys + unexpected)
         result.model = model
     except H3WeightsError as exc:

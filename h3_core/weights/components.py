@@ -59,7 +59,7 @@ def resolve_config(det) -> dict:
     handler = HANDLERS[det.component]
     own = {k: v for k, v in (det.source.config or {}).items() if not k.startswith("_")}  # no `_class_name`...
     stated = handler.stated_config({**own, **config_merge.metadata_config(det.header.metadata)}, det.source)
-    return handler.derive_config(det.header.shapes, det.key_format, stated, det.path)
+    return handler.derive_config(det.dense_shapes, det.key_format, stated, det.path)
 
 
 def to_model_names(det, tensors: dict, config: dict) -> tuple[dict, list[str]]:

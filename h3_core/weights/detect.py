@@ -16,6 +16,7 @@ from .errors import H3WeightsError, UnrecognisedCheckpointError
 from .formats import detect_format
 from .headers import Header, read_header
 from .keymap import LAYOUTS, KeyFamily
+from .quant.plan import QuantPlan, read_plan
 from .sources import Source, component_paths, component_source, is_root, loose_files, partition_token
 
 COMPONENTS = tuple(components.HANDLERS)
@@ -30,7 +31,8 @@ class Detection:
     `slot` the pipeline component it fills (a Ref2VA DiT fills `transformer_ref`). `key_format`
     names the handler's key family found in the files: "reference" (Comfy/native DiT and video VAE
     names) or "diffusers"; for the audio VAE "folded" or "weight_norm"; for the text encoder
-    "legacy" (`model.layers.N`, `visual.*`) or "transformers". `format` is the weight format.
+    "legacy" (`model.layers.N`, `visual.*`) or "transformers". `format` is the weight format;
+    `quant` the quantised layers' plan (None for a dense file), read from the markers before any weight.
     """
 
     component: str
@@ -46,6 +48,12 @@ class Detection:
     format: str = "dense"
     header: Header = field(default=None, repr=False, compare=False)
     source: Source = field(default=None, repr=False, compare=False)
+    quant: QuantPlan | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def dense_shapes(self) -> dict:
+        """Tensor shapes as the dense file would have them (what configs are derived from)."""
+        return self.header.shapes if self.quant is None else self.quant.dense_shapes(self.header.shapes)
 
     @property
     def slot(self) -> str:
@@ -112,6 +120,7 @@ def detect(path: str) -> Detection:
     source = component_source(loose[0] if loose else path)
     header = read_header(source.files)
     weight_format = detect_format(header, source.path)
+    quant = read_plan(header, os.path.basename(os.path.normpath(source.path)))  # refuses unknown formats by name
     handler, family = components.classify(header.tensors, source.path)
     layout = _layout(family, source)
     notes = handler.notes(header.tensors, family.name)
@@ -131,6 +140,7 @@ def detect(path: str) -> Detection:
         format=weight_format.name,
         header=header,
         source=source,
+        quant=quant,
     )
 
 

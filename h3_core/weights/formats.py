@@ -1,12 +1,11 @@
 """Weight formats: how tensors are stored, decided from the header before any weight is read.
 
-A component (DiT, VAE, ...) says *what* a file holds; its format says *how* the numbers are stored.
-Every loader supports one format today, "dense": plain bf16 / fp16 / fp32 tensors. The published
-pruned ("AdaLN curve") DiTs and the quantised Comfy-Org files (ConvRot int8, fp8_scaled, w6a8,
-nvfp4/AWQ) are recognised and refused with a message naming the format and what is supported.
-Supporting one of them later is one entry here: mark it supported and give it what the loaders then
-need from a format - the dense shapes its stored tensors stand for (so each component handler still
-derives its config from shapes) and the per-layer modules or dequantisation that run its tensors.
+A component (DiT, VAE, ...) says *what* a file holds; its format says *how* the numbers are stored:
+"dense" (plain bf16 / fp16 / fp32 tensors) or "quantised" (the Comfy-Org int8_convrot, fp8_scaled,
+w6a8 and nvfp4_awq files). A quantised file is described layer by layer by its `.comfy_quant`
+markers (`weights.quant.plan`, which refuses unknown or unimplemented layer formats by name, before
+any weight is read); this registry only tells the two storage kinds apart. The pruned ("AdaLN curve")
+DiTs are recognised and refused with a message naming the format and what is supported.
 Detection records the format (`Detection.format`), so the loaders can route on it.
 """
 
@@ -20,9 +19,9 @@ from .errors import UnsupportedCheckpointError, preview
 from .headers import Header
 
 SUPPORTED_FILES = (
-    "supported: unquantised (bf16/fp16/fp32) weights - the Comfy-Org single files "
-    "minimax_h3_{fl2va,ref2va}_bf16.safetensors, minimax_h3_video_vae_fp16.safetensors, "
-    "minimax_h3_audio_vae_fp32.safetensors, qwen3vl_32b_minimax_h3_bf16.safetensors; "
+    "supported: the Comfy-Org single files minimax_h3_{fl2va,ref2va}_{bf16,int8_convrot}.safetensors, "
+    "minimax_h3_video_vae_{fp16,int8_convrot}.safetensors, minimax_h3_audio_vae_fp32.safetensors, "
+    "qwen3vl_32b_minimax_h3_{bf16,int8_convrot,nvfp4_awq}.safetensors; "
     "a diffusers component folder (config.json + safetensors); "
     "or a native MiniMaxAI FL2VA/Ref2VA partition"
 )
@@ -74,7 +73,7 @@ def _quantised(header: Header) -> str | None:
         detail.append(f"{len(weights)} weights stored as {dtypes} (e.g. {preview(weights, 2)})")
     if companions:
         detail.append(f"{len(companions)} quantisation tensors (e.g. {preview(companions, 2)})")
-    return f"quantised MiniMax-H3 checkpoint ({'; '.join(detail)}); this package does not dequantise"
+    return f"quantised MiniMax-H3 checkpoint ({'; '.join(detail)})"
 
 
 def _dense(header: Header) -> str | None:
@@ -84,13 +83,14 @@ def _dense(header: Header) -> str | None:
 # Checked in order: a pruned file is also stored densely, so it must be recognised first.
 FORMATS = (
     WeightFormat("pruned_adaln", supported=False, recognise=_pruned),
-    WeightFormat("quantised", supported=False, recognise=_quantised),
+    WeightFormat("quantised", supported=True, recognise=_quantised),
     WeightFormat("dense", supported=True, recognise=_dense),
 )
 
 
 def supported_names() -> list[str]:
-    return [fmt.name for fmt in FORMATS if fmt.supported]
+    # "dense" first: messages read "dense, quantised" (the registry order is the recognition order).
+    return sorted((fmt.name for fmt in FORMATS if fmt.supported), key=lambda name: name != "dense")
 
 
 def detect_format(header: Header, where: str) -> WeightFormat:
@@ -104,8 +104,8 @@ def detect_format(header: Header, where: str) -> WeightFormat:
         if fmt.supported:
             return fmt
         raise UnsupportedCheckpointError(
-            f"{name}: {evidence}; weight format {fmt.name!r} is not supported (supported formats: {supported} - "
-            f"unquantised weights); {SUPPORTED_FILES}."
+            f"{name}: {evidence}; weight format {fmt.name!r} is not supported (supported formats: {supported}); "
+            f"{SUPPORTED_FILES}."
         )
     dtypes = sorted({info.dtype for info in header.tensors.values()} - DENSE_DTYPES)
     raise UnsupportedCheckpointError(

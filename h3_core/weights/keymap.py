@@ -96,6 +96,9 @@ class ComponentHandler:
     # `_keep_in_fp32_modules` (matched against dotted-name components, as diffusers matches them).
     fp32_modules: tuple[str, ...] = ()
     partitioned: bool = False  # the DiT: one handler, two partitions (fl2va -> transformer, ref2va -> transformer_ref)
+    # Quantised layers of a Comfy file: "keep" them quantised in memory (`QuantLinear`, dequantised per
+    # layer at run time) or "dequantise" them once at load (small components, see `weights.quant.route`).
+    quantised_layers: str = "keep"
 
     def family(self, keys) -> KeyFamily | None:
         return next((family for family in self.families if family.matches(keys)), None)

@@ -12,6 +12,12 @@ file, a native partition or a diffusers folder ends up with the same dtypes: flo
 requested dtype, except those inside a module named in the class's `_keep_in_fp32_modules` (plus the
 handler's `fp32_modules`; matched against the dotted name's components, as diffusers matches them),
 which stay float32; integer tensors are never cast. The default float32 gives exact weights.
+
+Quantised Comfy-Org files take the convert-and-assign path (never diffusers' single-file loader, which
+would cast int8 codes to floats): each quantised layer becomes a `QuantLinear` holding the file's codes
+and scales unchanged (their dtypes are the format's, not the requested one; only biases follow the
+rule above), or, for a component that dequantises at load (the video VAE), a dense weight. See
+`weights.quant.route`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from . import components
 from .check import check_detection
 from .detect import Detection, detect, scan
 from .errors import H3WeightsError
+from .quant import route as quant_route
 from .safetensors_io import load_tensors
 from .sources import component_paths
 
@@ -39,9 +46,11 @@ def target_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype, keep_in_fp
     return dtype
 
 
-def cast_state_dict(state_dict: dict, dtype: torch.dtype, keep_in_fp32_modules) -> dict:
-    """Cast a state dict before assigning it into a model (no copy when the dtype already matches)."""
-    return {name: t.to(target_dtype(name, t, dtype, keep_in_fp32_modules)) for name, t in state_dict.items()}
+def cast_state_dict(state_dict: dict, dtype: torch.dtype, keep_in_fp32_modules, keep_as_stored=()) -> dict:
+    """Cast a state dict before assigning it into a model (no copy when the dtype already matches).
+    Names in `keep_as_stored` (quantised layers' codes and scales) keep the file's dtype."""
+    return {name: t if name in keep_as_stored else t.to(target_dtype(name, t, dtype, keep_in_fp32_modules))
+            for name, t in state_dict.items()}
 
 
 def cast_module(module: torch.nn.Module, dtype: torch.dtype, keep_in_fp32_modules) -> None:
@@ -107,7 +116,9 @@ def resolve(path, component: str, partition: str | None = None) -> Detection:
 
 def _assign(model: torch.nn.Module, det: Detection, converted: dict, dtype: torch.dtype) -> torch.nn.Module:
     """Assign converted tensors into a meta-built model: strict, no copies beyond the dtype cast."""
-    state = cast_state_dict(converted, dtype, det.handler.keep_in_fp32(type(model)))
+    keep_in_fp32 = det.handler.keep_in_fp32(type(model))
+    state = cast_state_dict(converted, dtype, keep_in_fp32, quant_route.stored_names(model))
+    quant_route.set_compute_dtype(model, dtype, keep_in_fp32)
     expected = components.expected_keys(model)
     for alias, owner in expected.aliases.items():
         state.setdefault(alias, state[owner])  # tied weights saved once
@@ -144,7 +155,7 @@ def load(path, component: str, dtype: torch.dtype = torch.float32, partition: st
     checked = check_detection(det)  # header only: a wrong file fails here, before any weight is read
     checked.raise_if_failed()
     stats = _latent_stats(det)
-    if det.layout == "comfyui" and handler.load_single_file is not None:
+    if det.layout == "comfyui" and handler.load_single_file is not None and det.quant is None:
         # diffusers' single-file loader reads the file itself: the bar shows its start and its end only.
         counter = progress.Counter("load", det.header.total_bytes) if progress.active() else None
         model = handler.load_single_file(det, checked.config)
@@ -152,9 +163,11 @@ def load(path, component: str, dtype: torch.dtype = torch.float32, partition: st
         if counter is not None:
             counter.finish()
     else:
-        converted, unexpected = components.to_model_names(det, load_tensors(det.header, report=True), checked.config)
+        tensors = quant_route.before_conversion(det, load_tensors(det.header, report=True))
+        converted, unexpected = components.to_model_names(det, tensors, checked.config)
         if unexpected:  # already excluded by the check; kept as a guard for future converters
             raise H3WeightsError(f"{det.path}: unexpected tensors {unexpected[:5]}")
+        converted, _ = quant_route.install(checked.model, converted)  # the check installed them: drops markers
         model = _assign(checked.model, det, converted, dtype)
     if stats:
         model.register_to_config(**stats)

@@ -77,6 +77,8 @@ _DTYPE_TAGS = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",  # quantised (fp8_scaled) weights and nvfp4 / w6a8 scales
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 

@@ -22,6 +22,8 @@ from . import config_merge
 from .errors import H3WeightsError
 from .fused import fuse_qkv, split_qkv, swap_halves
 from .keymap import ComponentHandler, KeyFamily, count_indices
+from .quant.plan import split_side
+from .quant.route import follow_rows
 from .safetensors_io import load_tensors, write_json
 
 QKV_LAYOUT_BY_NAMING = {"comfy": "stacked", "native": "interleaved"}
@@ -73,32 +75,48 @@ _PREFIX_TO_REFERENCE = {v: k for k, v in _PREFIX_TO_DIFFUSERS.items()}
 ROPE_KEY = "rope.inv_freq"
 
 
+def _weight_targets(key: str, heads: int, head_dim: int, layout: str):
+    """Where reference tensor `key` goes: (diffusers names, row operation or None), or None if unknown."""
+    if key in _TOP_LEVEL:
+        return [_TOP_LEVEL[key]], None
+    match = _REF_BLOCK.fullmatch(key)
+    if not match:
+        return None
+    prefix, index, suffix = match.groups()
+    target = f"{_PREFIX_TO_DIFFUSERS[prefix]}.{index}."
+    if suffix == _QKV:
+        return [target + name for name in _SPLIT], lambda t: split_qkv(t, heads, head_dim, layout, key)
+    if suffix == "mlp.fc1.weight":
+        return [target + _BLOCK[suffix]], lambda t: (swap_halves(t, key),)
+    if suffix in _BLOCK and (prefix == "blocks" or not suffix.startswith("adaln_proj")):
+        return [target + _BLOCK[suffix]], None
+    return None
+
+
 def to_diffusers(state: dict, config: dict, naming: str) -> tuple[dict, list[str]]:
-    """Reference-named DiT state dict -> diffusers names. Returns (converted, unexpected keys)."""
+    """Reference-named DiT state dict -> diffusers names. Returns (converted, unexpected keys).
+
+    A quantised layer's side tensors (`P.weight_scale`, `P.comfy_quant`, ...) go where `P.weight` goes:
+    row-aligned ones are split / half-swapped with the weight's rows, per-tensor ones and the marker
+    are copied to every part (`quant.route.follow_rows`)."""
     layout = QKV_LAYOUT_BY_NAMING[naming]
     heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
     out, unexpected = {}, []
     for key, tensor in state.items():
         if key == ROPE_KEY:
             continue
-        if key in _TOP_LEVEL:
-            out[_TOP_LEVEL[key]] = tensor
-            continue
-        match = _REF_BLOCK.fullmatch(key)
-        if not match:
+        side = split_side(key)
+        found = _weight_targets(f"{side[0]}.weight" if side else key, heads, head_dim, layout)
+        if found is None:
             unexpected.append(key)
             continue
-        prefix, index, suffix = match.groups()
-        target = f"{_PREFIX_TO_DIFFUSERS[prefix]}.{index}."
-        if suffix == _QKV:
-            for name, part in zip(_SPLIT, split_qkv(tensor, heads, head_dim, layout, key)):
-                out[target + name] = part
-        elif suffix == "mlp.fc1.weight":
-            out[target + _BLOCK[suffix]] = swap_halves(tensor, key)
-        elif suffix in _BLOCK and (prefix == "blocks" or not suffix.startswith("adaln_proj")):
-            out[target + _BLOCK[suffix]] = tensor
+        targets, op = found
+        if side is None:
+            parts = op(tensor) if op is not None else (tensor,)
         else:
-            unexpected.append(key)
+            parts = follow_rows(state, side[0], side[1], tensor, op, len(targets))
+            targets = [name[: -len("weight")] + side[1] for name in targets]
+        out.update(zip(targets, parts, strict=True))
     return out, unexpected
 
 
