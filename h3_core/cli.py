@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from . import devices, facts, loadbar, plan_report, progress
+from . import component_args, devices, facts, loadbar, plan_report, progress
 
 
 def _log(message: str) -> None:
@@ -89,12 +89,10 @@ def _cmd_encode(args) -> int:
         cond = EncoderClient(args.server, token=token, read_timeout=args.timeout).encode(request)
     else:
         from .encoder import EncoderStage
-        from .models import ModelSource
 
         request.validate()  # cheap rules before loading any weights
         with progress.reporting(loadbar.wrap(_phase_printer())):
-            stage = EncoderStage(ModelSource.from_path(args.models, layout=args.layout),
-                                 **devices.stage_kwargs(args, "text_encoder"))
+            stage = EncoderStage(component_args.model_source(args), **devices.stage_kwargs(args, "text_encoder"))
             cond = stage.encode(request)
     cond.save(args.out)
     _log(
@@ -110,11 +108,9 @@ def _cmd_generate(args) -> int:
     from .contract import H3Conditioning
     from .diffusion import DiffusionStage, SamplingOptions
     from .lora import LoRA
-    from .models import ModelSource
 
     cond = H3Conditioning.load(args.cond)
-    stage = DiffusionStage(ModelSource.from_path(args.models, layout=args.layout),
-                           **devices.stage_kwargs(args, "transformer"))
+    stage = DiffusionStage(component_args.model_source(args, cond.task), **devices.stage_kwargs(args, "transformer"))
     start = time.perf_counter()
     options = SamplingOptions(
         steps=args.steps,
@@ -174,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     encode = sub.add_parser("encode", help="stage 0: prompt + media -> conditioning safetensors")
     models_args(encode)
+    component_args.add_component_args(encode)
     devices.add_arguments(encode)
     encode.add_argument("--out", required=True, help="conditioning file to write (.safetensors)")
     encode.add_argument("--prompt", required=True)
@@ -207,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = sub.add_parser("generate", help="stage 1: conditioning -> mp4")
     models_args(generate)
+    component_args.add_component_args(generate)
     devices.add_arguments(generate)
     generate.add_argument("--cond", required=True, help="conditioning file from `encode`")
     generate.add_argument("--out", required=True, help="mp4 to write")
@@ -263,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "models", "unset") is None and args.command in ("encode", "generate", "serve"):
-        if not (args.command == "encode" and args.server):
+        if not (args.command == "encode" and args.server) and not component_args.given(args):
             print("error: --models is required", file=sys.stderr)
             return 2
     # Bitwise reproducibility across processes needs a fixed thread count (docs/ARCHITECTURE.md §2.1, trap 5).

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import configs, tiny_twins
+from . import configs, tiny_pruned, tiny_twins
 
 # Salts keep the components' draws independent: changing one component's config must not
 # change another component's weights.
@@ -233,6 +233,7 @@ def build(out: str | os.PathLike, seed: int = 0) -> Path:
     write_diffusers_root(models, out / "diffusers")
     write_comfy_models(models, out / "comfyui")
     tiny_twins.write_twins(out / "comfyui")
+    tiny_pruned.write_pruned_twins(out / "comfyui")
     write_native_partitions(models, out / "native", out / "diffusers")
     _write_json(out / "tiny.json", _manifest(out, seed))
     return out

@@ -15,11 +15,12 @@ import folder_paths
 import numpy as np
 import torch
 
-from ..h3_core import media, previews, progress, rules, safe_paths
+from ..h3_core import media, previews, progress, rules, safe_paths, tiny_files
 from ..h3_core.progress import Cancelled
 
 PACK_FOLDER = "minimax_h3"  # models/minimax_h3/: diffusers roots, native partitions, the embedded tiny H3
 TINY_CHOICE = "[embedded] tiny H3 (random weights, outputs are noise)"
+TINY_FILE_PREFIX = "[embedded] tiny H3 / "  # + one of the tiny's single files (fp32, twins, pruned twins)
 
 
 def register_model_folder() -> None:
@@ -49,7 +50,7 @@ def tiny_dir() -> Path:
 def model_choices(folder: str) -> list[str]:
     """Files in one of core's model folders, plus whole-model folders and the embedded tiny H3."""
     register_model_folder()
-    choices = [TINY_CHOICE]
+    choices = [TINY_CHOICE, *(TINY_FILE_PREFIX + name for name in tiny_files.in_folder(folder))]
     roots = []
     for base in folder_paths.get_folder_paths(PACK_FOLDER):
         base_path = Path(base)
@@ -63,6 +64,11 @@ def resolve_model_path(folder: str, choice: str) -> tuple[Path, bool]:
     """(path, is_whole_model_folder) for a loader's combo value."""
     if choice == TINY_CHOICE:
         return tiny_dir(), True
+    if choice.startswith(TINY_FILE_PREFIX):
+        name = choice[len(TINY_FILE_PREFIX):]
+        if name not in tiny_files.in_folder(folder):  # a fixed list of names: never a path from the workflow
+            raise ValueError(f"{name[:200]!r} is not one of the embedded tiny H3's files in {folder}/")
+        return tiny_dir() / "comfyui" / folder / name, False
     if choice.startswith(PACK_FOLDER + "/"):
         # ComfyUI 0.3.75 does not hold V3 combo values to their options: the name after the prefix must be one
         # folder directly inside a models/minimax_h3 root, never a path ('../..', '/etc').

@@ -30,8 +30,20 @@ TEMPLATES = REPO / "example_workflows"
 sys.path.insert(0, str(WORKFLOWS))
 import build_workflows  # noqa: E402
 
-NAMES = ["t2va", "fl2va", "ref2va", "ref2va_remote"]
-EXPECTED_CANVAS = {"t2va": (128, 64), "fl2va": (96, 64), "ref2va": (128, 64), "ref2va_remote": (128, 64)}
+NAMES = ["t2va", "fl2va", "ref2va", "ref2va_remote", "t2va_pruned_int8", "fl2va_pruned_fp8_nvfp4"]
+EXPECTED_CANVAS = {"t2va": (128, 64), "fl2va": (96, 64), "ref2va": (128, 64), "ref2va_remote": (128, 64),
+                   "t2va_pruned_int8": (128, 64), "fl2va_pruned_fp8_nvfp4": (96, 64)}
+# The real DiT and text encoder each template stands for (None: no text encoder, the endpoint encodes).
+EXPECTED_FILES = {
+    "t2va": ("minimax_h3_fl2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
+    "fl2va": ("minimax_h3_fl2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
+    "ref2va": ("minimax_h3_ref2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
+    "ref2va_remote": ("minimax_h3_ref2va_bf16.safetensors", None),
+    "t2va_pruned_int8": ("minimax_h3_fl2va_pruned_int8_convrot.safetensors",
+                         "qwen3vl_32b_minimax_h3_int8_convrot.safetensors"),
+    "fl2va_pruned_fp8_nvfp4": ("minimax_h3_fl2va_pruned_fp8_scaled.safetensors",
+                               "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"),
+}
 PACK_NODES = {
     "H3SplitTextEncoderLoader": (["text_encoder"], ["MINIMAX_H3_TEXT_ENCODER"], "loaders"),
     "H3SplitVideoVAELoader": (["vae"], ["MINIMAX_H3_VIDEO_VAE"], "loaders"),
@@ -141,9 +153,10 @@ def test_templates_carry_the_model_list_the_frontend_reads():
         workflow = json.loads((TEMPLATES / f"{name}.json").read_text())
         assert str(uuid.UUID(workflow["id"])) == workflow["id"]  # the schema wants a UUID
         models = workflow["models"]
-        expected_dit = "minimax_h3_ref2va_bf16.safetensors" if "ref2va" in name else "minimax_h3_fl2va_bf16.safetensors"
+        expected_dit, expected_te = EXPECTED_FILES[name]
         assert [m["name"] for m in models if m["directory"] == "diffusion_models"] == [expected_dit]
-        assert ("qwen3vl_32b_minimax_h3_bf16.safetensors" in {m["name"] for m in models}) == (name != "ref2va_remote")
+        text_encoders = [m["name"] for m in models if m["directory"] == "text_encoders"]
+        assert text_encoders == ([expected_te] if expected_te else [])
         for model in models:
             assert set(model) == {"name", "url", "directory"}
             assert model["url"] == f"{HF}/{model['directory']}/{model['name']}"

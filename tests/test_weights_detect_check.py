@@ -117,22 +117,23 @@ def _tiny_dit_shapes(model) -> dict:
     return support.shapes_of(comfy, support.dit_dtype)
 
 
-def test_pruned_dit_is_refused_with_what_is_supported(tiny, tmp_path):
+def test_pruned_dit_header_is_the_pruned_family(tiny, tmp_path):
+    """A pruned ("AdaLN curve") DiT is the DiT's `pruned` key family: K-wide AdaLN projections, no time_embedder."""
     shapes = _tiny_dit_shapes(tiny["models"]["transformer"])
     for key in [k for k in shapes if k.startswith("time_embedder.")]:
         del shapes[key]
     shapes["adaln_t_table"] = (torch.float32, (1001, 8))
     for key in [k for k in shapes if "adaln_proj.linear.weight" in k]:
-        shapes[key] = (torch.float32, (shapes[key][1][0], 8))
+        shapes[key] = (torch.float16, (shapes[key][1][0], 8))
     path = tmp_path / "minimax_h3_fl2va_pruned_bf16.safetensors"
     support.write_header_only(str(path), shapes)
-    with pytest.raises(weights.UnsupportedCheckpointError, match="pruned") as excinfo:
-        weights.detect(path)
-    assert "supported:" in str(excinfo.value) and "minimax_h3_{fl2va,ref2va}_{bf16," in str(excinfo.value)
+    det = weights.detect(path)
+    assert (det.component, det.partition, det.key_format, det.format) == ("transformer", "fl2va", "pruned", "dense")
     report = weights.check(path)
-    assert not report.ok and "pruned" in str(report)
-    with pytest.raises(weights.UnsupportedCheckpointError):
-        weights.load_transformer(path)
+    assert report.ok and "adaln_t_table [1001, 8]" in str(report), str(report)
+    shapes["adaln_t_table"] = (torch.float32, (1001, 4))  # AdaLN projections 8 wide: the shapes disagree
+    support.write_header_only(str(path), shapes)
+    assert not weights.check(path).ok
 
 
 @pytest.mark.parametrize("variant", ["int8_convrot", "fp8_scaled"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import urllib.request
 import uuid
@@ -31,6 +32,7 @@ REPO = HERE.parent
 INPUTS = HERE / "inputs"
 TEMPLATES = "example_workflows"  # relative to the repo root; ComfyUI serves it as the pack's templates
 TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
+TINY_FILE = "[embedded] tiny H3 / "  # + one of the tiny's single files (the quantised graphs pick them)
 FL2VA = "fl2va (t2va, first/last frame)"
 REF2VA = "ref2va (references)"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8190"
@@ -55,12 +57,25 @@ REAL_MODELS = {
     "audio_vae": ("minimax_h3_audio_vae_fp32.safetensors", "vae"),
     FL2VA: ("minimax_h3_fl2va_bf16.safetensors", "diffusion_models"),
     REF2VA: ("minimax_h3_ref2va_bf16.safetensors", "diffusion_models"),
+    # A loader set to a tiny twin stands for the published file of the same format ("<key> <variant>").
+    "text_encoder int8_convrot": ("qwen3vl_32b_minimax_h3_int8_convrot.safetensors", "text_encoders"),
+    "text_encoder nvfp4_awq": ("qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "text_encoders"),
+    f"{FL2VA} pruned_int8_convrot": ("minimax_h3_fl2va_pruned_int8_convrot.safetensors", "diffusion_models"),
+    f"{FL2VA} pruned_fp8_scaled": ("minimax_h3_fl2va_pruned_fp8_scaled.safetensors", "diffusion_models"),
 }
+
+
+def _with_variant(key: str, choice: str) -> str:
+    """`key`, or `key variant` when the loader picks a tiny twin (`..._tiny_[fl2va_|ref2va_]<variant>.safetensors`)."""
+    match = re.search(r"_tiny_(?:fl2va_|ref2va_)?(.+)\.safetensors$", choice) if choice.startswith(TINY_FILE) else None
+    return key if match is None or match.group(1) == "fp32" else f"{key} {match.group(1)}"
+
+
 LOADER_MODEL_KEY = {
-    "H3SplitTextEncoderLoader": lambda inputs: "text_encoder",
+    "H3SplitTextEncoderLoader": lambda inputs: _with_variant("text_encoder", inputs["text_encoder"]),
     "H3SplitVideoVAELoader": lambda inputs: "vae",
     "H3SplitAudioVAELoader": lambda inputs: "audio_vae",
-    "H3SplitDiTLoader": lambda inputs: inputs["partition"],
+    "H3SplitDiTLoader": lambda inputs: _with_variant(inputs["partition"], inputs["dit"]),
 }
 
 
@@ -214,11 +229,14 @@ def _is_link(value) -> bool:
 # --- the shipped graphs ------------------------------------------------------------------------
 
 
-def _models(graph: Graph, partition: str, text_encoder: bool = True):
-    te = graph.add("H3SplitTextEncoderLoader", text_encoder=TINY) if text_encoder else None
+def _models(graph: Graph, partition: str, text_encoder: bool = True, te_file: str = "", dit_file: str = ""):
+    """The four loaders on the embedded tiny H3, or on one of its single files (`te_file`, `dit_file`)."""
+    te_choice = TINY_FILE + te_file if te_file else TINY
+    te = graph.add("H3SplitTextEncoderLoader", text_encoder=te_choice) if text_encoder else None
     vae = graph.add("H3SplitVideoVAELoader", vae=TINY)
     audio_vae = graph.add("H3SplitAudioVAELoader", audio_vae=TINY)
-    dit = graph.add("H3SplitDiTLoader", dit=TINY, partition=partition, weight_dtype="default")
+    dit_choice = TINY_FILE + dit_file if dit_file else TINY
+    dit = graph.add("H3SplitDiTLoader", dit=dit_choice, partition=partition, weight_dtype="default")
     return te, vae, audio_vae, dit
 
 
@@ -302,6 +320,34 @@ def build_graphs() -> list[Graph]:
         task="ref2va",
     )
     _finish(g, dit, cond, vae, audio_vae, "ref2va_remote")
+    graphs.append(g)
+
+    g = Graph(
+        "t2va_pruned_int8",
+        "Text to video + audio on quantised files: the pruned int8 (ConvRot) DiT and the int8 text encoder, about "
+        "21 GB + 27 GB instead of 66 GB + 51 GB. Set on the embedded tiny H3's twins of those files.",
+    )
+    te, vae, audio_vae, dit = _models(g, FL2VA, te_file="qwen3vl_minimax_h3_tiny_int8_convrot.safetensors",
+                                      dit_file="minimax_h3_tiny_fl2va_pruned_int8_convrot.safetensors")
+    cond = _text_encode(
+        g, te, "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps.", "t2va"
+    )
+    _finish(g, dit, cond, vae, audio_vae, "t2va_pruned_int8")
+    graphs.append(g)
+
+    g = Graph(
+        "fl2va_pruned_fp8_nvfp4",
+        "First and last frame to video + audio on the smallest text encoder: the pruned fp8 DiT (about 21 GB) and "
+        "the NVFP4 (AWQ) text encoder (about 16 GB). Set on the embedded tiny H3's twins of those files.",
+    )
+    te, vae, audio_vae, dit = _models(g, FL2VA, te_file="qwen3vl_minimax_h3_tiny_nvfp4_awq.safetensors",
+                                      dit_file="minimax_h3_tiny_fl2va_pruned_fp8_scaled.safetensors")
+    first = g.add("LoadImage", image=EXAMPLE_MEDIA["first"])
+    last = g.add("LoadImage", image=EXAMPLE_MEDIA["last"])
+    keyframes = g.add("H3SplitKeyframes", first_frame=(first, 0), last_frame=(last, 0))
+    text = _text_encode(g, te, "The test card slides into the night sky; a low hum rises.", "fl2va", media=keyframes)
+    cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0))
+    _finish(g, dit, cond, vae, audio_vae, "fl2va_pruned_fp8_nvfp4")
     graphs.append(g)
     return graphs
 

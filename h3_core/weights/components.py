@@ -13,13 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from . import audio_vae_keys, config_merge, text_encoder_keys, transformer_keys, video_vae_keys
+from . import audio_vae_keys, config_merge, pruned, text_encoder_keys, transformer_keys, video_vae_keys
 from .errors import H3WeightsError, UnrecognisedCheckpointError
 from .keymap import ComponentHandler, KeyFamily
 
 HANDLERS: dict[str, ComponentHandler] = {
     handler.name: handler
-    for handler in (transformer_keys.HANDLER, video_vae_keys.HANDLER, audio_vae_keys.HANDLER, text_encoder_keys.HANDLER)
+    for handler in (
+        pruned.with_curve_family(transformer_keys.HANDLER),  # the DiT, pruned "AdaLN curve" files included
+        video_vae_keys.HANDLER,
+        audio_vae_keys.HANDLER,
+        text_encoder_keys.HANDLER,
+    )
 }
 
 # Pipeline slots: a partitioned handler's second partition gets its own slot.

@@ -5,7 +5,7 @@ A component (DiT, VAE, ...) says *what* a file holds; its format says *how* the 
 w6a8 and nvfp4_awq files). A quantised file is described layer by layer by its `.comfy_quant`
 markers (`weights.quant.plan`, which refuses unknown or unimplemented layer formats by name, before
 any weight is read); this registry only tells the two storage kinds apart. The pruned ("AdaLN curve")
-DiTs are recognised and refused with a message naming the format and what is supported.
+DiTs are not a format: they are a key family of the DiT handler (`pruned.py`), dense or quantised.
 Detection records the format (`Detection.format`), so the loaders can route on it.
 """
 
@@ -40,7 +40,7 @@ QUANT_SUFFIXES = (
 # Integer/fp8/fp4 storage for a weight means a quantised (or packed) tensor, whatever its name.
 QUANT_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I4", "U4"}
 DENSE_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "BOOL"}
-PRUNED_TABLE_KEY = "adaln_t_table"
+PRUNED_TABLE_KEY = "adaln_t_table"  # the pruned DiT's table (pruned.TABLE_KEY)
 
 
 @dataclass(frozen=True)
@@ -50,16 +50,6 @@ class WeightFormat:
     name: str
     supported: bool
     recognise: Callable[[Header], str | None]
-
-
-def _pruned(header: Header) -> str | None:
-    if PRUNED_TABLE_KEY not in header.tensors:
-        return None
-    shape = list(header.tensors[PRUNED_TABLE_KEY].shape)
-    return (
-        f"pruned MiniMax-H3 DiT (it replaces time_embedder with {PRUNED_TABLE_KEY} {shape} and feeds every AdaLN "
-        "projection from that table), which MiniMaxH3Transformer3DModel cannot run"
-    )
 
 
 def _quantised(header: Header) -> str | None:
@@ -80,9 +70,8 @@ def _dense(header: Header) -> str | None:
     return "dense" if all(info.dtype in DENSE_DTYPES for info in header.tensors.values()) else None
 
 
-# Checked in order: a pruned file is also stored densely, so it must be recognised first.
+# Checked in order. (The pruned "AdaLN curve" DiT is not a format: it is a key family of the DiT, see pruned.py.)
 FORMATS = (
-    WeightFormat("pruned_adaln", supported=False, recognise=_pruned),
     WeightFormat("quantised", supported=True, recognise=_quantised),
     WeightFormat("dense", supported=True, recognise=_dense),
 )

@@ -46,6 +46,9 @@ class KeyFamily:
     comfy: bool = False
     native: bool = False
     test: Callable[[object], bool] | None = None  # an extra condition on the key set, if markers are not enough
+    # False: the handler's `load_single_file` (diffusers' own reader) cannot read this family's Comfy files, which
+    # then take the loaders' generic assign path (the pruned DiT).
+    diffusers_single_file: bool = True
 
     def matches(self, keys) -> bool:
         return all(marker in keys for marker in self.markers) and (self.test is None or self.test(keys))

@@ -146,6 +146,15 @@ def _latent_stats(det: Detection) -> dict:
     return stats
 
 
+def _single_file_reader(det: Detection):
+    """The handler's own single-file loader for a Comfy file its key family allows it to read, else None."""
+    if det.layout != "comfyui" or det.quant is not None:
+        return None  # quantised files take the assign path (diffusers' reader would cast int8 codes to floats)
+    if not det.handler.family_named(det.key_format).diffusers_single_file:
+        return None
+    return det.handler.load_single_file
+
+
 def load(path, component: str, dtype: torch.dtype = torch.float32, partition: str | None = None) -> torch.nn.Module:
     """The `component` (a key of `components.HANDLERS`) at `path` as a ready, eval-mode module.
 
@@ -155,7 +164,7 @@ def load(path, component: str, dtype: torch.dtype = torch.float32, partition: st
     checked = check_detection(det)  # header only: a wrong file fails here, before any weight is read
     checked.raise_if_failed()
     stats = _latent_stats(det)
-    if det.layout == "comfyui" and handler.load_single_file is not None and det.quant is None:
+    if _single_file_reader(det) is not None:
         # diffusers' single-file loader reads the file itself: the bar shows its start and its end only.
         counter = progress.Counter("load", det.header.total_bytes) if progress.active() else None
         model = handler.load_single_file(det, checked.config)
