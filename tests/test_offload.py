@@ -115,3 +115,42 @@ def test_load_progress_bar_on_stderr(tiny_dir, capsys):
     assert lines[0].startswith("load [..............................]   0% 0.00/0.05 GB")
     assert lines[-1].startswith("load [##############################] 100% 0.05/0.05 GB")
     assert 2 <= len(lines) <= 12 and other == [("denoise", 1, 3)]
+
+
+def _twin(tiny_dir, folder, name):
+    path = tiny_dir / "comfyui" / folder / name
+    if not path.is_file():
+        pytest.skip(f"this tiny build has no {name} (built before the quantised twins)")
+    return path
+
+
+def test_quantised_text_encoder_streams_bitwise(tiny_dir, onloads):
+    """int8 + ConvRot language linears (QuantLinear): their int8 storage and scales stream as stored."""
+    path = _twin(tiny_dir, "text_encoders", "qwen3vl_minimax_h3_tiny_int8_convrot.safetensors")
+    source = ModelSource.from_path(tiny_dir, layout="comfyui")
+    source.paths["text_encoder"] = path
+    prepared = EncoderStage(source, components=("text",)).prepare(CASES["t2va-64x64-seed0"][0])
+    resident = EncoderStage(source, components=("text",))
+    stage = EncoderStage(source, components=("text",), offload="block")
+    int8 = [p for p in stage.text_encoder.model.language_model.layers[0].parameters() if p.dtype == torch.int8]
+    assert int8  # quantised storage, streamed at its stored size
+    expected, streamed = resident.encode_text(prepared), stage.encode_text(prepared)
+    assert torch.equal(streamed[0], expected[0])
+    assert any(module is stage.text_encoder.model.language_model.layers[3] for module in onloads)
+
+
+def test_pruned_int8_dit_streams_bitwise(tiny_dir, onloads):
+    """The pruned AdaLN-curve DiT with int8 + ConvRot block linears: streamed sampling equals resident."""
+    dit = _twin(tiny_dir, "diffusion_models", "minimax_h3_tiny_fl2va_pruned_int8_convrot.safetensors")
+    source = ModelSource.from_path(tiny_dir, layout="comfyui")
+    source.paths["transformer"] = dit
+    request, _, seed = CASES["t2va-64x64-seed0"]
+    cond = EncoderStage(source, components=("text",)).encode(request)
+    options = SamplingOptions(steps=STEPS, seed=seed)
+    expected = DiffusionStage(source).sample(cond, options)
+    stage = DiffusionStage(source, offload="block")
+    streamed = stage.sample(cond, options)
+    assert torch.equal(streamed.video, expected.video) and torch.equal(streamed.audio, expected.audio)
+    blocks = stage.transformer("t2va").transformer_blocks
+    assert any(p.dtype == torch.int8 for p in blocks[0].parameters())
+    assert sum(module is blocks[1] for module in onloads) == STEPS - 1
