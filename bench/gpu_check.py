@@ -1,20 +1,21 @@
 """GPU check: one full-size DiT forward streamed under a 24 GB cap and resident without it, and one
 streamed text-encoder forward, each measured peak next to the planner's prediction. Prints JSON.
 
-    python bench/gpu_check.py            # wherever torch sees CUDA (H200: a few minutes)
-    python bench/gpu_check.py --small    # the tiny H3 on CPU, same code path (tests/test_gpu_check.py)
+    python bench/gpu_check.py                         # wherever torch sees CUDA (H200: a few minutes)
+    python bench/gpu_check.py --small --models DIR    # the tiny H3's twins on CPU, same code path (a test runs it)
 
-Weights are random, materialised from the release models' shapes and dtypes (bf16 with the DiT's float32
-islands: the bf16 release files). The quantised / pruned release models (int8 text encoder, pruned int8 DiT)
-need the quantised and pruned model classes; until they are importable (h3_core.weights.quant,
-h3_core.weights.pruned) the check runs the bf16 files, the largest the planner plans, and says so in
-`"weights"`. Streaming is `h3_core.offload` (diffusers group offloading, block level, prefetch on a side
-stream). Host copies are left pageable and pinned per transfer (a 66 GB pinned copy does not fit beside the
-pageable one in 128 GB of RAM).
+Weights (`--weights release`, the default): the pruned int8 + ConvRot DiT and the int8 + ConvRot text
+encoder, as the synthetic release-size headers describe them (`weights.release_headers`), written as sparse
+files (no disk use) and loaded by this package's own loaders (QuantLinear layers, pruned AdaLN curve), then
+filled with random values in place (the file is mapped copy-on-write and never changes). With `--small` the
+tiny H3's twins of the same two files are loaded instead. `--weights bf16` materialises the bf16 release
+models from meta shapes (no quantised classes needed).
 
-Measured peak: `torch.cuda.max_memory_allocated` over the timed forward (the allocator's own view; the
-CUDA context is outside it). Planned peak: `planner.plan_component(...)` on the same model's tensors (its
-1 GiB reserve covers context and allocator slack).
+Streaming is `h3_core.offload` (diffusers group offloading, block level, prefetch on a side stream); host
+copies stay pageable and are pinned per transfer (pinned copies of 20-66 GB beside the pageable ones would
+not fit everywhere). Measured peak: `torch.cuda.max_memory_allocated` over the timed forward (the CUDA
+context is outside it). Planned peak: `planner.plan_component(...)` on the same file's header (its 1 GiB
+reserve covers the context and the allocator's slack). Bytes moved per step: every streamed tensor once.
 """
 
 from __future__ import annotations
@@ -75,6 +76,53 @@ def materialise(model: torch.nn.Module, dtype: torch.dtype, keep_fp32=(), *, mak
             module._parameters[name] = torch.nn.Parameter(data.to(place_on), requires_grad=False)
             del data
     return model.eval()
+
+
+RELEASE_FILES = {
+    "transformer": "diffusion_models/minimax_h3_fl2va_pruned_int8_convrot.safetensors",
+    "text_encoder": "text_encoders/qwen3vl_32b_minimax_h3_int8_convrot.safetensors",
+}
+TINY_TWINS = {
+    "transformer": "comfyui/diffusion_models/minimax_h3_tiny_fl2va_pruned_int8_convrot.safetensors",
+    "text_encoder": "comfyui/text_encoders/qwen3vl_minimax_h3_tiny_int8_convrot.safetensors",
+}
+
+
+def release_path(component: str, workdir: str, models: str | None) -> str:
+    """The file to load: a tiny twin from `models`, or a sparse release-size file written to `workdir`."""
+    if models:
+        return os.path.join(models, TINY_TWINS[component])
+    from h3_core.weights.release_headers import release_header, write_sparse
+
+    name = RELEASE_FILES[component]
+    path = os.path.join(workdir, os.path.basename(name))
+    if not os.path.exists(path):
+        tensors, data = release_header(name)
+        write_sparse(path, tensors, data)
+    return path
+
+
+@torch.no_grad()
+def randomise(model: torch.nn.Module) -> None:
+    """Random values in place (integer codes over their range, floats N(0, 0.02), norm weights 1)."""
+    for name, param in model.named_parameters():
+        if param.dtype.is_floating_point and param.dtype.itemsize >= 2:
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+        elif param.dtype == torch.int8:
+            param.random_(-127, 128)
+        elif param.dtype == torch.uint8:
+            param.random_(0, 256)
+
+
+def load_release(component: str, path: str, dtype: torch.dtype) -> torch.nn.Module:
+    from h3_core import weights
+
+    model = weights.load(path, component, dtype=dtype)
+    randomise(model)
+    return model
 
 
 def tensor_table(model: torch.nn.Module) -> dict[str, TensorInfo]:
@@ -158,41 +206,62 @@ def _record(name, plan, offload_mode, seconds, peak, moved, cap):
     }
 
 
-def check_dit(device, dtype, job, *, tiny: bool, streamed: bool) -> dict:
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    keep = MiniMaxH3Transformer3DModel._keep_in_fp32_modules
-    make_on = device if device.type == "cuda" else torch.device("cpu")
-    place_on = torch.device("cpu") if streamed else device
-    model = materialise(_meta_dit(tiny), dtype, keep, make_on=make_on, place_on=place_on)
-    if not streamed:
-        model.to(device)  # the buffers (rope) built with the meta model
-    plan = planner.plan_component("transformer", tensor_table(model), device=device.type, dtype=dtype,
+def _dit_plan(model, path, device, dtype, job):
+    if path is not None:
+        return planner.plan_file(path, device=device.type, dtype=dtype, **job)
+    return planner.plan_component("transformer", tensor_table(model), device=device.type, dtype=dtype,
                                   config=dict(model.config), **job)
+
+
+def _run_dit(model, plan, device, dtype, job, *, streamed: bool) -> dict:
     cap = CAP_BYTES if streamed and device.type == "cuda" else None
     _cap(device, cap)
     if streamed:
-        info = offload.stream_blocks(model, "transformer", device, pin=False)
-        moved = info.moved_per_forward
+        moved = offload.stream_blocks(model, "transformer", device, pin=False).moved_per_forward
     else:
+        offload.place(model, "transformer", device, "none")
         moved = 0
     inputs, _ = dit_inputs(model.config, device=device, dtype=dtype, **job)
     seconds, peak = timed_forward(lambda: model(**inputs), device)
     record = _record("dit_" + ("streamed" if streamed else "resident"), plan, "block" if streamed else "none",
                      seconds, peak, moved, cap)
     record["tokens"] = planner.dit_tokens(**job)
-    model = inputs = None  # free before the next check (the closure holds the cells)
+    record["loaded_bytes"] = offload.module_bytes(model)
+    inputs = None
     _cap(device, None)
     _free(device)
     return record
 
 
-def check_text_encoder(device, dtype, job, *, tiny: bool) -> dict:
-    make_on = device if device.type == "cuda" else torch.device("cpu")
-    model = materialise(_meta_text_encoder(tiny), dtype, make_on=make_on, place_on=torch.device("cpu"))
-    config = model.config.to_dict()
-    plan = planner.plan_component("text_encoder", tensor_table(model), device=device.type, dtype=dtype,
-                                  config=config, **job)
+def check_dits(device, dtype, job, *, tiny: bool, path: str | None) -> list[dict]:
+    """Resident (no cap) then streamed (24 GB cap): the same weights, moved back to the host in between."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    if path is not None:
+        model = load_release("transformer", path, dtype)
+    else:
+        make_on = device if device.type == "cuda" else torch.device("cpu")
+        model = materialise(_meta_dit(tiny), dtype, MiniMaxH3Transformer3DModel._keep_in_fp32_modules,
+                            make_on=make_on, place_on=torch.device("cpu"))
+    plan = _dit_plan(model, path, device, dtype, job)
+    records = [_run_dit(model, plan, device, dtype, job, streamed=False)]
+    model.to("cpu")
+    _free(device)
+    records.append(_run_dit(model, plan, device, dtype, job, streamed=True))
+    model = None
+    _free(device)
+    return records
+
+
+def check_text_encoder(device, dtype, job, *, tiny: bool, path: str | None) -> dict:
+    if path is not None:
+        model = load_release("text_encoder", path, dtype)
+        plan = planner.plan_file(path, device=device.type, dtype=dtype, **job)
+    else:
+        make_on = device if device.type == "cuda" else torch.device("cpu")
+        model = materialise(_meta_text_encoder(tiny), dtype, make_on=make_on, place_on=torch.device("cpu"))
+        plan = planner.plan_component("text_encoder", tensor_table(model), device=device.type, dtype=dtype,
+                                      config=model.config.to_dict(), **job)
     cap = CAP_BYTES if device.type == "cuda" else None
     _cap(device, cap)
     info = offload.stream_blocks(model, "text_encoder", device, pin=False)
@@ -204,6 +273,7 @@ def check_text_encoder(device, dtype, job, *, tiny: bool) -> dict:
 
     seconds, peak = timed_forward(run, device)
     record = _record("text_encoder_streamed", plan, "block", seconds, peak, info.moved_per_forward, cap)
+    record["loaded_bytes"] = offload.module_bytes(model)
     model = None
     _cap(device, None)
     _free(device)
@@ -211,28 +281,39 @@ def check_text_encoder(device, dtype, job, *, tiny: bool) -> dict:
 
 
 def main(argv=None) -> int:
+    import tempfile
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="the tiny H3 on CPU (what the test runs)")
+    parser.add_argument("--models", help="with --small: a tiny build with the quantised twins (python -m h3_core tiny)")
+    parser.add_argument("--weights", choices=("release", "bf16"), default="release",
+                        help="release: pruned int8 DiT + int8 text encoder (default); bf16: the bf16 release models")
     parser.add_argument("--device", default=None, help="default: cuda if torch sees it, else cpu")
+    parser.add_argument("--workdir", help="where the sparse release-size files go (default: a temporary folder)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu"))
     tiny = args.small
+    release = args.weights == "release"
+    if release and tiny and not args.models:
+        parser.error("--small with --weights release needs --models (a tiny build with the quantised twins)")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     job = {"width": 64, "height": 64, "frames": 124, "text_tokens": 16} if tiny else \
         {"width": 1344, "height": 768, "frames": 124, "text_tokens": 512}
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "weights": "random, release bf16 shapes (quantised / pruned classes not importable here)" if not tiny
-        else "random, tiny H3 shapes",
         "job": job,
         "checks": [],
     }
     started = time.perf_counter()
-    result["checks"].append(check_text_encoder(device, dtype, job, tiny=tiny))
-    result["checks"].append(check_dit(device, dtype, job, tiny=tiny, streamed=True))
-    result["checks"].append(check_dit(device, dtype, job, tiny=tiny, streamed=False))
+    with tempfile.TemporaryDirectory(prefix="h3-gpu-check-", dir=args.workdir) as workdir:
+        paths = {c: release_path(c, workdir, args.models if tiny else None) for c in RELEASE_FILES} if release \
+            else {c: None for c in RELEASE_FILES}
+        result["weights"] = {c: os.path.basename(p) if p else f"random, {'tiny' if tiny else 'release'} bf16 shapes"
+                             for c, p in paths.items()}
+        result["checks"].append(check_text_encoder(device, dtype, job, tiny=tiny, path=paths["text_encoder"]))
+        result["checks"] += check_dits(device, dtype, job, tiny=tiny, path=paths["transformer"])
     result["seconds_total"] = round(time.perf_counter() - started, 1)
     text = json.dumps(result, indent=2)
     print(text)
