@@ -120,8 +120,10 @@ def stream_blocks(module: torch.nn.Module, component: str, device, *, pin: bool 
     sizes = [module_bytes(block) for block in blocks]
     total = module_bytes(target)
     cuda = device.type == "cuda"
-    if pin is None:  # pre-pin when host RAM holds a second copy with room to spare
-        pin = cuda and devices.host_memory()[0] > 2 * total
+    if pin is None:
+        # Pre-pin only with room for a second copy and then some: the pinned copies are made while the
+        # originals still exist, and the pinned allocator rounds each block up to a power of two.
+        pin = cuda and devices.host_memory()[0] > 3 * total
     apply_group_offloading(
         target,
         onload_device=device,
