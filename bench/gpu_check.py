@@ -318,8 +318,14 @@ def main(argv=None) -> int:
             else {c: None for c in RELEASE_FILES}
         result["weights"] = {c: os.path.basename(p) if p else f"random, {'tiny' if tiny else 'release'} bf16 shapes"
                              for c, p in paths.items()}
-        result["checks"].append(check_text_encoder(device, dtype, job, tiny=tiny, path=paths["text_encoder"]))
-        result["checks"] += check_dits(device, dtype, job, tiny=tiny, path=paths["transformer"])
+        for name, check in (("text_encoder", check_text_encoder), ("transformer", check_dits)):
+            try:
+                records = check(device, dtype, job, tiny=tiny, path=paths[name])
+            except torch.OutOfMemoryError as error:  # a plan that was wrong is a result too: report, go on
+                records = {"check": name, "error": f"out of memory: {str(error).splitlines()[0]}"}
+                _cap(device, None)
+                _free(device)
+            result["checks"] += records if isinstance(records, list) else [records]
     result["seconds_total"] = round(time.perf_counter() - started, 1)
     text = json.dumps(result, indent=2)
     print(text)
