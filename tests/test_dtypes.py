@@ -102,7 +102,7 @@ def test_loads_keep_stored_bf16_and_map_files_instead_of_copying(tmp_path, tiny_
     _write_bf16_text_encoder(path)
     model = weights.load_text_encoder(str(path), dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    fp32 = next((tiny_dir / "comfyui" / "text_encoders").glob("*.safetensors"))
+    fp32 = next((tiny_dir / "comfyui" / "text_encoders").glob("*_fp32.safetensors"))
     bf16_growth, fp32_growth = _load_growth((path, "text_encoder", "bfloat16"), (fp32, "text_encoder", "float32"))
     for file, growth in ((path, bf16_growth), (fp32, fp32_growth)):
         size = os.path.getsize(file)
