@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from . import component_args, devices, facts, plan_report, progress
+from . import component_args, devices, facts, loadbar, plan_report, progress
 from .remote import engines
 
 
@@ -92,7 +92,7 @@ def _cmd_encode(args) -> int:
         from .encoder import EncoderStage
 
         request.validate()  # cheap rules before loading any weights
-        with progress.reporting(_phase_printer()):
+        with progress.reporting(loadbar.wrap(_phase_printer())):
             stage = EncoderStage(component_args.model_source(args), **devices.stage_kwargs(args, "text_encoder"))
             cond = stage.encode(request)
     cond.save(args.out)
@@ -122,7 +122,7 @@ def _cmd_generate(args) -> int:
         lora=LoRA.load(args.lora) if args.lora else None,
         lora_strength=args.lora_strength,
     )
-    with progress.reporting(_phase_printer()):
+    with progress.reporting(loadbar.wrap(_phase_printer())):
         latents = stage.sample(cond, options)
         if not args.dump:  # streamed: each decoded clip goes to the mp4 encoder, the video is never held whole
             stage.decode_to_mp4(latents, args.out, cond.task)
@@ -175,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     encode = sub.add_parser("encode", help="stage 0: prompt + media -> conditioning safetensors")
     models_args(encode)
-    devices.add_arguments(encode)
     component_args.add_component_args(encode)
+    devices.add_arguments(encode)
     encode.add_argument("--out", required=True, help="conditioning file to write (.safetensors)")
     encode.add_argument("--prompt", required=True)
     encode.add_argument("--task", choices=("t2va", "fl2va", "ref2va"), help="default: inferred from the media")
@@ -209,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = sub.add_parser("generate", help="stage 1: conditioning -> mp4")
     models_args(generate)
-    devices.add_arguments(generate)
     component_args.add_component_args(generate)
+    devices.add_arguments(generate)
     generate.add_argument("--cond", required=True, help="conditioning file from `encode`")
     generate.add_argument("--out", required=True, help="mp4 to write")
     generate.add_argument("--seed", type=int, default=0, help="as diffusers' torch.Generator('cpu').manual_seed(S)")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import devices, planner
+from . import devices, planner, progress
 
 # What streaming applies to, per component: the module to hook, and its children to recurse into.
 STREAMABLE = ("transformer", "transformer_ref", "text_encoder")
@@ -49,6 +49,22 @@ class Streaming:
 def module_bytes(module: torch.nn.Module) -> int:
     tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}  # tied weights once
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def to_device(module: torch.nn.Module, device) -> None:
+    """`module.to(device)`, one submodule at a time so the copy reports as the `load` progress phase
+    (the bytes read from the memory-mapped file are really read here, on their way to the device)."""
+    device = torch.device(device)
+    if device.type == "cpu" or not progress.active():
+        module.to(device)
+        return
+    counter = progress.Counter("load", module_bytes(module))
+    for sub in module.modules():
+        own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+        moved = sum(t.numel() * t.element_size() for t in own if t.device != device)
+        sub._apply(lambda t: t.to(device), recurse=False)
+        counter.advance(moved)
+    counter.finish()
 
 
 def _hook_target(module: torch.nn.Module, component: str) -> tuple[torch.nn.Module, list[str] | None]:
@@ -104,8 +120,10 @@ def stream_blocks(module: torch.nn.Module, component: str, device, *, pin: bool 
     sizes = [module_bytes(block) for block in blocks]
     total = module_bytes(target)
     cuda = device.type == "cuda"
-    if pin is None:  # pre-pin when host RAM holds a second copy with room to spare
-        pin = cuda and devices.host_memory()[0] > 2 * total
+    if pin is None:
+        # Pre-pin only with room for a second copy and then some: the pinned copies are made while the
+        # originals still exist, and the pinned allocator rounds each block up to a power of two.
+        pin = cuda and devices.host_memory()[0] > 3 * total
     apply_group_offloading(
         target,
         onload_device=device,
@@ -150,7 +168,7 @@ def place(module: torch.nn.Module, component: str, device, offload: str = "none"
     elif offload == "auto":
         offload = choose(module_bytes(module), activation_bytes, device, free_bytes=free_bytes)
     if offload == "none":
-        module.to(device)
+        to_device(module, device)
         return Streaming(mode="none", resident=module_bytes(module))
     return stream_blocks(module, component, device, pin=pin)
 

@@ -100,33 +100,24 @@ def _decide(role: str, plan: planner.ComponentPlan, extra_for, vram: int, ram: i
 
 
 def verdicts(plans: list[planner.ComponentPlan], vram: int, ram: int | None) -> list[Verdict]:
-    by = {}
-    for plan in plans:
-        by.setdefault(plan.component, plan)
-    vae, audio = by.get("vae"), by.get("audio_vae")
+    """One verdict per DiT file (the diffusion machine) and per text-encoder file (a local encoder), with the
+    first video / audio VAE given sharing the device."""
+    vae = next((p for p in plans if p.component == "vae"), None)
+    audio = next((p for p in plans if p.component == "audio_vae"), None)
     decoders = sum(p.device_bytes for p in (vae, audio) if p is not None)
     decode_work = max((p.activation for p in (vae, audio) if p is not None), default=0)
     out = []
-    for key in planner.DIT_COMPONENTS:
-        if key in by:
-            dit = by[key]
-
-            def decode_phase(offload, dit=dit):
+    for plan in plans:
+        if plan.component in planner.DIT_COMPONENTS:
+            def decode_phase(offload, dit=plan):  # a resident DiT stays loaded while the VAEs decode
                 kept = dit.device_bytes if offload == "none" else 0
                 return kept + decoders + decode_work + planner.RESERVE_BYTES
 
-            out.append(_decide(f"diffusion ({dit.name})", dit, decode_phase, vram, ram))
-    if "text_encoder" in by:
-        te = by["text_encoder"]
-        out.append(_decide(f"local encoder ({te.name})", te, lambda offload: 0, vram, ram))
-        # the VAEs share the device with the text encoder's weights (not its activations)
-        if out[-1].offload is not None:
-            shared = out[-1].peak + decoders
-            if not _fits(shared, out[-1].host, vram, ram):
-                out[-1] = Verdict(out[-1].role, None, shared, out[-1].host,
-                                  "the VAEs do not fit beside it: encode text remotely (`encode --server URL`)")
-            else:
-                out[-1] = Verdict(out[-1].role, out[-1].offload, shared, out[-1].host, "")
+            out.append(_decide(f"diffusion ({plan.name})", plan, decode_phase, vram, ram))
+        elif plan.component == "text_encoder":
+            # the VAEs' weights share the device with the text encoder (their work comes after it)
+            out.append(_decide(f"local encoder ({plan.name})", plan,
+                               lambda offload, te=plan: te.peak(offload) + decoders, vram, ram))
     return out
 
 
@@ -149,9 +140,10 @@ def _gb(value: int) -> str:
 
 def run(args) -> int:
     if args.table:
-        from .plan_tables import machine_table
+        from .plan_tables import machine_choices, machine_table
 
-        print(machine_table(width=args.width, height=args.height, frames=args.frames, text_tokens=args.text_tokens))
+        job = {"width": args.width, "height": args.height, "frames": args.frames, "text_tokens": args.text_tokens}
+        print(machine_table(**job) + "\n\n" + machine_choices(**job))
         return 0
     if args.vram is None:
         raise ValueError("plan needs --vram GB (the GPU's memory)")

@@ -224,15 +224,26 @@ class ComponentPlan:
         return HOST_OVERHEAD_BYTES + (self.device_bytes if offload == "block" else 0)
 
 
+def _loaded_itemsize(component: str, tag: str, compute: torch.dtype, all_fp32: bool) -> int:
+    """Bytes per element of a stored floating tensor once loaded (the loaders' dtype rule): a float32 run
+    widens everything; the VAEs load in float32; a float32-throughout file (the tiny H3, fp32 exports) takes
+    the compute dtype; the pruned DiT's float16 AdaLN projections load as float32; otherwise as stored (a bf16
+    release file's float32 islands are the modules kept in float32). Integer (quantised) storage never changes."""
+    if compute == torch.float32 or component in ("vae", "audio_vae"):
+        return 4
+    if all_fp32:
+        return compute.itemsize
+    if tag == "F16" and component in DIT_COMPONENTS:
+        return 4
+    return _dtype_tag_bytes(tag)
+
+
 def plan_component(component: str, tensors: Mapping, *, name: str = "", width: int, height: int, frames: int,
                    text_tokens: int = DEFAULT_TEXT_TOKENS, device: str = "cuda", dtype=None,
                    config: Mapping | None = None) -> ComponentPlan:
     """Plan one component from its tensor table (`{name: entry}` with `.dtype` tags and `.nbytes`).
 
-    Loaded bytes follow `dtypes`: integer (quantised) tensors stay as stored; floating tensors take the
-    compute dtype when the file is float32 throughout (the tiny H3, fp32 exports) and in the VAEs (loaded in
-    float32 by the official rule), otherwise they stay as stored (a bf16 release file's float32 islands are
-    the modules kept in float32)."""
+    Each tensor is counted at the size the loaders give it (`_loaded_itemsize`)."""
     from .dtypes import compute_dtype
 
     compute = compute_dtype(component, device, dtype)
@@ -241,9 +252,12 @@ def plan_component(component: str, tensors: Mapping, *, name: str = "", width: i
     per_block: dict[tuple[str, int], int] = {}
     device_bytes = rest = 0
     for tensor_name, entry in tensors.items():
+        if tensor_name.endswith(".comfy_quant"):  # per-layer format markers: parsed at load, never kept
+            continue
         nbytes = _entry_bytes(entry)
-        if entry.dtype in floating and (all_fp32 or component in ("vae", "audio_vae")):
-            nbytes = nbytes // _dtype_tag_bytes(entry.dtype) * compute.itemsize
+        if entry.dtype in floating:
+            size = _loaded_itemsize(component, entry.dtype, compute, all_fp32)
+            nbytes = nbytes // _dtype_tag_bytes(entry.dtype) * size
         device_bytes += nbytes
         block = _block_of(tensor_name) if component in STREAMABLE else None
         if block is None:

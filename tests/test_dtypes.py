@@ -57,15 +57,56 @@ def _write_bf16_text_encoder(path):
     return model
 
 
-def test_bf16_text_encoder_stays_bf16_without_a_copy(tmp_path):
+# Loads a checkpoint twice (the first warms imports) and prints how much anonymous memory (a private copy of
+# the weights would be anonymous) and file-backed memory (the safetensors mapping) the second load added.
+_RSS_PROBE = """
+import json, sys, torch
+from h3_core import weights
+def rss():
+    rows = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return {key: int(rows[key].split()[0]) * 1024 for key in ("RssAnon", "RssFile")}
+growths = []
+for path, component, dtype in zip(*[iter(sys.argv[1:])] * 3):
+    weights.load(path, component, dtype=getattr(torch, dtype))
+    before = rss()
+    model = weights.load(path, component, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        touched = sum(float(p.float().sum()) for p in model.parameters())  # read every weight once
+    after = rss()
+    growths.append({key: after[key] - before[key] for key in after})
+    del model
+print(json.dumps(growths))
+"""
+
+
+def _load_growth(*triples):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    args = [str(item) for triple in triples for item in triple]
+    done = subprocess.run([sys.executable, "-c", _RSS_PROBE, *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_loads_keep_stored_bf16_and_map_files_instead_of_copying(tmp_path, tiny_dir):
+    """A bf16 text encoder loaded in bf16 keeps bf16 parameters, and no load makes a private copy of
+    the weights: the anonymous memory a load adds stays a small fraction of the file (the tiny fp32 text
+    encoder is 47 MB), the file's pages are what the parameters are."""
     path = tmp_path / "te_bf16.safetensors"
     _write_bf16_text_encoder(path)
-    size = os.path.getsize(path)
     model = weights.load_text_encoder(str(path), dtype=torch.bfloat16)
-    params = list(model.parameters())
-    assert params and {p.dtype for p in params} == {torch.bfloat16}
-    # every parameter is a view into the file's memory map: no float32 (or any) copy was made
-    assert {p.untyped_storage().nbytes() for p in params} == {size}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    fp32 = next((tiny_dir / "comfyui" / "text_encoders").glob("*_fp32.safetensors"))
+    bf16_growth, fp32_growth = _load_growth((path, "text_encoder", "bfloat16"), (fp32, "text_encoder", "float32"))
+    for file, growth in ((path, bf16_growth), (fp32, fp32_growth)):
+        size = os.path.getsize(file)
+        assert growth["RssAnon"] < 0.1 * size and growth["RssFile"] > 0.5 * size, (file.name, size, growth)
     # a CPU float32 run widens them (the only upcast the rule allows)
     wide = weights.load_text_encoder(str(path), dtype=torch.float32)
     assert {p.dtype for p in wide.parameters()} == {torch.float32}

@@ -18,7 +18,7 @@ def _tiny_files(tiny_dir: Path):
 
 def test_parameter_bytes_equal_the_sum_of_tensor_bytes(tiny_dir):
     files = _tiny_files(tiny_dir)
-    assert len(files) == 5
+    assert len(files) >= 5  # the fp32 single files (+ precision and quantised twins)
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             total = sum(handle.get_tensor(k).numel() * handle.get_tensor(k).element_size() for k in handle.keys())
@@ -29,29 +29,19 @@ def test_parameter_bytes_equal_the_sum_of_tensor_bytes(tiny_dir):
     assert planner.parameter_bytes(folder) == expected
 
 
-# Published byte counts (Comfy-Org/MiniMax-H3, docs/REAL_WEIGHTS.md).
-PUBLISHED = {
-    ("dit", "bf16"): 66.3e9,
-    ("dit", "pruned_bf16"): 40.23e9,
-    ("dit", "int8_convrot"): 34_038_892_334,
-    ("dit", "pruned_int8_convrot"): 20_970_379_616,
-    ("dit", "pruned_fp8_scaled"): 20_958_205_608,
-    ("te", "bf16"): 51.5e9,
-    ("te", "int8_convrot"): 27_141_342_152,
-    ("te", "nvfp4_awq"): 15_687_142_551,
-}
+def _published():
+    from h3_core.weights.release_headers import PUBLISHED
+
+    return PUBLISHED
 
 
-@pytest.mark.parametrize("key", sorted(PUBLISHED))
-def test_release_tables_match_published_sizes(key):
-    kind, variant = key
-    table = plan_tables.dit_table(variant) if kind == "dit" else plan_tables.text_encoder_table(variant)
-    assert planner.parameter_bytes(table) == pytest.approx(PUBLISHED[key], rel=0.01)
-
-
-def test_release_vae_tables():
-    assert planner.parameter_bytes(plan_tables.vae_table("vae")) == pytest.approx(5_207_808_496, rel=0.01)
-    assert planner.parameter_bytes(plan_tables.vae_table("audio_vae")) == pytest.approx(605_254_808, rel=0.01)
+@pytest.mark.parametrize("name", sorted(_published()))
+def test_release_tables_match_published_sizes(name):
+    """Planned from the synthetic release headers: the published byte counts within 1 % (the w6a8 DiT, whose
+    real header nobody has read yet, within 1.5 % of its listed, rounded 15.98 GB)."""
+    published = _published()[name]
+    planned = planner.parameter_bytes(plan_tables.published_table(name))
+    assert planned == pytest.approx(published.bytes, rel=0.01 if "w6a8" not in name else 0.015)
 
 
 def test_activation_arithmetic_matches_the_note():

@@ -19,7 +19,6 @@ import torch
 from safetensors import safe_open
 
 from .. import progress
-from ..safetensors_header import read_header as read_safetensors_header
 from .errors import H3WeightsError
 from .headers import Header
 
@@ -28,12 +27,6 @@ SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 
 def load_tensors(header: Header, names: set[str] | None = None, *, report: bool = False) -> dict[str, torch.Tensor]:
     """Load the named tensors (all by default) of a checkpoint whose header was read earlier.
-
-    Tensors are views into a private (copy-on-write) memory map of each file: nothing is read until a
-    tensor is used, pages stay file-backed (the kernel can drop and re-read them under memory pressure)
-    and no second copy of the weights is made; a cast or a move to a device reads them once. A tensor
-    whose bytes are not aligned to its item size, or of a dtype torch cannot view, is read by
-    `safe_open` instead (a private copy of that tensor only).
 
     `report`: count the bytes read as the `load` progress phase (whole-model loads only, so the
     small reads of statistics and check tables do not start bars of their own)."""
@@ -49,38 +42,14 @@ def load_tensors(header: Header, names: set[str] | None = None, *, report: bool 
         counter = progress.Counter("load", sum(header.tensors[name].nbytes for name in wanted))
     tensors: dict[str, torch.Tensor] = {}
     for path, file_names in by_file.items():
-        mapped = _mapped_tensors(path, file_names)
-        copied = [name for name in file_names if name not in mapped]
-        tensors.update(mapped)
-        if copied:
-            with safe_open(path, framework="pt", device="cpu") as handle:
-                for name in copied:
-                    tensors[name] = handle.get_tensor(name)
-        if counter is not None:
-            counter.advance(sum(header.tensors[name].nbytes for name in file_names))
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            for name in file_names:
+                tensors[name] = handle.get_tensor(name)
+                if counter is not None:
+                    counter.advance(header.tensors[name].nbytes)
     if counter is not None:
         counter.finish()
     return tensors
-
-
-def _mapped_tensors(path: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """Views of `names` into one copy-on-write map of `path` (those that can be viewed)."""
-    parsed = read_safetensors_header(path)
-    size = os.path.getsize(path)
-    if size == 0:
-        return {}
-    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
-    data = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
-    views = {}
-    for name in names:
-        entry = parsed.tensors[name]
-        dtype = entry.torch_dtype
-        begin = parsed.data_start + entry.begin
-        if dtype is None or begin % dtype.itemsize:
-            continue
-        raw = data[begin : parsed.data_start + entry.end]
-        views[name] = (raw.view(dtype) if dtype != torch.bool else raw.view(torch.bool)).reshape(entry.shape)
-    return views
 
 
 def _plain_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -265,7 +265,7 @@ def _load_single_file(det, config: dict):
     with tempfile.TemporaryDirectory(prefix="h3-dit-config-") as config_dir:
         write_json(os.path.join(config_dir, "config.json"), {"_class_name": "MiniMaxH3Transformer3DModel", **config})
         model = MiniMaxH3Transformer3DModel.from_single_file(
-            load_tensors(det.header), config=config_dir, local_files_only=True, torch_dtype=None  # memory-mapped
+            det.path, config=config_dir, local_files_only=True, torch_dtype=None
         )
     # from_single_file's low-memory path leaves absent weights on `meta` instead of failing.
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
