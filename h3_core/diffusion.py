@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import configs, previews, progress, rules, vae_stream
+from . import configs, dtypes, previews, progress, rules, vae_stream
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning
 from .lora import LoRA
@@ -280,8 +280,13 @@ class DiffusionStage:
     @torch.no_grad()
     def decode_video(self, latents: AVLatents, sink: vae_stream.FrameSink,
                      cancel: threading.Event | None = None) -> vae_stream.DecodePlan:
-        """The video only, into `sink` clip by clip (reports the `decode_video` phase, one unit per tile)."""
-        return vae_stream.decode_video(self.vae, latents.video.to(self.device), sink, cancel=cancel)
+        """The video only, into `sink` clip by clip (reports the `decode_video` phase, one unit per tile).
+
+        On CUDA the decoder runs under the official fp16 autocast (dtypes.vae_decode_autocast); on CPU nothing
+        changes, so the decode stays bitwise diffusers' fp32 decode. The audio VAE never runs under it."""
+        vae_dtype = next(self.vae.parameters()).dtype
+        with dtypes.vae_decode_autocast(self.device, vae_dtype):
+            return vae_stream.decode_video(self.vae, latents.video.to(self.device), sink, cancel=cancel)
 
     @torch.no_grad()
     def decode_audio(self, latents: AVLatents, task: str, num_frames: int) -> torch.Tensor:
