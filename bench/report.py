@@ -8,7 +8,7 @@ from typing import Any
 
 MB = 1e6
 
-# Reference points at real scale, as vLLM-Omni reported them (docs/ARCHITECTURE.md §8).
+# Reference points at real scale, as vLLM-Omni reported them (docs/ARCHITECTURE.md §9).
 VLLM_OMNI = {"colocated_s": 15.658, "disaggregated_s": 15.635, "bytes_per_token": 10_240, "e2e_50_steps_s": 284.01}
 
 
@@ -414,7 +414,7 @@ def _md_split(split, wire=None):
             )
         L.append("")
         L.append(
-            "At real scale (vLLM-Omni's published figures, docs/ARCHITECTURE.md §8): the text encoder is ~51.5 GB "
+            "At real scale (vLLM-Omni's published figures, docs/ARCHITECTURE.md §9): the text encoder is ~51.5 GB "
             "in bf16, the DiT ~62-65 GiB, the "
             "VAEs ~10 GiB; vLLM-Omni's split took the DiT GPUs from 78-80 GB to 53-54 GB peak. The diffusion "
             "side here loads no text-encoder weights at all."

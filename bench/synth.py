@@ -6,7 +6,7 @@ REAL_TEXT_DIM = 5120
 BYTES_PER_TOKEN = REAL_TEXT_DIM * 2 + 8  # bf16 hidden state + int64 tag
 
 # Contract sizes named in the issue: ~0.2 MB (a short prompt), ~10 MB, ~70 MB (the 6,883-token presentation of a
-# one-image Ref2VA request logged on GB10; docs/ARCHITECTURE.md §8).
+# one-image Ref2VA request logged on GB10; docs/ARCHITECTURE.md §9).
 SIZES = {"0.2MB": 20, "10MB": 977, "70MB": 6883}
 
 
