@@ -132,15 +132,21 @@ def test_unknown_formats_are_refused_by_name_before_any_weight(tmp_path, dit, mo
         tensors["blocks.1.mlp.fc2.comfy_quant"] = markers.encode(marker)
 
     path = _dit_file(tmp_path, dit, edit)
+    from h3_core.weights.quant import plan
+
     read = []
-    original = weights.safetensors_io.load_tensors
+    original = plan._read_markers
 
-    def spy(header, names=None, **kwargs):
-        read.append(set(header.tensors) if names is None else set(names))
-        return original(header, names, **kwargs)
+    def spy(header, keys):
+        read.append(set(keys))
+        return original(header, keys)
 
-    monkeypatch.setattr(weights.safetensors_io, "load_tensors", spy)
-    monkeypatch.setattr(weights.loaders, "load_tensors", spy)
+    def no_data(*args, **kwargs):
+        raise AssertionError("a refused format must not read tensor data")
+
+    monkeypatch.setattr(plan, "_read_markers", spy)
+    monkeypatch.setattr(weights.safetensors_io, "load_tensors", no_data)
+    monkeypatch.setattr(weights.loaders, "load_tensors", no_data)
     with pytest.raises(weights.UnsupportedCheckpointError, match="is not supported") as excinfo:
         weights.load_transformer(path)
     message = str(excinfo.value)

@@ -77,9 +77,11 @@ def test_twins_have_the_published_names_dtypes_and_markers(twins, twin):
 
 def test_check_names_every_layer_family(twins):
     report = str(weights.check(_path(twins, "fl2va", "int8_convrot")))
-    assert "formats: DiT fl2va · AdaLN projections int8 row-wise x2 · block linears int8_convrot (group 64) x8" in report
+    assert ("formats: DiT fl2va · AdaLN projections int8 row-wise x2 · block linears int8_convrot (group 64) x8"
+            in report)
     report = str(weights.check(_path(twins, "text_encoder", "nvfp4_awq")))
-    assert "embed_tokens int8 row-wise x1" in report and "language linears nvfp4 (block 16, AWQ pre-scale) x100" in report
+    assert "embed_tokens int8 row-wise x1" in report
+    assert "language linears nvfp4 (block 16, AWQ pre-scale) x100" in report
 
 
 ERRORS = {}  # format -> (max relative error, its bound), filled by the next test, printed for the docs

@@ -185,7 +185,8 @@ def _video_vae(variant: str) -> tuple[dict, dict]:
     int8 = variant == "int8_convrot"
     # The int8 file keeps the decoder's other tensors (biases, norms, proj_out, ...) in F32: with that the byte
     # count matches the published file to within its header's size (inferred; without it, 0.55 % short).
-    tensors = _dense("vae", lambda n: "F32" if n.startswith("latents_") or (int8 and n.startswith("decoder.")) else "F16")
+    tensors = _dense("vae", lambda n: "F32" if n.startswith("latents_") or (int8 and n.startswith("decoder."))
+                     else "F16")
     data: dict = {}
     if int8:  # the decoder ViT linears (attention and MLP of every decoder block)
         _quantise(tensors, data, "int8_convrot", dict.fromkeys(sorted(n for n in tensors if _VAE_LINEAR.fullmatch(n)),
