@@ -110,6 +110,8 @@ class LoRA:
                 up_d = up.to(target.weight.device, target.weight.dtype)
 
                 def hook(mod, args, output, down_d=down_d, up_d=up_d, factor=factor):
+                    if down_d.device != args[0].device:  # a streamed layer (ComfyUI low VRAM): weights on the offload
+                        down_d, up_d = down_d.to(args[0].device), up_d.to(args[0].device)  # device, input on GPU
                     return output + factor * torch.nn.functional.linear(
                         torch.nn.functional.linear(args[0].to(down_d.dtype), down_d), up_d
                     ).to(output.dtype)

@@ -185,7 +185,7 @@ def test_service_batches_queued_prompts_of_equal_length(stage):
         for round_ in range(2):  # the first batch of a shape is checked against single encodes, the second trusted
             jobs = [_submit(service, f"c{i}", _prompt(f"c{i}", round_)) for i in range(3)]
             jobs.append(_submit(service, "z", "Another prompt, of another length entirely."))
-            results.append([(await job.future)[0] for job in jobs])
+            results.append([(await job.future)[0].tobytes() for job in jobs])
         return results, dict(service.batcher.stats)
 
     results, stats = asyncio.run(_run(stage, ServerConfig(threads=1, text_batch=8), body))
