@@ -42,6 +42,9 @@ if str(REPO) not in sys.path:
 
 from bench import common  # noqa: E402
 from bench.remote import EncoderServer  # noqa: E402
+from h3_core.remote import protocol  # noqa: E402
+
+PV = protocol.PROTOCOL_VERSION  # the request JSON's "protocol" field
 
 FULL = dict(passes=4, single=24, per_client=6, clients=16, flood=100, light=6)
 QUICK = dict(passes=2, single=12, per_client=3, clients=16, flood=100, light=4)
@@ -64,7 +67,7 @@ class Client:
         self.conn = http.client.HTTPConnection(host, int(port), timeout=300, source_address=(source, 0))
 
     def encode(self, prompt: str) -> float:
-        body = json.dumps({"protocol": 1, "prompt": prompt, "width": 64, "height": 64, "num_frames": 124})
+        body = json.dumps({"protocol": PV, "prompt": prompt, "width": 64, "height": 64, "num_frames": 124})
         t0 = time.perf_counter()
         self.conn.request("POST", "/v1/encode", body=body, headers={"Content-Type": "application/json"})
         response = self.conn.getresponse()
@@ -213,7 +216,7 @@ def flood_worker(spec: dict) -> None:
         client = Client(spec["url"], spec["source"])
         i = 0
         while not stop.is_set():
-            body = json.dumps({"protocol": 1, "prompt": _prompt("flood", spec["base"] + k * 1000 + i), "width": 64,
+            body = json.dumps({"protocol": PV, "prompt": _prompt("flood", spec["base"] + k * 1000 + i), "width": 64,
                                "height": 64, "num_frames": 124})
             client.conn.request("POST", "/v1/encode", body=body, headers={"Content-Type": "application/json"})
             if i == 0:

@@ -22,6 +22,9 @@ from pathlib import Path
 
 from bench import common
 from h3_core import testing
+from h3_core.remote import protocol
+
+PV = protocol.PROTOCOL_VERSION  # the request JSON's "protocol" field
 
 
 class EncoderServer:
@@ -103,7 +106,7 @@ def cache_state(url: str, prompt: str) -> str | None:
     """X-H3-Cache of a plain-JSON encode of a text-only 64x64x124 request (same cache key as the client's)."""
     host, port = url.split("//", 1)[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = json.dumps({"protocol": 1, "prompt": prompt, "width": 64, "height": 64, "num_frames": 124})
+    body = json.dumps({"protocol": PV, "prompt": prompt, "width": 64, "height": 64, "num_frames": 124})
     conn.request("POST", "/v1/encode", body=body, headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     response.read()

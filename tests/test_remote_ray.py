@@ -36,6 +36,8 @@ from h3_core.remote.server import ServerConfig, ServerThread  # noqa: E402
 from h3_core.request import EncodeRequest  # noqa: E402
 from h3_core.testing import SERVER_THREADS, PromptPaced, wait_until  # noqa: E402
 
+PV = protocol.PROTOCOL_VERSION  # the request JSON's "protocol" field
+
 MiB = 1 << 20
 TOKEN = "ray-test-token-" + "z" * 24
 TOKEN_ENV = "H3_RAY_TEST_TOKEN"
@@ -171,7 +173,7 @@ def test_metrics_on_ray_count_what_the_client_sent(ray_url):
                                                                            **headers})
         assert status == expected
 
-    fox = {"protocol": protocol.PROTOCOL_VERSION, "prompt": f"A fox on Ray {salt}.", "width": 64, "height": 64,
+    fox = {"protocol": PV, "prompt": f"A fox on Ray {salt}.", "width": 64, "height": 64,
            "num_frames": 124}
     send(200, fox)
     send(200, fox)  # the ingress's cache answers
@@ -322,7 +324,7 @@ def _authed_upload(url: str, declared: int, first: bytes) -> socket.socket:
             f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {declared}\r\n\r\n").encode()
     part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"request\"\r\nContent-Type: application/json"
             "\r\n\r\n").encode()
-    spec = json.dumps({"protocol": 1, "prompt": "<Picture 1> waves.", "ref_images": [{"part": "i"}]}).encode()
+    spec = json.dumps({"protocol": PV, "prompt": "<Picture 1> waves.", "ref_images": [{"part": "i"}]}).encode()
     image = (f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"i\"; filename=\"i.png\"\r\n"
              "Content-Type: image/png\r\n\r\n").encode()
     sock.sendall(head + part + spec + image + first)
@@ -359,12 +361,12 @@ def test_slow_upload_408_and_bytes_in_flight_capped_per_client(engine):
 
 def test_corrupt_gzip_is_a_400_and_the_operator_deadline_caps_clients(engine):
     name, url = engine
-    good = gzip.compress(json.dumps({"protocol": 1, "prompt": "A fox.", "width": 64, "height": 64}).encode())
+    good = gzip.compress(json.dumps({"protocol": PV, "prompt": "A fox.", "width": 64, "height": 64}).encode())
     headers = {"Content-Type": "application/json", "Content-Encoding": "gzip", **AUTH}
     status, _, data = _raw(url, "POST", protocol.ENCODE_PATH, good[:12] + b"\x00garbage" * 8, headers)
     assert status == 400 and json.loads(data)["error"]["code"] == "bad_encoding", (name, data)
     assert _raw(url, "POST", protocol.ENCODE_PATH, good, headers)[0] == 200
-    body = json.dumps({"protocol": 1, "prompt": "A fox.", "width": 64, "height": 64, "deadline_s": 100}).encode()
+    body = json.dumps({"protocol": PV, "prompt": "A fox.", "width": 64, "height": 64, "deadline_s": 100}).encode()
     status, _, data = _raw(url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": "application/json", **AUTH})
     error = json.loads(data)["error"]
     assert status == 422 and error["field"] == "deadline_s" and "30" in error["message"]
@@ -389,7 +391,7 @@ def test_decoded_bytes_are_bounded_per_request(engine):
 
     name, url = engine
     image = media.encode_png_bytes(np.zeros((2048, 1536, 3), np.uint8))  # 9 MiB decoded each, a few KiB sent
-    body = {"protocol": 1, "prompt": "<Picture 1> meets <Picture 2>.", "num_frames": 124,
+    body = {"protocol": PV, "prompt": "<Picture 1> meets <Picture 2>.", "num_frames": 124,
             "ref_images": [{"part": "i0"}, {"part": "i1"}]}
     content_type, buffers = packing.encode_multipart(
         body, [("i0", "image/png", "i0.png", image), ("i1", "image/png", "i1.png", image)])
