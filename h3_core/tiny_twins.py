@@ -28,17 +28,12 @@ from pathlib import Path
 import torch
 
 from .weights.quant import quantise_state_dict
+from .weights.release_headers import DIT_BLOCK_LINEARS, DIT_FP32_PREFIXES, TE_AWQ, TE_LINEARS, VAE_DECODER_LINEARS
 from .weights.safetensors_io import write_file
 
-# The DiT's float32 islands in every published precision (patch projections, time embedder, output heads, rope).
-DIT_FP32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
-                     "final_layer.audio_out.", "rope.")
-DIT_BLOCK_LINEARS = re.compile(r"blocks\.\d+\.(attn\.(qkv_proj|out_proj)|mlp\.(fc1|fc2))\.weight")
+# The published files' layer sets (float32 islands, quantised linears) have one home: weights/release_headers.
 DIT_ADALN = re.compile(r"blocks\.\d+\.adaln_proj\.linear\.weight")
-TE_LINEARS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
-TE_AWQ = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight")
 TE_EMBED = "model.embed_tokens.weight"
-VAE_DECODER_LINEARS = re.compile(r"decoder\.transformer_blocks\.\d+\.(attn\.(to_qkv|to_out)|ff\.(w1|w2))\.weight")
 VAE_FP32 = ("latents_mean", "latents_std")
 
 SOURCES = {  # twin family -> the tiny fp32 file it is made from (relative to the models folder)

@@ -34,12 +34,12 @@ from .quant.writer import quantised_header
 PRUNED_GRID, PRUNED_RANK = 1025, 8
 DIT_FP32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
                      "final_layer.audio_out.", "rope.")
-_BLOCK_LINEAR = re.compile(r"blocks\.\d+\.(attn\.(qkv_proj|out_proj)|mlp\.(fc1|fc2))\.weight")
+DIT_BLOCK_LINEARS = re.compile(r"blocks\.\d+\.(attn\.(qkv_proj|out_proj)|mlp\.(fc1|fc2))\.weight")
 _REFINER_LINEAR = re.compile(r"token_refiner\.blocks\.\d+\.(attn\.(qkv_proj|out_proj)|mlp\.(fc1|fc2))\.weight")
 _ADALN = re.compile(r"(blocks\.\d+\.|final_layer\.)adaln_proj\.linear\.(weight|bias)")
-_TE_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
-_TE_AWQ = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight")
-_VAE_LINEAR = re.compile(r"decoder\.transformer_blocks\.\d+\.(attn\.(to_qkv|to_out)|ff\.(w1|w2))\.weight")
+TE_LINEARS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+TE_AWQ = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight")
+VAE_DECODER_LINEARS = re.compile(r"decoder\.transformer_blocks\.\d+\.(attn\.(to_qkv|to_out)|ff\.(w1|w2))\.weight")
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def _prune(tensors: dict) -> None:
 def _dit(variant: str) -> tuple[dict, dict]:
     tensors = _dense("transformer", lambda n: "F32" if n.startswith(DIT_FP32_PREFIXES) else "BF16")
     data: dict = {}
-    blocks = sorted(n for n in tensors if _BLOCK_LINEAR.fullmatch(n))
+    blocks = sorted(n for n in tensors if DIT_BLOCK_LINEARS.fullmatch(n))
     if variant == "int8_convrot":
         # The file's size only adds up with the block AdaLN projections int8 too; their width (2688) is not a
         # multiple of 256, so (as the exporter does) they are not rotated. Inferred from the byte count.
@@ -169,13 +169,13 @@ def _dit(variant: str) -> tuple[dict, dict]:
 
 def _text_encoder(variant: str) -> tuple[dict, dict]:
     tensors, data = _dense("text_encoder", lambda n: "BF16"), {}
-    linears = sorted(n for n in tensors if _TE_LINEAR.fullmatch(n))
+    linears = sorted(n for n in tensors if TE_LINEARS.fullmatch(n))
     if variant == "int8_convrot":
         _quantise(tensors, data, "int8_convrot", dict.fromkeys(linears, {}))
     elif variant == "nvfp4_awq":
         # pre_quant_scale (BF16) on o_proj / down_proj, the layers with no norm to fold AWQ into: with it there the
         # byte count matches the published file to within its header's size.
-        _quantise(tensors, data, "nvfp4", {n: ({"pre_quant_scale": "BF16"} if _TE_AWQ.fullmatch(n) else {})
+        _quantise(tensors, data, "nvfp4", {n: ({"pre_quant_scale": "BF16"} if TE_AWQ.fullmatch(n) else {})
                                            for n in linears})
         _quantise(tensors, data, "int8", {"model.embed_tokens.weight": {}})
     return tensors, data
@@ -189,8 +189,8 @@ def _video_vae(variant: str) -> tuple[dict, dict]:
                      else "F16")
     data: dict = {}
     if int8:  # the decoder ViT linears (attention and MLP of every decoder block)
-        _quantise(tensors, data, "int8_convrot", dict.fromkeys(sorted(n for n in tensors if _VAE_LINEAR.fullmatch(n)),
-                                                                {}))
+        linears = sorted(n for n in tensors if VAE_DECODER_LINEARS.fullmatch(n))
+        _quantise(tensors, data, "int8_convrot", dict.fromkeys(linears, {}))
     return tensors, data
 
 
