@@ -41,6 +41,16 @@ PRIVATE_HELPERS = {
         "diffusers.models.modeling_utils", "get_parameter_dtype",
         ("parameter",),
     ),
+    # The DiT's AdaLN modules, subclassed by the pruned "AdaLN curve" DiT (h3_core/weights/curve_model.py),
+    # which keeps their parameters and drops the SiLU (ARCHITECTURE.md §6).
+    "adaln_modulation": (
+        "diffusers.models.transformers.transformer_minimax_h3", "MiniMaxH3AdaLayerNormModulation",
+        ("time_embed_dim", "hidden_size"),
+    ),
+    "adaln_out": (
+        "diffusers.models.transformers.transformer_minimax_h3", "MiniMaxH3AdaLayerNormOut",
+        ("hidden_size", "time_embed_dim", "eps"),
+    ),
 }
 
 
@@ -84,3 +94,13 @@ def vae_blend(vae, a, b, blend_extent: int, dim: int):
 def parameter_dtype(module):
     """The dtype diffusers casts a module's input to (layerwise casting aware), as `vae.decode` does."""
     return _helper("parameter_dtype")(module)
+
+
+def adaln_modulation_class():
+    """diffusers' per-block AdaLN modulation module (a class to subclass)."""
+    return _helper("adaln_modulation")
+
+
+def adaln_out_class():
+    """diffusers' final AdaLN norm-and-modulation module (a class to subclass)."""
+    return _helper("adaln_out")

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
-from diffusers.models.modeling_utils import get_parameter_dtype
-from diffusers.models.transformers.transformer_minimax_h3 import (
-    MiniMaxH3AdaLayerNormModulation,
-    MiniMaxH3AdaLayerNormOut,
-)
 from torch import nn
+
+from ..diffusers_adapter import adaln_modulation_class, adaln_out_class
+from ..diffusers_adapter import parameter_dtype as get_parameter_dtype
 
 TABLE_BUFFER = "adaln_t_table"
 
@@ -53,7 +51,7 @@ class CurveTimeEmbedding(nn.Module):
         return curve_embedding(getattr(self, TABLE_BUFFER), timestep)
 
 
-class CurveAdaLayerNormModulation(MiniMaxH3AdaLayerNormModulation):
+class CurveAdaLayerNormModulation(adaln_modulation_class()):
     """The parent's projection without the SiLU, its outputs cast to the stream dtype (`stream_dtype`)."""
 
     stream_dtype: torch.dtype | None = None
@@ -65,7 +63,7 @@ class CurveAdaLayerNormModulation(MiniMaxH3AdaLayerNormModulation):
         return modulation.chunk(6, dim=-1)
 
 
-class CurveAdaLayerNormOut(MiniMaxH3AdaLayerNormOut):
+class CurveAdaLayerNormOut(adaln_out_class()):
     """The parent's final modulation without the SiLU, norm and modulation at the module's own (float32) dtype."""
 
     def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor) -> torch.Tensor:
