@@ -37,6 +37,11 @@ PRIVATE_HELPERS = {
         "diffusers.models.autoencoders.autoencoder_kl_minimax_h3", "AutoencoderKLMiniMaxH3._blend",
         ("self", "a", "b", "blend_extent", "dim"),
     ),
+    # One temporal clip through the (spatially tiled) encoder, called per clip by h3_core/vae_encode.py.
+    "vae_encode_clip": (
+        "diffusers.models.autoencoders.autoencoder_kl_minimax_h3", "AutoencoderKLMiniMaxH3._encode_clip",
+        ("self", "x"),
+    ),
     "parameter_dtype": (
         "diffusers.models.modeling_utils", "get_parameter_dtype",
         ("parameter",),
@@ -89,6 +94,11 @@ def vae_blend(vae, a, b, blend_extent: int, dim: int):
     """The video VAE's linear cross-fade of `a`'s last and `b`'s first `blend_extent` slices along `dim` (its own
     arithmetic, so a streamed decode stays bit-identical to diffusers')."""
     return _helper("vae_blend")(vae, a, b, blend_extent, dim)
+
+
+def vae_encode_clip(vae, x):
+    """The video VAE's moments of one temporal clip `[1, 3, clip_length, H, W]` (its own spatial tiling)."""
+    return _helper("vae_encode_clip")(vae, x)
 
 
 def parameter_dtype(module):

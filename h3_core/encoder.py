@@ -10,9 +10,10 @@ there. The cut is the one described in docs/ARCHITECTURE.md §2: stage 0 = diffu
                                     assemble()         -> H3Conditioning
 
 `prepare` runs diffusers' own media-normalisation block (canvas, 17k+5, reference sizing, 24 fps);
-the text step is diffusers' own text-encoder block of the task; the VAE steps call diffusers'
-`encode_vae_condition` (posterior sampled under seed 42 through fp16, as the release does) and the
-audio VAE's posterior mean, split per encoder so each can run (and be loaded) on its own.
+the text step is diffusers' own text-encoder block of the task; the video VAE step is diffusers'
+`encode_vae_condition` recipe (posterior sampled under seed 42 through fp16, as the release does) run clip
+by clip from the uint8 frames (`vae_encode.py`, bit-identical), the audio step the audio VAE's posterior
+mean; split per encoder so each can run (and be loaded) on its own.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ class EncoderStage:
         if not prepared.needs_video_vae:
             return []
         self._require("video", f"a {prepared.task} request with keyframes or visual references")
-        from .diffusers_adapter import encode_vae_condition
+        from .vae_encode import encode_condition, units
 
         pixels = [_pixels(image) for image in prepared.keyframes]
         for ref in prepared.references:
@@ -234,12 +235,13 @@ class EncoderStage:
                 # Snap *down* to 17k+5 so the VAE encodes without padding (diffusers' reference step).
                 count = rules.snap_frames_down(ref.frames.shape[0])
                 pixels.append(torch.from_numpy(np.ascontiguousarray(ref.frames[:count])).permute(3, 0, 1, 2)[None])
-        counter = progress.Counter("video_vae", len(pixels))
+        # One unit per temporal clip (a keyframe or an image is one): a long reference moves the bar as it encodes.
+        counter = progress.Counter("video_vae", sum(units(self.vae, int(p.shape[2])) for p in pixels))
         latents = []
         for p in pixels:
-            latents.append(encode_vae_condition(self.vae, p.to(self.device), facts.PIXEL_MEAN, facts.PIXEL_STD,
-                                                encode_seed=facts.KEYFRAME_ENCODE_SEED))
-            counter.advance()
+            # Clip by clip from the uint8 frames: no float copy of a whole reference video (h3_core/vae_encode.py).
+            latents.append(encode_condition(self.vae, p.to(self.device), facts.PIXEL_MEAN, facts.PIXEL_STD,
+                                            encode_seed=facts.KEYFRAME_ENCODE_SEED, on_clip=counter.advance))
         return latents
 
     @torch.no_grad()

@@ -25,7 +25,7 @@ PhaseFn = Callable[[str, int, int], None]  # (phase, units done, total units)
 PHASES = {
     "load": "bytes",  # weights read from safetensors files
     "text": "layers",  # text encoder forward, one unit per decoder layer
-    "video_vae": "clips",  # video VAE encode, one unit per keyframe / reference image / reference video
+    "video_vae": "clips",  # video VAE encode, one unit per temporal clip (a keyframe / reference image: one)
     "audio_vae": "clips",  # audio VAE encode, one unit per soundtrack / reference audio
     "denoise": "steps",  # DiT forwards
     "decode_video": "tiles",  # video VAE decoder calls (one per spatial tile of each temporal chunk)

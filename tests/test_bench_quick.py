@@ -83,6 +83,15 @@ def test_tile_grid_matches_diffusers_and_the_comparison_runs(tiny_dir):
     assert out["time_ratios"]["128"]["stream_u8"]["median_ratio"] > 0
 
 
+def test_streamed_vae_encode_bench_compares_both_arms(tiny_dir):
+    from bench import vae_encode
+
+    out = vae_encode.run(str(tiny_dir), size=64, lengths=(22, 39))
+    assert all(row["bit_identical"] for row in out["lengths"].values())
+    assert all(row[arm]["peak_bytes"] > 0 for row in out["lengths"].values() for arm in vae_encode.ARMS)
+    assert "bit-identical" in vae_encode.table(out)
+
+
 def test_vae_memory_worker_and_stage1_folder(tiny_dir, tmp_path):
     points = vae.sweep(tiny_dir, 1, [dict(op="video_decode", height=64, width=64, frames=22, reps=1),
                                      dict(op="audio_encode", seconds=2.0, reps=1)], per_process=False)
