@@ -65,6 +65,7 @@ class Client:
     def __init__(self, url: str, source: str):
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         self.conn = http.client.HTTPConnection(host, int(port), timeout=300, source_address=(source, 0))
+        self.server_s: list[tuple[float, float]] = []  # (queue, encode) seconds the server reported per request
 
     def encode(self, prompt: str) -> float:
         body = json.dumps({"protocol": PV, "prompt": prompt, "width": 64, "height": 64, "num_frames": 124})
@@ -75,6 +76,8 @@ class Client:
         elapsed = time.perf_counter() - t0
         if response.status != 200:
             raise RuntimeError(f"encode answered {response.status}")
+        self.server_s.append((float(response.getheader(protocol.H_QUEUE_S, "nan")),
+                              float(response.getheader(protocol.H_ENCODE_S, "nan"))))
         return elapsed
 
     def close(self) -> None:
@@ -194,6 +197,7 @@ def flood(url: str, arm: str, size: int, light: int, counter: list[int], threads
         latencies = [client.encode(_prompt("light", counter[0] + j)) for j in range(light)]
         counter[0] += light
         client.close()
+        server_s = client.server_s
         depth_after = _scrape(url).get("queue_depth", float("nan"))
     finally:
         proc.stdin.close()  # the flood stops sending; its outstanding requests are answered
@@ -202,7 +206,8 @@ def flood(url: str, arm: str, size: int, light: int, counter: list[int], threads
     done = json.loads(summary.strip().splitlines()[-1]) if summary.strip() else {}
     if done.get("errors"):
         raise RuntimeError(f"flood requests failed: {done['errors'][:3]}")
-    return {"light_latencies": latencies, "queue_depth_at_start": depth, "queue_depth_at_end": depth_after,
+    return {"light_latencies": latencies, "light_queue_s": [q for q, _ in server_s],
+            "light_encode_s": [e for _, e in server_s], "queue_depth_at_start": depth, "queue_depth_at_end": depth_after,
             "flood_done": done.get("done"), "batching": _batching(before, _scrape(url))}
 
 
@@ -285,7 +290,8 @@ def run(models: Path, *, threads: int = 1, quick: bool = False, out: Path | None
         ) -> dict:
     plan = dict(plan or (QUICK if quick else FULL))
     arms = {name: {"single_latencies": [], "many_latencies": [], "light_latencies": [], "single_throughput": [],
-                   "many_throughput": [], "batching_many": [], "batching_flood": [], "queue_depth": []}
+                   "many_throughput": [], "batching_many": [], "batching_flood": [], "queue_depth": [],
+                   "light_queue_s": [], "light_encode_s": []}
             for name in ("fair", "fifo", "fair_nobatch")}
     counter = [0]
     queue = ["--queue-size", str(plan["flood"] + plan["clients"] * 2 + 16)]
@@ -314,6 +320,8 @@ def run(models: Path, *, threads: int = 1, quick: bool = False, out: Path | None
                 arm["batching_many"].append(m["batching"])
                 f = flood(url, name, plan["flood"], plan["light"], counter, threads)
                 arm["light_latencies"] += f["light_latencies"]
+                arm["light_queue_s"] += f["light_queue_s"]
+                arm["light_encode_s"] += f["light_encode_s"]
                 arm["batching_flood"].append(f["batching"])
                 arm["queue_depth"].append([f["queue_depth_at_start"], f["queue_depth_at_end"]])
     for name, arm in arms.items():
@@ -325,6 +333,9 @@ def run(models: Path, *, threads: int = 1, quick: bool = False, out: Path | None
                             if totals["forwards"] else None,
                             "share_batched": sum(alone_share) / totals["requests"] if totals["requests"] else None}
         summary["flood_queue_depth"] = arm["queue_depth"]
+        # where the light client's time goes: waiting in the queue (the running forward, mostly) or in its own one
+        summary["light_queue_s"] = common.summary(arm["light_queue_s"])
+        summary["light_encode_s"] = common.summary(arm["light_encode_s"])
         summary["samples"] = {k: arm[k] for k in ("single_latencies", "many_latencies", "light_latencies",
                                                   "single_throughput", "many_throughput")}
         out_results[name] = summary
@@ -352,8 +363,8 @@ def markdown(results: dict) -> str:
         "| arm | single-client median ms | 16 clients: p99 / (16 x single) (<= 1.2) | 16 clients: throughput / "
         "single (>= 1.0; 1.5 batched) | flood: light client median / single (<= 2) | light max / single | "
         "16 clients: requests per text forward | flood: requests per text forward | queue depth around the light "
-        "requests (min) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "requests (min) | flood: light client's median queue / encode ms (server) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in ("fair", "fair_nobatch", "fifo"):
         r = results[name]
@@ -364,13 +375,18 @@ def markdown(results: dict) -> str:
             f"{_ci(r['light_over_single'], r['light_over_single_ci95'])} | {r['light_max_over_single']:.2f} | "
             f"{_fmt(r['batching_many']['requests_per_forward'])} | "
             f"{_fmt(r['batching_flood']['requests_per_forward'])} | "
-            f"{min(min(pair) for pair in r['flood_queue_depth']):.0f} |")
+            f"{min(min(pair) for pair in r['flood_queue_depth']):.0f} | {_ms(r.get('light_queue_s'))} / "
+            f"{_ms(r.get('light_encode_s'))} |")
     prev = results["previous"]
     lines += ["", f"Previous (bench/results/results.md, one FIFO, no batching): p99 / fair share "
               f"{prev['p99_over_fair_share']:.3f}, throughput 16 / 1 {prev['throughput_ratio']:.3f} (single-client "
               f"median {prev['single_latency_ms']} ms, 16-client p99 {prev['p99_16_ms']} ms). A light client behind a "
               "flood waited for the whole flood (FIFO): the `fifo` arm shows it.", ""]
     return "\n".join(lines) + "\n"
+
+
+def _ms(stats: dict | None) -> str:
+    return "-" if not stats or not stats.get("n") else f"{1000 * stats['median']:.1f}"
 
 
 def _fmt(value) -> str:

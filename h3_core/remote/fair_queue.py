@@ -11,6 +11,15 @@ rotation matters in two cases:
 * a client with one request arriving while another floods waits for the running job and its own, not for a turn
   of the flooder first.
 
+Batches (`take_matching`, for text encodes that share one forward) take turns too. The batch formed in a client's
+turn holds at most its *fair share* of that client's own jobs: `max(1, max_batch // active)`, where `active` counts
+the clients with a job queued, or seen (a request arrived, was taken or answered) in the last `share_window_s`
+seconds: a client that sends its next request when the previous is answered is never queued at the moment the
+next batch is formed, yet it is about to be. Other clients add at most one job each (their next turn, taken
+early). A client alone on the server keeps full batches (throughput); one that floods while a light client comes
+and goes takes half batches, so the light client's next request waits for a short forward, not for a full batch
+of the flood's.
+
 Every method runs on the event-loop thread. Sizes are bounded by the service's queue capacity.
 """
 
@@ -19,21 +28,26 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import time
 from typing import Any, Callable, Iterator
 
 MAX_REMEMBERED = 4096  # idle clients whose last service time is kept (see `_forget_idle`)
+SHARE_WINDOW_S = 1.0  # a client seen this recently still counts as sharing the server (see `fair_share`)
 
 
 class FairQueue:
     """Jobs (anything with a `client` attribute) waiting for the model thread."""
 
-    def __init__(self):
+    def __init__(self, share_window_s: float = SHARE_WINDOW_S, clock: Callable[[], float] = time.monotonic):
         self._queues: dict[str, collections.deque] = {}
         self._last_served: dict[str, int] = {}  # client -> tick of its last job taken; absent: never (or long ago)
         self._first_seen: dict[str, int] = {}  # queued client -> arrival tick, orders never-served clients
         self._ticks = itertools.count(1)
         self._arrivals = itertools.count(1)
         self._size = 0
+        self.share_window_s = float(share_window_s)
+        self._clock = clock
+        self._seen: dict[str, float] = {}  # client -> last time it pushed, was taken or was answered (recent only)
 
     # --- size and order --------------------------------------------------------------------------
 
@@ -85,6 +99,7 @@ class FairQueue:
             self._first_seen[client] = next(self._arrivals)
         queue.append(job)
         self._size += 1
+        self.seen(client)
 
     def pop(self) -> Any:
         """The next job: the oldest of the least recently served client that has one. IndexError when empty."""
@@ -93,6 +108,7 @@ class FairQueue:
         client = min(self._queues, key=self._rank)
         job = self._take(client, 0)
         self._last_served[client] = next(self._ticks)
+        self.seen(client)
         self._forget_idle()
         return job
 
@@ -108,28 +124,60 @@ class FairQueue:
         self._take(job.client, index)
         return True
 
-    def take_matching(self, accept: Callable[[Any], bool], limit: int, owner: str | None = None) -> list[Any]:
+    def take_matching(self, accept: Callable[[Any], bool], limit: int, owner: str | None = None,
+                      own_limit: int | None = None) -> list[Any]:
         """Up to `limit` queued jobs that `accept`, in the order they would be taken, removed from the queue.
 
-        For batching the turn of `owner`'s job: more of `owner`'s own jobs, and at most one job of each other client
-        (its next turn, taken early). So a client with one request does not wait for a full batch of a flooding
-        client's jobs in its own turn, and 16 clients with a request each still share one forward. Their clients
-        count as served.
+        For batching the turn of `owner`'s job: at most `own_limit` more of `owner`'s own jobs (no bound when None;
+        see `fair_share`), and at most one job of each other client (its next turn, taken early). So a client with
+        one request does not wait for a full batch of a flooding client's jobs in its own turn, and 16 clients with
+        a request each still share one forward. Their clients count as served.
         """
-        chosen, others = [], set()
+        chosen, others, own = [], set(), 0
         for job in self:
             if len(chosen) >= limit:
                 break
-            if job.client != owner and job.client in others:
+            if job.client == owner:
+                if own_limit is not None and own >= own_limit:
+                    continue
+            elif job.client in others:
                 continue
             if accept(job):
                 chosen.append(job)
-                if job.client != owner:
+                if job.client == owner:
+                    own += 1
+                else:
                     others.add(job.client)
         for job in chosen:
             self.remove(job)
             self._last_served[job.client] = next(self._ticks)
+            self.seen(job.client)
         return chosen
+
+    # --- sharing -----------------------------------------------------------------------------------
+
+    def seen(self, client: str) -> None:
+        """`client` is using the server now (a request arrived, was taken, or was answered)."""
+        self._seen.pop(client, None)  # re-inserted last: the dict stays ordered oldest first
+        self._seen[client] = self._clock()
+
+    def active_clients(self) -> set[str]:
+        """Clients with a job queued, or seen within the last `share_window_s` seconds."""
+        horizon = self._clock() - self.share_window_s
+        while self._seen:
+            client, when = next(iter(self._seen.items()))
+            if when >= horizon:
+                break
+            del self._seen[client]  # oldest first: what remains is recent, the dict stays small
+        return set(self._seen) | set(self._queues)
+
+    def fair_share(self, client: str, max_batch: int) -> int:
+        """The most of `client`'s own jobs one batch in its turn may hold: `max(1, max_batch // active clients)`.
+
+        `client` counts as active. Alone (nobody else queued or seen within the window) it gets the full batch.
+        """
+        active = len(self.active_clients() | {client})
+        return max_batch if active <= 1 else max(1, max_batch // active)
 
     def push_out_for(self, client: str) -> Any | None:
         """The job to refuse so that `client` gets a slot in a full queue, or None if `client` should wait.

@@ -9,7 +9,8 @@ Pure asyncio (no aiohttp): `http.py` is the transport in front of it, and tests 
         ... await job.future, or service.release(job) when the waiter gives up ...
 
 The queue serves clients in turn (`fair_queue.FairQueue`); queued `t2va` requests whose prompts have the same token
-count are encoded in one text-encoder forward where that is bitwise safe (`h3_core/text_batching.py`).
+count are encoded in one text-encoder forward where that is bitwise safe (`h3_core/text_batching.py`), a batch
+holding at most its owner's fair share of its own jobs while other clients use the server (`FairQueue.fair_share`).
 A service created without a stage is *loading*: requests get 503 until `attach(stage)`.
 """
 
@@ -91,7 +92,7 @@ class EncoderService:
 
             self.threads = torch.get_num_threads()
         self.cache = ConditioningCache(config.cache_bytes, config.cache_entries)
-        self._pending = FairQueue()
+        self._pending = FairQueue(config.share_window_s)
         self._inflight: dict[str, Job] = {}
         self._running: list[Job] = []
         self._wakeup: asyncio.Event | None = None
@@ -256,8 +257,9 @@ class EncoderService:
                 continue
             jobs = [job]
             if job.batch_key is not None and self.batcher is not None:
+                share = self._pending.fair_share(job.client, self.batcher.max_batch)
                 jobs += self._pending.take_matching(functools.partial(_same_batch, job.batch_key),
-                                                    self.batcher.max_batch - 1, owner=job.client)
+                                                    self.batcher.max_batch - 1, owner=job.client, own_limit=share - 1)
             started = time.monotonic()
             for member in jobs:
                 member.state, member.started = "running", started
@@ -380,6 +382,7 @@ class EncoderService:
 
     def _finish(self, job: Job, result: tuple[Any, str] | None = None, exception: BaseException | None = None):
         job.state, job.finished = "done", time.monotonic()
+        self._pending.seen(job.client)  # its next request may be on its way: it still shares the server
         self._forget(job)
         if result is not None:
             self.cache.put(job.key, *result)
