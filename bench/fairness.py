@@ -207,8 +207,9 @@ def flood(url: str, arm: str, size: int, light: int, counter: list[int], threads
     if done.get("errors"):
         raise RuntimeError(f"flood requests failed: {done['errors'][:3]}")
     return {"light_latencies": latencies, "light_queue_s": [q for q, _ in server_s],
-            "light_encode_s": [e for _, e in server_s], "queue_depth_at_start": depth, "queue_depth_at_end": depth_after,
-            "flood_done": done.get("done"), "batching": _batching(before, _scrape(url))}
+            "light_encode_s": [e for _, e in server_s], "queue_depth_at_start": depth,
+            "queue_depth_at_end": depth_after, "flood_done": done.get("done"),
+            "batching": _batching(before, _scrape(url))}
 
 
 def flood_worker(spec: dict) -> None:

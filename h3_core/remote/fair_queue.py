@@ -20,11 +20,17 @@ early). A client alone on the server keeps full batches (throughput); one that f
 and goes takes half batches, so the light client's next request waits for a short forward, not for a full batch
 of the flood's.
 
+A batch in client A's turn that took client B's next job early used B's turn: A is next in line (`expects_next`),
+though a client that sends its next request only once answered is never queued at the instant its answer leaves.
+So the model thread waits briefly for A's next request before starting B's turn (`wait_for_next`), for
+clients whose last request came that soon after their answer, at most `anticipate_s` (10 ms).
+
 Every method runs on the event-loop thread. Sizes are bounded by the service's queue capacity.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import heapq
 import itertools
@@ -48,6 +54,9 @@ class FairQueue:
         self.share_window_s = float(share_window_s)
         self._clock = clock
         self._seen: dict[str, float] = {}  # client -> last time it pushed, was taken or was answered (recent only)
+        self._answered: dict[str, float] = {}  # recent client -> when its last answer left, until it sends again
+        self._think: dict[str, float] = {}  # recent client -> seconds from its last answer to its next request
+        self._expected: tuple[str, asyncio.Event] | None = None  # the client `wait_for_next` waits for
 
     # --- size and order --------------------------------------------------------------------------
 
@@ -99,7 +108,12 @@ class FairQueue:
             self._first_seen[client] = next(self._arrivals)
         queue.append(job)
         self._size += 1
+        answered = self._answered.pop(client, None)
+        if answered is not None:
+            self._think[client] = self._clock() - answered
         self.seen(client)
+        if self._expected is not None and self._expected[0] == client:
+            self._expected[1].set()
 
     def pop(self) -> Any:
         """The next job: the oldest of the least recently served client that has one. IndexError when empty."""
@@ -157,19 +171,48 @@ class FairQueue:
     # --- sharing -----------------------------------------------------------------------------------
 
     def seen(self, client: str) -> None:
-        """`client` is using the server now (a request arrived, was taken, or was answered)."""
+        """`client` is using the server now (a request arrived or was taken)."""
         self._seen.pop(client, None)  # re-inserted last: the dict stays ordered oldest first
         self._seen[client] = self._clock()
+        self._forget_gone()
+
+    def answered(self, client: str) -> None:
+        """A job of `client` was answered now: it still shares the server, and its think time starts."""
+        self.seen(client)
+        self._answered[client] = self._seen[client]
 
     def active_clients(self) -> set[str]:
         """Clients with a job queued, or seen within the last `share_window_s` seconds."""
-        horizon = self._clock() - self.share_window_s
-        while self._seen:
-            client, when = next(iter(self._seen.items()))
-            if when >= horizon:
-                break
-            del self._seen[client]  # oldest first: what remains is recent, the dict stays small
+        self._forget_gone()
         return set(self._seen) | set(self._queues)
+
+    def expects_next(self, client: str, window: float) -> bool:
+        """True when `client` is next in line and its last request came within `window` s of its previous answer.
+
+        Next in line: `client` has nothing queued, yet a job of it arriving now would be taken before any queued
+        job. That happens after a batch in `client`'s turn took the other clients' next jobs early: their turns
+        were had. The service then waits up to `window` for `client`'s next request (see the module docstring).
+        """
+        think = self._think.get(client)
+        if think is None or think > window or client in self._queues or not self._queues:
+            return False
+        following = min(self._queues, key=self._rank)
+        return self._last_served.get(client, 0) < self._last_served.get(following, 0)
+
+    async def wait_for_next(self, client: str, window: float) -> bool | None:
+        """Wait up to `window` s for `client`'s next job when `expects_next`: True if it came, False if not, None
+        when not expected (no wait)."""
+        if not self.expects_next(client, window):
+            return None
+        arrived = asyncio.Event()
+        self._expected = (client, arrived)
+        try:
+            await asyncio.wait_for(arrived.wait(), window)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self._expected = None
 
     def fair_share(self, client: str, max_batch: int) -> int:
         """The most of `client`'s own jobs one batch in its turn may hold: `max(1, max_batch // active clients)`.
@@ -200,6 +243,17 @@ class FairQueue:
         return jobs
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _forget_gone(self) -> None:
+        """Drop the clients not seen within the window (oldest first): the sharing records stay small."""
+        horizon = self._clock() - self.share_window_s
+        while self._seen:
+            client, when = next(iter(self._seen.items()))
+            if when >= horizon:
+                break
+            del self._seen[client]
+            self._answered.pop(client, None)
+            self._think.pop(client, None)
 
     def _take(self, client: str, index: int) -> Any:
         queue = self._queues[client]

@@ -10,7 +10,8 @@ Pure asyncio (no aiohttp): `http.py` is the transport in front of it, and tests 
 
 The queue serves clients in turn (`fair_queue.FairQueue`); queued `t2va` requests whose prompts have the same token
 count are encoded in one text-encoder forward where that is bitwise safe (`h3_core/text_batching.py`), a batch
-holding at most its owner's fair share of its own jobs while other clients use the server (`FairQueue.fair_share`).
+holding at most its owner's fair share of its own jobs while other clients use the server (`FairQueue.fair_share`);
+after such a batch the model thread waits a few ms for its owner's next request, next in line (`wait_for_next`).
 A service created without a stage is *loading*: requests get 503 until `attach(stage)`.
 """
 
@@ -247,10 +248,16 @@ class EncoderService:
 
     async def _work_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        owner = None  # the client whose turn ran last
         while True:
             while not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            if owner is not None and self.config.anticipate_s:  # its turn used others': it is next (fair_queue.py)
+                arrived = await self._pending.wait_for_next(owner, self.config.anticipate_s)
+                if arrived is not None:
+                    self.counters["anticipated" if arrived else "anticipation_missed"] += 1
+                owner = None
             job = self._pending.pop()
             if job.cancel.is_set():
                 self._finish(job, exception=_Abandoned())
@@ -277,6 +284,7 @@ class EncoderService:
                 outcomes = [error] * len(jobs)
             finally:
                 self._running = []
+                owner = job.client
                 elapsed = time.monotonic() - started
                 self.job_seconds = 0.8 * self.job_seconds + 0.2 * elapsed / len(jobs)
             for member, outcome in zip(jobs, outcomes):
@@ -382,7 +390,7 @@ class EncoderService:
 
     def _finish(self, job: Job, result: tuple[Any, str] | None = None, exception: BaseException | None = None):
         job.state, job.finished = "done", time.monotonic()
-        self._pending.seen(job.client)  # its next request may be on its way: it still shares the server
+        self._pending.answered(job.client)  # its next request may be on its way: it still shares the server
         self._forget(job)
         if result is not None:
             self.cache.put(job.key, *result)
