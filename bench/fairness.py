@@ -20,7 +20,8 @@ connects from its own loopback address (127.0.0.x; Linux routes all of 127/8 to 
 All prompts have the same token count (digits are single tokens), so batching applies whenever several are queued;
 every prompt is distinct (no cache hits). Intervals are 95 % percentile-bootstrap intervals of each ratio
 (resampling requests for latencies, passes for throughput). How much batches comes from the server's own
-`/metrics` (`h3_encoder_text_batch_size`), scraped before and after each scenario.
+`/metrics` (`h3_encoder_text_batch_size`), scraped before and after each scenario; where the light client's time
+goes from the server's own X-H3-Queue-Seconds / X-H3-Encode-Seconds answer headers.
 """
 
 from __future__ import annotations

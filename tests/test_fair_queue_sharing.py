@@ -63,7 +63,7 @@ def test_fair_share_counts_queued_and_recently_seen_clients():
     queue.answered("light")  # answered and gone for now: its next request is probably on its way
     clock.now += 0.9
     assert queue.active_clients() == {"flood", "light"} and queue.fair_share("flood", 8) == 4
-    clock.now += 0.2  # 1.1 s since the light client was last seen
+    clock.now += 0.2  # 1.1 s since the light client was last seen: longer than the window
     assert queue.active_clients() == {"flood"} and queue.fair_share("flood", 8) == 8
     for k in range(15):
         queue.push(_job(f"c{k}"))
@@ -71,7 +71,7 @@ def test_fair_share_counts_queued_and_recently_seen_clients():
     assert queue.fair_share("flood", 1) == 1
 
 
-def test_a_batch_takes_at_most_its_owner_share_and_one_per_other_client():
+def test_a_batch_takes_at_most_a_fair_share_of_each_client():
     queue = FairQueue()
     for name in ("f0", "f1", "f2", "f3", "f4", "f5", "l0", "l1", "g0"):
         queue.push(_job(name[0], name))
@@ -79,11 +79,13 @@ def test_a_batch_takes_at_most_its_owner_share_and_one_per_other_client():
     assert first.name == "f0"
     share = queue.fair_share("f", 8)
     assert share == 2  # f, l and g share the server: 8 // 3
-    taken = queue.take_matching(lambda job: True, 7, owner="f", own_limit=share - 1)
-    assert [job.name for job in taken] == ["l0", "g0", "f1"]  # one more of its own, one job each of l and g
-    assert [job.name for job in queue] == ["l1", "f2", "f3", "f4", "f5"]
-    unlimited = queue.take_matching(lambda job: True, 3, owner="f")
-    assert [job.name for job in unlimited] == ["l1", "f2", "f3"]  # no own_limit: as many of its own as fit
+    taken = queue.take_matching(lambda job: True, 7, owner="f", own_limit=share - 1, other_limit=share)
+    assert [job.name for job in taken] == ["l0", "g0", "f1", "l1"]  # with f0: two of f's and of l's, g's one
+    assert [job.name for job in queue] == ["f2", "f3", "f4", "f5"]
+    queue.push(_job("l", "l2"))
+    queue.push(_job("l", "l3"))
+    unlimited = queue.take_matching(lambda job: True, 4, owner="f")
+    assert [job.name for job in unlimited] == ["f2", "l2", "f3", "f4"]  # no own_limit: as many of its own as fit
 
 
 def test_expects_next_only_when_its_turn_took_the_others_turn():
@@ -184,16 +186,16 @@ def test_a_flood_takes_half_batches_while_another_client_shares_the_server(stage
         light = _submit(service, "light", 100)
         shared = [_submit(service, "flood", 200 + i) for i in range(12)]
         await asyncio.gather(light.future, *(job.future for job in shared))
-        await asyncio.sleep(1.1)  # the light client is no longer recent
+        await asyncio.sleep(0.3)  # the light client is no longer recent
         again = [_submit(service, "flood", 300 + i) for i in range(16)]
         await asyncio.gather(*(job.future for job in again))
         return [[job.client for job in batch] for batch in _batches(alone + [light] + shared + again)]
 
     batches = asyncio.run(_run(stage, ServerConfig(threads=1, text_batch=8, anticipate_s=0), body))
     assert batches[:2] == [["flood"] * 8] * 2
-    assert batches[2] == ["light", "flood"]  # the light client's turn, and the flood's next job taken early
-    assert batches[3:6] == [["flood"] * 4, ["flood"] * 4, ["flood"] * 3]  # 8 // 2 each while both share
-    assert batches[6:] == [["flood"] * 8] * 2
+    assert batches[2] == ["light"] + ["flood"] * 4  # the light client's turn, then the flood's share of it
+    assert batches[3:5] == [["flood"] * 4] * 2  # 8 // 2 of each while both share the server
+    assert batches[5:] == [["flood"] * 8] * 2
 
 
 def test_sixteen_clients_still_share_full_batches(stage):
@@ -242,4 +244,4 @@ def test_sharing_settings_are_checked():
                 dict(anticipate_s=-0.1), dict(anticipate_s=2.0), dict(anticipate_s=math.nan)):
         with pytest.raises(ServerConfigError, match=next(iter(bad))):
             ServerConfig(**bad)
-    assert (ServerConfig().share_window_s, ServerConfig().anticipate_s) == (1.0, 0.01)
+    assert (ServerConfig().share_window_s, ServerConfig().anticipate_s) == (0.25, 0.01)

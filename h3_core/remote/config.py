@@ -52,9 +52,9 @@ class ServerConfig:
     client_key: str = "peer"
     # Most t2va requests of equal token count encoded in one text-encoder forward (1: never batch).
     text_batch: int = 8
-    # A client seen this many seconds ago still shares the server: while others share it, a batch holds at most
-    # text_batch // (clients sharing) of its owner's jobs (fair_queue.FairQueue.fair_share). 0: only queued clients.
-    share_window_s: float = 1.0
+    # A client seen this many seconds ago still shares the server: while several share it, a batch holds at most
+    # text_batch // (clients sharing) jobs of each (fair_queue.FairQueue.fair_share). 0: only queued clients count.
+    share_window_s: float = 0.25
     # After a batch in a client's turn took others' next jobs early, the model thread waits up to this long for that
     # client's next request, if its last one came this soon after its answer (FairQueue.wait_for_next). 0: never wait.
     anticipate_s: float = 0.01

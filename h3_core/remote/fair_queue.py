@@ -12,13 +12,13 @@ rotation matters in two cases:
   of the flooder first.
 
 Batches (`take_matching`, for text encodes that share one forward) take turns too. The batch formed in a client's
-turn holds at most its *fair share* of that client's own jobs: `max(1, max_batch // active)`, where `active` counts
-the clients with a job queued, or seen (a request arrived, was taken or answered) in the last `share_window_s`
-seconds: a client that sends its next request when the previous is answered is never queued at the moment the
-next batch is formed, yet it is about to be. Other clients add at most one job each (their next turn, taken
-early). A client alone on the server keeps full batches (throughput); one that floods while a light client comes
-and goes takes half batches, so the light client's next request waits for a short forward, not for a full batch
-of the flood's.
+turn holds its jobs first, then the other clients' next jobs in turn order (their next turns, taken early), and at
+most a *fair share* of each client's: `max(1, max_batch // active)`, where `active` counts the clients with a job
+queued, or seen (a request arrived, was taken or answered) in the last `share_window_s` seconds (0.25): a client
+that sends its next request when the previous is answered is never queued at the moment the next batch is formed,
+yet it is about to be. A client alone on the server keeps full batches (throughput); 16 clients with a request
+each share batches of 8, one job each; one that floods while a light client comes and goes takes half batches, so
+the light client's next request waits for a short forward, not for a full batch of the flood's.
 
 A batch in client A's turn that took client B's next job early used B's turn: A is next in line (`expects_next`),
 though a client that sends its next request only once answered is never queued at the instant its answer leaves.
@@ -38,7 +38,7 @@ import time
 from typing import Any, Callable, Iterator
 
 MAX_REMEMBERED = 4096  # idle clients whose last service time is kept (see `_forget_idle`)
-SHARE_WINDOW_S = 1.0  # a client seen this recently still counts as sharing the server (see `fair_share`)
+SHARE_WINDOW_S = 0.25  # a client seen this recently still counts as sharing the server (see `fair_share`)
 
 
 class FairQueue:
@@ -139,29 +139,24 @@ class FairQueue:
         return True
 
     def take_matching(self, accept: Callable[[Any], bool], limit: int, owner: str | None = None,
-                      own_limit: int | None = None) -> list[Any]:
+                      own_limit: int | None = None, other_limit: int = 1) -> list[Any]:
         """Up to `limit` queued jobs that `accept`, in the order they would be taken, removed from the queue.
 
-        For batching the turn of `owner`'s job: at most `own_limit` more of `owner`'s own jobs (no bound when None;
-        see `fair_share`), and at most one job of each other client (its next turn, taken early). So a client with
-        one request does not wait for a full batch of a flooding client's jobs in its own turn, and 16 clients with
-        a request each still share one forward. Their clients count as served.
+        For batching the turn of `owner`'s job: at most `own_limit` more of `owner`'s own jobs (no bound when None)
+        and at most `other_limit` of each other client's (their next turn, taken early); the service passes the
+        fair share (`fair_share`). So a client with one request does not wait for a full batch of a flooding
+        client's jobs in its own turn, and 16 clients with a request each still share one forward. Their clients
+        count as served.
         """
-        chosen, others, own = [], set(), 0
+        chosen: list[Any] = []
+        taken: collections.Counter[str] = collections.Counter()
         for job in self:
             if len(chosen) >= limit:
                 break
-            if job.client == owner:
-                if own_limit is not None and own >= own_limit:
-                    continue
-            elif job.client in others:
-                continue
-            if accept(job):
+            cap = own_limit if job.client == owner else other_limit
+            if (cap is None or taken[job.client] < cap) and accept(job):
                 chosen.append(job)
-                if job.client == owner:
-                    own += 1
-                else:
-                    others.add(job.client)
+                taken[job.client] += 1
         for job in chosen:
             self.remove(job)
             self._last_served[job.client] = next(self._ticks)
@@ -215,7 +210,7 @@ class FairQueue:
             self._expected = None
 
     def fair_share(self, client: str, max_batch: int) -> int:
-        """The most of `client`'s own jobs one batch in its turn may hold: `max(1, max_batch // active clients)`.
+        """The most jobs of one client a batch in `client`'s turn may hold: `max(1, max_batch // active clients)`.
 
         `client` counts as active. Alone (nobody else queued or seen within the window) it gets the full batch.
         """
