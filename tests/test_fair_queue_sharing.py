@@ -71,21 +71,41 @@ def test_fair_share_counts_queued_and_recently_seen_clients():
     assert queue.fair_share("flood", 1) == 1
 
 
-def test_a_batch_takes_at_most_a_fair_share_of_each_client():
+def _queue(*names: str) -> FairQueue:
     queue = FairQueue()
-    for name in ("f0", "f1", "f2", "f3", "f4", "f5", "l0", "l1", "g0"):
+    for name in names:
         queue.push(_job(name[0], name))
-    first = queue.pop()
-    assert first.name == "f0"
-    share = queue.fair_share("f", 8)
-    assert share == 2  # f, l and g share the server: 8 // 3
-    taken = queue.take_matching(lambda job: True, 7, owner="f", own_limit=share - 1, other_limit=share)
-    assert [job.name for job in taken] == ["l0", "g0", "f1", "l1"]  # with f0: two of f's and of l's, g's one
-    assert [job.name for job in queue] == ["f2", "f3", "f4", "f5"]
-    queue.push(_job("l", "l2"))
-    queue.push(_job("l", "l3"))
-    unlimited = queue.take_matching(lambda job: True, 4, owner="f")
-    assert [job.name for job in unlimited] == ["f2", "l2", "f3", "f4"]  # no own_limit: as many of its own as fit
+    return queue
+
+
+def _names(jobs) -> list[str]:
+    return [job.name for job in jobs]
+
+
+def test_a_batch_takes_a_fair_share_of_its_owner_and_the_same_quantum_of_others():
+    accept = lambda job: True  # noqa: E731 - every job matches here
+    queue = _queue("f0", "f1", "f2", "f3", "f4", "f5", "l0", "l1", "g0")
+    assert queue.pop().name == "f0"
+    assert queue.fair_share("f", 8) == 2  # f, l and g share the server: 8 // 3
+    assert _names(queue.take_batch(accept, 8, "f")) == ["f1", "l0", "g0", "l1"]  # two each, g has one
+    assert _names(queue) == ["f2", "f3", "f4", "f5"]
+
+    light = _queue("l0", *(f"f{i}" for i in range(10)))
+    assert light.pop().name == "l0"  # never served, arrived first
+    assert _names(light.take_batch(accept, 8, "l")) == ["f0"]  # its quantum is one: the flood rides with one job
+    assert light.pop().name == "f1"
+    assert _names(light.take_batch(accept, 8, "f")) == ["f2", "f3", "f4"]  # the flood's turn: 8 // 2 in all
+
+    floods = _queue(*(f"a{i}" for i in range(10)), *(f"b{i}" for i in range(10)))
+    assert floods.pop().name == "a0"
+    assert _names(floods.take_batch(accept, 8, "a")) == ["a1", "a2", "a3", "b0", "b1", "b2", "b3"]  # 4 + 4: full
+
+    alone = _queue(*(f"a{i}" for i in range(10)))
+    alone.pop()
+    assert len(alone.take_batch(accept, 8, "a")) == 7  # alone: a full batch of its own
+    mixed = _queue("a0", "a1", "a2", "b0")
+    mixed.pop()
+    assert _names(mixed.take_batch(lambda job: job.name != "a1", 8, "a")) == ["a2", "b0"]  # only matching jobs
 
 
 def test_expects_next_only_when_its_turn_took_the_others_turn():
@@ -193,9 +213,9 @@ def test_a_flood_takes_half_batches_while_another_client_shares_the_server(stage
 
     batches = asyncio.run(_run(stage, ServerConfig(threads=1, text_batch=8, anticipate_s=0), body))
     assert batches[:2] == [["flood"] * 8] * 2
-    assert batches[2] == ["light"] + ["flood"] * 4  # the light client's turn, then the flood's share of it
-    assert batches[3:5] == [["flood"] * 4] * 2  # 8 // 2 of each while both share the server
-    assert batches[5:] == [["flood"] * 8] * 2
+    assert batches[2] == ["light", "flood"]  # the light client's turn, and the flood's next job taken early
+    assert batches[3:6] == [["flood"] * 4, ["flood"] * 4, ["flood"] * 3]  # 8 // 2 while both share the server
+    assert batches[6:] == [["flood"] * 8] * 2
 
 
 def test_sixteen_clients_still_share_full_batches(stage):

@@ -11,14 +11,16 @@ rotation matters in two cases:
 * a client with one request arriving while another floods waits for the running job and its own, not for a turn
   of the flooder first.
 
-Batches (`take_matching`, for text encodes that share one forward) take turns too. The batch formed in a client's
-turn holds its jobs first, then the other clients' next jobs in turn order (their next turns, taken early), and at
-most a *fair share* of each client's: `max(1, max_batch // active)`, where `active` counts the clients with a job
-queued, or seen (a request arrived, was taken or answered) in the last `share_window_s` seconds (0.25): a client
-that sends its next request when the previous is answered is never queued at the moment the next batch is formed,
-yet it is about to be. A client alone on the server keeps full batches (throughput); 16 clients with a request
-each share batches of 8, one job each; one that floods while a light client comes and goes takes half batches, so
-the light client's next request waits for a short forward, not for a full batch of the flood's.
+Batches (`take_batch`, for text encodes that share one forward) take turns too. The batch formed in a client's
+turn holds up to its *fair share* of that client's jobs, `max(1, max_batch // active)`, then the other clients'
+next jobs in turn order (their next turns, taken early), at most as many of each as of the owner's: every client
+in a batch gets the same quantum. `active` counts the clients with a job queued, or seen (a request arrived, was
+taken or answered) in the last `share_window_s` seconds (0.25): a client that sends its next request when the
+previous is answered is never queued at the moment the next batch is formed, yet it is about to be. So a client
+alone on the server keeps full batches (throughput); 16 clients with a request each share batches of 8, one job
+each; two flooding clients share batches of 4 + 4; a flood while a light client comes and goes takes batches of 4
+in its turns and rides with one job in the light client's, so the light client's next request waits for a short
+forward, not for a full batch of the flood's, and its own forward stays small.
 
 A batch in client A's turn that took client B's next job early used B's turn: A is next in line (`expects_next`),
 though a client that sends its next request only once answered is never queued at the instant its answer leaves.
@@ -162,6 +164,17 @@ class FairQueue:
             self._last_served[job.client] = next(self._ticks)
             self.seen(job.client)
         return chosen
+
+    def take_batch(self, accept: Callable[[Any], bool], max_batch: int, owner: str) -> list[Any]:
+        """The rest of a batch whose first job, `owner`'s, was just popped (the rule: module docstring).
+
+        Up to a fair share of `owner`'s jobs in all, then the other clients' next jobs in turn order, at most as many
+        of each as of `owner`'s: every client in the batch gets the owner's quantum.
+        """
+        share = self.fair_share(owner, max_batch)
+        own = self.take_matching(accept, share - 1, owner, own_limit=share - 1, other_limit=0)
+        quantum = 1 + len(own)
+        return own + self.take_matching(accept, max_batch - quantum, owner, own_limit=0, other_limit=quantum)
 
     # --- sharing -----------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ Pure asyncio (no aiohttp): `http.py` is the transport in front of it, and tests 
 
 The queue serves clients in turn (`fair_queue.FairQueue`); queued `t2va` requests whose prompts have the same token
 count are encoded in one text-encoder forward where that is bitwise safe (`h3_core/text_batching.py`), a batch
-holding at most a fair share of each client's jobs while several clients use the server (`FairQueue.fair_share`);
+holding at most a fair share of each client's jobs while several clients use the server (`FairQueue.take_batch`);
 after such a batch the model thread waits a few ms for its owner's next request, next in line (`wait_for_next`).
 A service created without a stage is *loading*: requests get 503 until `attach(stage)`.
 """
@@ -264,10 +264,8 @@ class EncoderService:
                 continue
             jobs = [job]
             if job.batch_key is not None and self.batcher is not None:
-                share = self._pending.fair_share(job.client, self.batcher.max_batch)
-                jobs += self._pending.take_matching(functools.partial(_same_batch, job.batch_key),
-                                                    self.batcher.max_batch - 1, owner=job.client, own_limit=share - 1,
-                                                    other_limit=share)
+                jobs += self._pending.take_batch(functools.partial(_same_batch, job.batch_key),
+                                                 self.batcher.max_batch, job.client)
             started = time.monotonic()
             for member in jobs:
                 member.state, member.started = "running", started
