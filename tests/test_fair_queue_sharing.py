@@ -117,7 +117,7 @@ def test_expects_next_only_when_its_turn_took_the_others_turn():
     assert queue.pop().name == "l0"
     assert [job.name for job in queue.take_matching(lambda job: True, 7, owner="light")] == ["f0"]
     queue.answered("light")
-    assert not queue.expects_next("light", 0.01)  # how soon it comes back is not known yet
+    assert queue.expects_next("light", 0.01)  # no record of how soon it comes back: it is given the chance
     clock.now += 0.002
     queue.push(_job("light", "l1"))
     assert not queue.expects_next("light", 0.01)  # queued: nothing to wait for
@@ -166,6 +166,15 @@ def test_wait_for_next_returns_when_the_client_sends():
     assert came is True and waited < 1.0  # returned on arrival, not at the end of the window
     assert missed is False and [job.name for job in queue] == ["f3"]  # after the window the flood goes on
     assert not_expected is None  # the flood has a job queued: nothing to wait for
+    assert not queue.expects_next("light", 5.0)  # it let a wait run out: not waited for again ...
+    queue.answered("light")
+    clock.now += 0.001
+    queue.push(_job("light", "l3"))
+    assert queue.pop().name == "l3"
+    queue.take_matching(lambda job: True, 7, owner="light")
+    queue.answered("light")
+    queue.push(_job("flood", "f4"))
+    assert queue.expects_next("light", 0.01)  # ... until it comes back quickly
 
 
 # --- the service: real forwards ------------------------------------------------------------------------------------
@@ -250,8 +259,10 @@ def _closed_loop():
 def test_a_closed_loop_client_next_in_line_is_waited_for(stage):
     config = ServerConfig(threads=1, text_batch=8, queue_size=64, anticipate_s=0.2)
     between, answers, counters = asyncio.run(_run(stage, config, _closed_loop()))
-    # its first request told how soon it comes back; from then on the flood's turn is the one inside its batch
-    assert between[1:] == [0, 0, 0] and counters["anticipated"] >= 3
+    # its first request rode in the flood's first batch (the flood came first), then its turns came: the flood's
+    # turn is the one inside the light client's batch, no flood turn between its requests; the wait after its last
+    # answer ran out
+    assert between == [1, 0, 0, 0] and counters["anticipated"] == 3 and counters["anticipation_missed"] == 1
     assert answers == [stage.encode(EncodeRequest(prompt=_prompt(600 + i), width=64, height=64,
                                                   num_frames=124)).to_bytes() for i in range(5)]
     config = ServerConfig(threads=1, text_batch=8, queue_size=64, anticipate_s=0)

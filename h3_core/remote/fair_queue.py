@@ -24,8 +24,9 @@ forward, not for a full batch of the flood's, and its own forward stays small.
 
 A batch in client A's turn that took client B's next job early used B's turn: A is next in line (`expects_next`),
 though a client that sends its next request only once answered is never queued at the instant its answer leaves.
-So the model thread waits briefly for A's next request before starting B's turn (`wait_for_next`), for
-clients whose last request came that soon after their answer, at most `anticipate_s` (10 ms).
+So the model thread waits briefly for A's next request before starting B's turn (`wait_for_next`), at most
+`anticipate_s` (10 ms), for a client whose last request came that soon after its answer or that has no record
+yet; one that let such a wait run out is not waited for again until it comes back that quickly.
 
 Every method runs on the event-loop thread. Sizes are bounded by the service's queue capacity.
 """
@@ -36,6 +37,7 @@ import asyncio
 import collections
 import heapq
 import itertools
+import math
 import time
 from typing import Any, Callable, Iterator
 
@@ -195,14 +197,14 @@ class FairQueue:
         return set(self._seen) | set(self._queues)
 
     def expects_next(self, client: str, window: float) -> bool:
-        """True when `client` is next in line and its last request came within `window` s of its previous answer.
+        """True when `client` is next in line and quick: its last request came within `window` s of its previous
+        answer, or it has no such record yet (a wait that missed records it as slow, see `wait_for_next`).
 
         Next in line: `client` has nothing queued, yet a job of it arriving now would be taken before any queued
         job. That happens after a batch in `client`'s turn took the other clients' next jobs early: their turns
         were had. The service then waits up to `window` for `client`'s next request (see the module docstring).
         """
-        think = self._think.get(client)
-        if think is None or think > window or client in self._queues or not self._queues:
+        if self._think.get(client, 0.0) > window or client in self._queues or not self._queues:
             return False
         following = min(self._queues, key=self._rank)
         return self._last_served.get(client, 0) < self._last_served.get(following, 0)
@@ -218,6 +220,7 @@ class FairQueue:
             await asyncio.wait_for(arrived.wait(), window)
             return True
         except asyncio.TimeoutError:
+            self._think[client] = math.inf  # not waited for again until it comes back quickly
             return False
         finally:
             self._expected = None
