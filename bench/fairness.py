@@ -53,6 +53,7 @@ PREVIOUS = {  # bench/results/results.md before the fair queue (one FIFO, no bat
     "p99_over_fair_share": 1.3855, "throughput_ratio": 1.0205, "single_latency_ms": 33.6, "p99_16_ms": 745.6,
 }
 SHARED = "127.0.0.1"
+WAITS = ("anticipated", "anticipation_missed")  # the model thread's waits for a client next in line (fair_queue.py)
 
 
 def _address(arm: str, k: int) -> str:
@@ -109,6 +110,8 @@ def _scrape(url: str) -> dict[str, float]:
                 out["alone"] = sample.value
             elif sample.name == "h3_encoder_queue_depth":
                 out["queue_depth"] = sample.value
+            elif sample.name == "h3_encoder_events_total" and sample.labels.get("event") in WAITS:
+                out[sample.labels["event"]] = sample.value
     return out
 
 
@@ -116,7 +119,8 @@ def _batching(before: dict, after: dict) -> dict[str, float]:
     requests = after.get("batched_requests", 0) - before.get("batched_requests", 0)
     forwards = after.get("forwards", 0) - before.get("forwards", 0)
     alone = after.get("alone", 0) - before.get("alone", 0)
-    return {"requests": requests, "forwards": forwards,
+    waits = {name: after.get(name, 0) - before.get(name, 0) for name in WAITS}
+    return {**waits, "requests": requests, "forwards": forwards,
             "requests_per_forward": requests / forwards if forwards else float("nan"),
             "share_batched": (requests - alone) / requests if requests else float("nan")}
 
@@ -329,7 +333,7 @@ def run(models: Path, *, threads: int = 1, quick: bool = False, out: Path | None
     for name, arm in arms.items():
         summary = _ratios(arm, plan["clients"])
         for key in ("batching_many", "batching_flood"):
-            totals = {k: sum(b[k] for b in arm[key]) for k in ("requests", "forwards")}
+            totals = {k: sum(b[k] for b in arm[key]) for k in ("requests", "forwards") + WAITS}
             alone_share = [b["share_batched"] * b["requests"] for b in arm[key] if b["requests"]]
             summary[key] = {**totals, "requests_per_forward": totals["requests"] / totals["forwards"]
                             if totals["forwards"] else None,
