@@ -147,10 +147,9 @@ class FairQueue:
         """Up to `limit` queued jobs that `accept`, in the order they would be taken, removed from the queue.
 
         For batching the turn of `owner`'s job: at most `own_limit` more of `owner`'s own jobs (no bound when None)
-        and at most `other_limit` of each other client's (their next turn, taken early); the service passes the
-        fair share (`fair_share`). So a client with one request does not wait for a full batch of a flooding
-        client's jobs in its own turn, and 16 clients with a request each still share one forward. Their clients
-        count as served.
+        and at most `other_limit` of each other client's (their next turn, taken early); `take_batch` sets both.
+        So a client with one request does not wait for a full batch of a flooding client's jobs in its own turn,
+        and 16 clients with a request each still share one forward. Their clients count as served.
         """
         chosen: list[Any] = []
         taken: collections.Counter[str] = collections.Counter()
