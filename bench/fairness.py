@@ -20,7 +20,8 @@ connects from its own loopback address (127.0.0.x; Linux routes all of 127/8 to 
 All prompts have the same token count (digits are single tokens), so batching applies whenever several are queued;
 every prompt is distinct (no cache hits). Intervals are 95 % percentile-bootstrap intervals of each ratio
 (resampling requests for latencies, passes for throughput). How much batches comes from the server's own
-`/metrics` (`h3_encoder_text_batch_size`), scraped before and after each scenario.
+`/metrics` (`h3_encoder_text_batch_size`), scraped before and after each scenario; where the light client's time
+goes from the server's own X-H3-Queue-Seconds / X-H3-Encode-Seconds answer headers.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ PREVIOUS = {  # bench/results/results.md before the fair queue (one FIFO, no bat
     "p99_over_fair_share": 1.3855, "throughput_ratio": 1.0205, "single_latency_ms": 33.6, "p99_16_ms": 745.6,
 }
 SHARED = "127.0.0.1"
+WAITS = ("anticipated", "anticipation_missed")  # the model thread's waits for a client next in line (fair_queue.py)
 
 
 def _address(arm: str, k: int) -> str:
@@ -65,6 +67,7 @@ class Client:
     def __init__(self, url: str, source: str):
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         self.conn = http.client.HTTPConnection(host, int(port), timeout=300, source_address=(source, 0))
+        self.server_s: list[tuple[float, float]] = []  # (queue, encode) seconds the server reported per request
 
     def encode(self, prompt: str) -> float:
         body = json.dumps({"protocol": PV, "prompt": prompt, "width": 64, "height": 64, "num_frames": 124})
@@ -75,6 +78,8 @@ class Client:
         elapsed = time.perf_counter() - t0
         if response.status != 200:
             raise RuntimeError(f"encode answered {response.status}")
+        self.server_s.append((float(response.getheader(protocol.H_QUEUE_S, "nan")),
+                              float(response.getheader(protocol.H_ENCODE_S, "nan"))))
         return elapsed
 
     def close(self) -> None:
@@ -105,6 +110,8 @@ def _scrape(url: str) -> dict[str, float]:
                 out["alone"] = sample.value
             elif sample.name == "h3_encoder_queue_depth":
                 out["queue_depth"] = sample.value
+            elif sample.name == "h3_encoder_events_total" and sample.labels.get("event") in WAITS:
+                out[sample.labels["event"]] = sample.value
     return out
 
 
@@ -112,7 +119,8 @@ def _batching(before: dict, after: dict) -> dict[str, float]:
     requests = after.get("batched_requests", 0) - before.get("batched_requests", 0)
     forwards = after.get("forwards", 0) - before.get("forwards", 0)
     alone = after.get("alone", 0) - before.get("alone", 0)
-    return {"requests": requests, "forwards": forwards,
+    waits = {name: after.get(name, 0) - before.get(name, 0) for name in WAITS}
+    return {**waits, "requests": requests, "forwards": forwards,
             "requests_per_forward": requests / forwards if forwards else float("nan"),
             "share_batched": (requests - alone) / requests if requests else float("nan")}
 
@@ -194,6 +202,7 @@ def flood(url: str, arm: str, size: int, light: int, counter: list[int], threads
         latencies = [client.encode(_prompt("light", counter[0] + j)) for j in range(light)]
         counter[0] += light
         client.close()
+        server_s = client.server_s
         depth_after = _scrape(url).get("queue_depth", float("nan"))
     finally:
         proc.stdin.close()  # the flood stops sending; its outstanding requests are answered
@@ -202,8 +211,10 @@ def flood(url: str, arm: str, size: int, light: int, counter: list[int], threads
     done = json.loads(summary.strip().splitlines()[-1]) if summary.strip() else {}
     if done.get("errors"):
         raise RuntimeError(f"flood requests failed: {done['errors'][:3]}")
-    return {"light_latencies": latencies, "queue_depth_at_start": depth, "queue_depth_at_end": depth_after,
-            "flood_done": done.get("done"), "batching": _batching(before, _scrape(url))}
+    return {"light_latencies": latencies, "light_queue_s": [q for q, _ in server_s],
+            "light_encode_s": [e for _, e in server_s], "queue_depth_at_start": depth,
+            "queue_depth_at_end": depth_after, "flood_done": done.get("done"),
+            "batching": _batching(before, _scrape(url))}
 
 
 def flood_worker(spec: dict) -> None:
@@ -285,7 +296,8 @@ def run(models: Path, *, threads: int = 1, quick: bool = False, out: Path | None
         ) -> dict:
     plan = dict(plan or (QUICK if quick else FULL))
     arms = {name: {"single_latencies": [], "many_latencies": [], "light_latencies": [], "single_throughput": [],
-                   "many_throughput": [], "batching_many": [], "batching_flood": [], "queue_depth": []}
+                   "many_throughput": [], "batching_many": [], "batching_flood": [], "queue_depth": [],
+                   "light_queue_s": [], "light_encode_s": []}
             for name in ("fair", "fifo", "fair_nobatch")}
     counter = [0]
     queue = ["--queue-size", str(plan["flood"] + plan["clients"] * 2 + 16)]
@@ -314,17 +326,22 @@ def run(models: Path, *, threads: int = 1, quick: bool = False, out: Path | None
                 arm["batching_many"].append(m["batching"])
                 f = flood(url, name, plan["flood"], plan["light"], counter, threads)
                 arm["light_latencies"] += f["light_latencies"]
+                arm["light_queue_s"] += f["light_queue_s"]
+                arm["light_encode_s"] += f["light_encode_s"]
                 arm["batching_flood"].append(f["batching"])
                 arm["queue_depth"].append([f["queue_depth_at_start"], f["queue_depth_at_end"]])
     for name, arm in arms.items():
         summary = _ratios(arm, plan["clients"])
         for key in ("batching_many", "batching_flood"):
-            totals = {k: sum(b[k] for b in arm[key]) for k in ("requests", "forwards")}
+            totals = {k: sum(b[k] for b in arm[key]) for k in ("requests", "forwards") + WAITS}
             alone_share = [b["share_batched"] * b["requests"] for b in arm[key] if b["requests"]]
             summary[key] = {**totals, "requests_per_forward": totals["requests"] / totals["forwards"]
                             if totals["forwards"] else None,
                             "share_batched": sum(alone_share) / totals["requests"] if totals["requests"] else None}
         summary["flood_queue_depth"] = arm["queue_depth"]
+        # where the light client's time goes: waiting in the queue (the running forward, mostly) or in its own one
+        summary["light_queue_s"] = common.summary(arm["light_queue_s"])
+        summary["light_encode_s"] = common.summary(arm["light_encode_s"])
         summary["samples"] = {k: arm[k] for k in ("single_latencies", "many_latencies", "light_latencies",
                                                   "single_throughput", "many_throughput")}
         out_results[name] = summary
@@ -352,8 +369,8 @@ def markdown(results: dict) -> str:
         "| arm | single-client median ms | 16 clients: p99 / (16 x single) (<= 1.2) | 16 clients: throughput / "
         "single (>= 1.0; 1.5 batched) | flood: light client median / single (<= 2) | light max / single | "
         "16 clients: requests per text forward | flood: requests per text forward | queue depth around the light "
-        "requests (min) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "requests (min) | flood: light client's median queue / encode ms (server) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in ("fair", "fair_nobatch", "fifo"):
         r = results[name]
@@ -364,13 +381,18 @@ def markdown(results: dict) -> str:
             f"{_ci(r['light_over_single'], r['light_over_single_ci95'])} | {r['light_max_over_single']:.2f} | "
             f"{_fmt(r['batching_many']['requests_per_forward'])} | "
             f"{_fmt(r['batching_flood']['requests_per_forward'])} | "
-            f"{min(min(pair) for pair in r['flood_queue_depth']):.0f} |")
+            f"{min(min(pair) for pair in r['flood_queue_depth']):.0f} | {_ms(r.get('light_queue_s'))} / "
+            f"{_ms(r.get('light_encode_s'))} |")
     prev = results["previous"]
     lines += ["", f"Previous (bench/results/results.md, one FIFO, no batching): p99 / fair share "
               f"{prev['p99_over_fair_share']:.3f}, throughput 16 / 1 {prev['throughput_ratio']:.3f} (single-client "
               f"median {prev['single_latency_ms']} ms, 16-client p99 {prev['p99_16_ms']} ms). A light client behind a "
               "flood waited for the whole flood (FIFO): the `fifo` arm shows it.", ""]
     return "\n".join(lines) + "\n"
+
+
+def _ms(stats: dict | None) -> str:
+    return "-" if not stats or not stats.get("n") else f"{1000 * stats['median']:.1f}"
 
 
 def _fmt(value) -> str:

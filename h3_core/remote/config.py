@@ -52,6 +52,12 @@ class ServerConfig:
     client_key: str = "peer"
     # Most t2va requests of equal token count encoded in one text-encoder forward (1: never batch).
     text_batch: int = 8
+    # A client seen this many seconds ago still shares the server: while several share it, a batch holds at most
+    # text_batch // (clients sharing) jobs of each (fair_queue.FairQueue.fair_share). 0: only queued clients count.
+    share_window_s: float = 0.25
+    # After a batch in a client's turn took others' next jobs early, the model thread waits up to this long for that
+    # client's next request, if its last one came this soon after its answer (FairQueue.wait_for_next). 0: never wait.
+    anticipate_s: float = 0.01
 
     def __post_init__(self):
         if self.queue_size < 1:
@@ -60,6 +66,10 @@ class ServerConfig:
             raise ServerConfigError(f"client_key must be one of {CLIENT_KEYS}, got {self.client_key!r}")
         if self.text_batch < 1:
             raise ServerConfigError(f"text_batch must be at least 1, got {self.text_batch}")
+        if not 0 <= self.share_window_s < float("inf"):
+            raise ServerConfigError(f"share_window_s must be a finite number >= 0, got {self.share_window_s}")
+        if not 0 <= self.anticipate_s <= 1:
+            raise ServerConfigError(f"anticipate_s must be between 0 and 1 second, got {self.anticipate_s}")
         if not 0 < self.default_deadline_s <= self.max_deadline_s:
             raise ServerConfigError("default_deadline_s must be positive and at most max_deadline_s")
         if self.token is not None:

@@ -9,7 +9,9 @@ Pure asyncio (no aiohttp): `http.py` is the transport in front of it, and tests 
         ... await job.future, or service.release(job) when the waiter gives up ...
 
 The queue serves clients in turn (`fair_queue.FairQueue`); queued `t2va` requests whose prompts have the same token
-count are encoded in one text-encoder forward where that is bitwise safe (`h3_core/text_batching.py`).
+count are encoded in one text-encoder forward where that is bitwise safe (`h3_core/text_batching.py`), a batch
+holding at most a fair share of each client's jobs while several clients use the server (`FairQueue.take_batch`);
+after such a batch the model thread waits a few ms for its owner's next request, next in line (`wait_for_next`).
 A service created without a stage is *loading*: requests get 503 until `attach(stage)`.
 """
 
@@ -91,7 +93,7 @@ class EncoderService:
 
             self.threads = torch.get_num_threads()
         self.cache = ConditioningCache(config.cache_bytes, config.cache_entries)
-        self._pending = FairQueue()
+        self._pending = FairQueue(config.share_window_s)
         self._inflight: dict[str, Job] = {}
         self._running: list[Job] = []
         self._wakeup: asyncio.Event | None = None
@@ -246,18 +248,24 @@ class EncoderService:
 
     async def _work_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        owner = None  # the client whose turn ran last
         while True:
             while not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            if owner is not None and self.config.anticipate_s:  # its turn used others': it is next (fair_queue.py)
+                arrived = await self._pending.wait_for_next(owner, self.config.anticipate_s)
+                if arrived is not None:
+                    self.counters["anticipated" if arrived else "anticipation_missed"] += 1
+                owner = None
             job = self._pending.pop()
             if job.cancel.is_set():
                 self._finish(job, exception=_Abandoned())
                 continue
             jobs = [job]
             if job.batch_key is not None and self.batcher is not None:
-                jobs += self._pending.take_matching(functools.partial(_same_batch, job.batch_key),
-                                                    self.batcher.max_batch - 1, owner=job.client)
+                jobs += self._pending.take_batch(functools.partial(_same_batch, job.batch_key),
+                                                 self.batcher.max_batch, job.client)
             started = time.monotonic()
             for member in jobs:
                 member.state, member.started = "running", started
@@ -275,6 +283,7 @@ class EncoderService:
                 outcomes = [error] * len(jobs)
             finally:
                 self._running = []
+                owner = job.client
                 elapsed = time.monotonic() - started
                 self.job_seconds = 0.8 * self.job_seconds + 0.2 * elapsed / len(jobs)
             for member, outcome in zip(jobs, outcomes):
@@ -380,6 +389,7 @@ class EncoderService:
 
     def _finish(self, job: Job, result: tuple[Any, str] | None = None, exception: BaseException | None = None):
         job.state, job.finished = "done", time.monotonic()
+        self._pending.answered(job.client)  # its next request may be on its way: it still shares the server
         self._forget(job)
         if result is not None:
             self.cache.put(job.key, *result)
