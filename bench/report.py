@@ -320,6 +320,11 @@ def markdown(results: dict) -> str:
         f"Model: the embedded tiny H3 (random weights){' built by this run' if meta.get('built_tiny') else ''}. "
         f"Loopback only. Every A/B comparison is interleaved (ABBA) in the same run."
     )
+    started = meta.get("section_started", {})
+    if len(set(started.values())) > 1:  # `--update` re-measured some sections: say when each one ran
+        L.append("")
+        L.append("Sections measured at different times (`--update`): " + ", ".join(
+            f"{name} {started[name]}" for name in meta.get("sections", []) if name in started) + ".")
     L.append("")
     L.append(f"## Targets: {met}/{len(ts)} met")
     L.append("")

@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default all)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other sections of the output folder's results.json: measure only --sections "
+                             "and re-render the report (each section records when it ran)")
     parser.add_argument("--render", metavar="RESULTS_JSON",
                         help="measure nothing: re-render results.md and the plots from a results.json")
     args = parser.parse_args(argv)
@@ -108,6 +111,19 @@ def main(argv: list[str] | None = None) -> int:
                               "started": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
                               "threads": args.threads, "sections": sections, "plan": _jsonable(plan),
                               "environment": common.environment(args.threads), "notes": NOTES}}
+    if args.update and (out / "results.json").exists():
+        import json
+
+        kept = json.loads((out / "results.json").read_text())
+        kept.pop("targets", None)
+        for key, value in kept.items():
+            if key != "meta" and key not in sections:
+                results[key] = value
+        earlier = kept.get("meta", {})
+        results["meta"]["section_started"] = {s: earlier.get("section_started", {}).get(s, earlier.get("started"))
+                                              for s in earlier.get("sections", []) if s not in sections}
+        results["meta"]["sections"] = [s for s in SECTIONS if s in sections or s in results]
+        results["meta"]["section_s"] = {s: v for s, v in earlier.get("section_s", {}).items() if s not in sections}
     tmp = Path(tempfile.mkdtemp(prefix="h3-bench-"))
     try:
         if args.models:
@@ -124,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         for section in sections:
             t0 = time.perf_counter()
             common.log(f"=== section {section} ===")
+            results["meta"].setdefault("section_started", {})[section] = \
+                datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
             if section == "split":
                 from bench import split
 
