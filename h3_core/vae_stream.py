@@ -63,6 +63,11 @@ class DecodePlan:
     def decoder_calls(self) -> int:
         return self.chunks * self.tiles_per_clip
 
+    def clip_frames(self, c: int) -> int:
+        """Output frames clip `c` hands over: its kept frames; the last one also its tail (nothing follows to
+        cross-fade with), less the frames of the repeated pad latents."""
+        return self.kept if c < self.chunks - 1 else self.frames - c * self.kept
+
 
 def plan(vae, latent_shape) -> DecodePlan:
     """How `vae` decodes a latent of `latent_shape` `[1, C, T, h, w]`: clips, tiles and the output frame count."""
@@ -141,7 +146,8 @@ class WriterSink(FrameSink):
         self.write, self._clip = write, None
 
     def open(self, plan: DecodePlan) -> None:
-        self._clip = torch.empty(max(plan.kept, plan.tail), plan.height, plan.width, 3, dtype=torch.uint8)
+        frames = max(plan.clip_frames(c) for c in {0, plan.chunks - 1})
+        self._clip = torch.empty(frames, plan.height, plan.width, 3, dtype=torch.uint8)
 
     def buffer(self, start: int, count: int) -> torch.Tensor:
         return self._clip[:count]
@@ -180,92 +186,115 @@ def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threadi
 
 
 class _Decode:
-    """One decode's state: the overlap strips and the tail frames, and where the clip being decoded goes."""
+    """One decode's state: the overlap strips, the tail frames, and where the clip being decoded goes.
+
+    Every buffer that lives longer than one tile is allocated once per decode (one block each, so the decoder's
+    short-lived tensors never fragment the heap around them), and holds only the decoded frames that reach an output
+    frame: a clip's kept frames and the tail frames after its chunk."""
 
     def __init__(self, vae, z, geometry: DecodePlan, sink: FrameSink, pixels, counter, cancel):
         self.vae, self.z, self.g, self.sink, self.pixels = vae, z, geometry, sink, pixels
         self.counter, self.cancel = counter, cancel
         # The previous clip's tail (raw decoder output, spatially blended), overwritten region by region with this
-        # clip's tail right after that region's head frames were cross-faded with it.
+        # clip's tail right after that region's head frames were cross-faded with it. Only a clip that another clip
+        # follows keeps its tail here; the last clip's tail frames go to the sink with its kept frames.
         self.tails: torch.Tensor | None = None
-        self.blend_tails = False  # from the second clip on
+        self.strips: torch.Tensor | None = None  # raw bottom strips of the row above, side by side
+        self.lefts: list[torch.Tensor] = []  # raw right strip of the tile to the left / of this tile
 
     def run(self) -> None:
         g = self.g
         for c in range(g.chunks):
-            start = c * g.kept
-            count = max(0, min(g.kept, g.frames - start))
-            target = self.sink.buffer(start, count) if count else None
-            self._clip(c, target, count)
-            if count:
-                self.sink.commit(start, count)
-            self.blend_tails = self.tails is not None
-        start = g.chunks * g.kept
-        count = max(0, min(g.tail, g.frames - start))
-        if count:  # the last clip's tail is output as it is (nothing follows to cross-fade with)
-            self._emit(self.tails[:, :, :count], self.sink.buffer(start, count), 0, 0)
+            start, count = c * g.kept, g.clip_frames(c)
+            self._clip(c, self.sink.buffer(start, count), count)
             self.sink.commit(start, count)
 
-    def _clip(self, c: int, target: torch.Tensor | None, count: int) -> None:
+    def _buffers(self, frames: int, dtype, device):
+        g = self.g
+        if not self.lefts:  # sized for the most frames a clip uses (a last clip cut short uses fewer)
+            y_ov, width = max(ov for _, _, ov in g.ys), sum(length for _, length, _ in g.xs)
+            x_ov, y_len = max(ov for _, _, ov in g.xs), max(length for _, length, _ in g.ys)
+            most = g.kept + g.tail
+            self.strips = torch.empty(1, 3, most, y_ov, width, dtype=dtype, device=device) if y_ov else None
+            self.lefts = [torch.empty(1, 3, most, y_len, x_ov, dtype=dtype, device=device) for _ in range(2)]
+            if g.chunks > 1 and g.tail:
+                self.tails = torch.empty(1, 3, g.tail, g.height, g.width, dtype=dtype, device=device)
+        n = slice(0, frames)
+        return (None if self.strips is None else self.strips[:, :, n]), [left[:, :, n] for left in self.lefts]
+
+    def _clip(self, c: int, target: torch.Tensor, count: int) -> None:
         g, vae = self.g, self.vae
         ratio = int(vae.spatial_compression_ratio)
         chunk_frames = g.chunk_tokens * int(vae.temporal_compression_ratio)
+        last = c == g.chunks - 1
+        # the decoded frames that reach an output: the kept ones (all of them: the cross-fade with the previous tail
+        # weighs frames by the kept length), then the tail ones this clip outputs (last clip) or keeps for the next
+        tail = max(count - g.kept, 0) if last else g.tail
+        used = torch.cat([torch.arange(g.pre, chunk_frames), torch.arange(chunk_frames + g.pre,
+                                                                           chunk_frames + g.pre + tail)])
         clip_z = self.z[:, :, c * g.chunk_tokens: c * g.chunk_tokens + g.clip_tokens]
-        above: list[torch.Tensor | None] = [None] * len(g.xs)  # raw bottom strips of the row above
         y_out = 0
         for i, (y0, y_len, y_ov) in enumerate(g.ys):
-            left, x_out, strips = None, 0, []
+            x_out, x_strip = 0, 0
+            above_ov = g.ys[i - 1][2] if i else 0
             last_row = i == len(g.ys) - 1
             for j, (x0, x_len, x_ov) in enumerate(g.xs):
                 check_cancel(self.cancel, f"while decoding video clip {c + 1} of {g.chunks}")
                 tile = vae.decoder(vae.post_quant_conv(
                     clip_z[..., y0 // ratio: (y0 + y_len) // ratio, x0 // ratio: (x0 + x_len) // ratio]))
-                if tile.shape[2] < chunk_frames + g.tail + g.pre * bool(g.tail):
+                if tile.shape[2] < chunk_frames + g.pre + tail:
                     raise RuntimeError(f"the VAE decoder returned {tile.shape[2]} frames for a clip; the decode plan "
                                        "expected more (unsupported VAE geometry)")
-                # diffusers' _stitch_tiles blends with the *raw* tiles above and to the left: keep their strips
-                # before this tile is blended (in place) itself.
-                strip = None if last_row else tile[..., -y_ov:, :].clone()
-                left_next = tile[..., :, -x_ov:].clone() if j < len(g.xs) - 1 else None
-                if i > 0:
-                    _blend_into(vae, above[j], tile, g.ys[i - 1][2], dim=-2)
-                if j > 0:
-                    _blend_into(vae, left, tile, g.xs[j - 1][2], dim=-1)
-                strips.append(strip)
-                left = left_next
-                if not last_row:
-                    tile = tile[..., :-y_ov, :]
+                tile = tile.index_select(2, used.to(tile.device))  # every later step is per frame: only these count
+                strips, lefts = self._buffers(tile.shape[2], tile.dtype, tile.device)
+                # diffusers' _stitch_tiles blends with the *raw* tiles above and to the left: keep this tile's strips
+                # before it is blended (in place) itself.
                 if j < len(g.xs) - 1:
-                    tile = tile[..., :, :-x_ov]
+                    lefts[j % 2][..., : tile.shape[-2], :x_ov].copy_(tile[..., -x_ov:])
+                bottom = None
+                if not last_row:
+                    bottom = tile[..., -y_ov:, :]
+                    if above_ov + y_ov > tile.shape[-2]:  # the blend from above reaches into it: copy it first
+                        bottom = bottom.clone()
+                strip = None if strips is None else strips[..., x_strip: x_strip + x_len]
+                if i > 0:
+                    _blend_into(vae, strip[..., :above_ov, :], tile, above_ov, dim=-2)
+                if bottom is not None:
+                    strip[..., :y_ov, :].copy_(bottom)
+                    del bottom
+                if j > 0:
+                    x_prev = g.xs[j - 1][2]
+                    _blend_into(vae, lefts[(j - 1) % 2][..., : tile.shape[-2], :x_prev], tile, x_prev, dim=-1)
+                tile = tile[..., : tile.shape[-2] - (0 if last_row else y_ov), : tile.shape[-1] - x_ov]
                 h, w = tile.shape[-2], tile.shape[-1]
-                head = tile[:, :, g.pre: chunk_frames]
                 region = (Ellipsis, slice(y_out, y_out + h), slice(x_out, x_out + w))
-                if self.blend_tails:  # diffusers' _decode: cross-fade with the previous clip's tail
+                head, after = tile[:, :, : g.kept], tile[:, :, g.kept:]
+                if c > 0 and self.tails is not None:  # diffusers' _decode: cross-fade with the previous clip's tail
                     _blend_into(vae, self.tails[region], head, vae.frame_overlap, dim=-3)
-                if count:
-                    self._emit(head[:, :, :count], target, y_out, x_out)
-                if g.tail:
-                    if self.tails is None:
-                        self.tails = torch.empty(*head.shape[:2], g.tail, g.height, g.width, dtype=head.dtype,
-                                                 device=head.device)
-                    self.tails[region] = tile[:, :, chunk_frames + g.pre: chunk_frames + g.pre + g.tail]
-                del tile, head
+                self._emit(head[:, :, : min(count, g.kept)], target, 0, y_out, x_out)
+                if last:
+                    self._emit(after, target, g.kept, y_out, x_out)
+                elif tail:
+                    self.tails[region] = after
+                del tile, head, after
                 x_out += w
+                x_strip += x_len
                 if self.counter is not None:
                     self.counter.advance()
-            above = strips
             y_out += h
 
-    def _emit(self, frames: torch.Tensor, target: torch.Tensor, y: int, x: int) -> None:
-        """Decoder-space frames `[1, 3, n, h, w]` -> the decode step's pixels, into `target[:, y.., x..]`: the decode
-        step's `x.float() * std + mean` and clamp (in place on one temporary: the same operations, the same values)."""
+    def _emit(self, frames: torch.Tensor, target: torch.Tensor, first: int, y: int, x: int) -> None:
+        """Decoder-space frames `[1, 3, n, h, w]` -> the decode step's pixels, into `target[first.., y.., x..]`: the
+        decode step's `x.float() * std + mean` and clamp (in place on one temporary per frame: the same operations,
+        the same values)."""
         pixel_mean, pixel_std = self.pixels
-        values = frames.float() * pixel_std
-        values.add_(pixel_mean).clamp_(0, 1)
-        if target.dtype == torch.uint8:  # media.frames_to_uint8's rounding: (x * 255).round().clip(0, 255)
-            values.mul_(255.0).round_().clamp_(0, 255)
-        values = values[0].permute(1, 2, 3, 0)
-        target[:, y: y + values.shape[1], x: x + values.shape[2]].copy_(values)
+        for k in range(frames.shape[2]):
+            values = frames[:, :, k: k + 1].float() * pixel_std
+            values.add_(pixel_mean).clamp_(0, 1)
+            if target.dtype == torch.uint8:  # media.frames_to_uint8's rounding: (x * 255).round().clip(0, 255)
+                values.mul_(255.0).round_().clamp_(0, 255)
+            values = values[0, :, 0].permute(1, 2, 0)
+            target[first + k, y: y + values.shape[0], x: x + values.shape[1]].copy_(values)
 
 
 def _blend_into(vae, a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
