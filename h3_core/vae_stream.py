@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import diffusers_adapter, facts, progress
+from . import diffusers_adapter, facts, progress, vae_tokens
 from .progress import check_cancel
 
 
@@ -139,33 +139,38 @@ class TensorSink(FrameSink):
 
 
 class WriterSink(FrameSink):
-    """Each finished clip as uint8 `[n, H, W, 3]` (numpy, rounded as `media.frames_to_uint8` rounds) to `write`;
-    one clip buffer, reused."""
+    """Each finished run of frames as uint8 `[n, H, W, 3]` (numpy, rounded as `media.frames_to_uint8` rounds) to
+    `write`; one buffer, as large as the largest hand-over, reused."""
 
     def __init__(self, write: Callable[[np.ndarray], None]):
-        self.write, self._clip = write, None
+        self.write, self._frames, self._size = write, None, (0, 0)
 
     def open(self, plan: DecodePlan) -> None:
-        frames = max(plan.clip_frames(c) for c in {0, plan.chunks - 1})
-        self._clip = torch.empty(frames, plan.height, plan.width, 3, dtype=torch.uint8)
+        self._frames, self._size = None, (plan.height, plan.width)
 
     def buffer(self, start: int, count: int) -> torch.Tensor:
-        return self._clip[:count]
+        if self._frames is None or self._frames.shape[0] < count:
+            self._frames = None  # the smaller one goes before the larger one is allocated
+            self._frames = torch.empty(count, *self._size, 3, dtype=torch.uint8)
+        return self._frames[:count]
 
     def commit(self, start: int, count: int) -> None:
-        self.write(self._clip[:count].numpy())
+        self.write(self._frames[:count].numpy())
 
 
 # --- the decode ---------------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
-def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threading.Event | None = None) -> DecodePlan:
+def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threading.Event | None = None,
+                 token_cache: bool | None = None) -> DecodePlan:
     """Decode normalised video latents `[1, 24, T, h, w]` (the sampler's output) into `sink`, clip by clip.
 
     The frames equal diffusers' decode step (`latents * std + mean`, `vae.decode`, `x.float() * pixel_std +
     pixel_mean`, clamp to [0, 1]) bit for bit. Reports the `decode_video` progress phase per tile and checks
-    `cancel` between tiles. Returns the plan (frame count and geometry)."""
+    `cancel` between tiles. `token_cache`: keep the tiles' decoder tokens and hand frames over a few at a time
+    (`vae_tokens`); None: when the decoder's tokens are smaller than the pixels they make. Returns the plan (frame
+    count and geometry)."""
     geometry = plan(vae, latents.shape)
     device = latents.device
     latents_mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
@@ -181,71 +186,123 @@ def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threadi
     pixel_std = torch.tensor(facts.PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
     sink.open(geometry)
     counter = progress.Counter("decode_video", geometry.decoder_calls) if progress.active() else None
-    _Decode(vae, z, geometry, sink, (pixel_mean, pixel_std), counter, cancel).run()
+    if token_cache is None:
+        token_cache = splits(vae)
+    elif token_cache and not splits(vae):
+        raise VaeStreamError("this video VAE's decoder cannot be split into tokens and a pixel head")
+    _Decode(vae, z, geometry, sink, (pixel_mean, pixel_std), counter, cancel, token_cache).run()
     return geometry
 
 
+def splits(vae) -> bool:
+    """Whether the decode keeps `vae`'s decoder tokens rather than its pixels (`vae_tokens.splittable`, with the
+    decoder's patches as large as the VAE's compression)."""
+    decoder = vae.decoder
+    return (vae_tokens.splittable(decoder) and int(decoder.patch_size) == int(vae.spatial_compression_ratio)
+            and int(decoder.patch_size_t) == int(vae.temporal_compression_ratio))
+
+
 class _Decode:
-    """One decode's state: the overlap strips, the tail frames, and where the clip being decoded goes.
+    """One decode's state: the overlap strips, the tail frames, the cached tokens, and where frames go.
 
-    Every buffer that lives longer than one tile is allocated once per decode (one block each, so the decoder's
-    short-lived tensors never fragment the heap around them), and holds only the decoded frames that reach an output
-    frame: a clip's kept frames and the tail frames after its chunk."""
+    A clip is decoded in frame groups (runs of latent frames): all of it at once when the decoder's pixels are
+    stitched straight away, a few latent frames at a time when its tokens are kept (`vae_tokens`). Spatial blends are
+    per frame, so each group is stitched on its own. Every buffer that outlives one tile is allocated once per decode
+    (one block each, so the decoder's short-lived tensors do not fragment the heap around it) and holds only frames
+    that reach an output: a clip's kept frames, then the tail frames after its chunk."""
 
-    def __init__(self, vae, z, geometry: DecodePlan, sink: FrameSink, pixels, counter, cancel):
+    def __init__(self, vae, z, geometry: DecodePlan, sink: FrameSink, pixels, counter, cancel, split: bool):
         self.vae, self.z, self.g, self.sink, self.pixels = vae, z, geometry, sink, pixels
-        self.counter, self.cancel = counter, cancel
+        self.counter, self.cancel, self.split = counter, cancel, split
+        self.t_ratio = int(vae.temporal_compression_ratio)
+        self.chunk_frames = geometry.chunk_tokens * self.t_ratio
         # The previous clip's tail (raw decoder output, spatially blended), overwritten region by region with this
         # clip's tail right after that region's head frames were cross-faded with it. Only a clip that another clip
         # follows keeps its tail here; the last clip's tail frames go to the sink with its kept frames.
         self.tails: torch.Tensor | None = None
         self.strips: torch.Tensor | None = None  # raw bottom strips of the row above, side by side
-        self.lefts: list[torch.Tensor] = []  # raw right strip of the tile to the left / of this tile
+        self.lefts: list[torch.Tensor] = []  # raw right strips of the tile to the left and of this tile
+        self.tokens: dict[tuple[int, int], torch.Tensor] = {}  # this clip's tile tokens (split decode only)
 
     def run(self) -> None:
         g = self.g
-        for c in range(g.chunks):
-            start, count = c * g.kept, g.clip_frames(c)
-            self._clip(c, self.sink.buffer(start, count), count)
-            self.sink.commit(start, count)
+        groups = [self._groups(c, g.clip_frames(c)) for c in range(g.chunks)]
+        self.most = max(len(used) for clip in groups for _, _, used in clip)
+        for c, clip in enumerate(groups):
+            self.tokens.clear()
+            for first, count, used in clip:
+                self._group(c, first, count, used)
+
+    def _groups(self, c: int, count: int) -> list[tuple[int, int, list[int]]]:
+        """(first latent frame, latent frames, decoded frames that reach an output or the next clip) per group."""
+        g, pt, cf = self.g, self.t_ratio, self.chunk_frames
+        tail = max(count - g.kept, 0) if c == g.chunks - 1 else g.tail
+        used = [*range(g.pre, cf), *range(cf + g.pre, cf + g.pre + tail)]
+        if not self.split:
+            return [(0, g.clip_tokens, used)]
+        # only the latent frames whose pixels are used; the first group reaches past the frames the cross-fade with
+        # the previous tail weighs (its weights depend on how many frames it sees)
+        last = -(-(used[-1] + 1) // pt) if tail else -(-(g.pre + count) // pt)
+        first = min(last, max(1, -(-(g.pre + min(int(self.vae.frame_overlap), g.kept)) // pt) if c else 1))
+        spans = [(0, first)] + [(k, 1) for k in range(first, last)]
+        out = [(k, n, [d - k * pt for d in used if k * pt <= d < (k + n) * pt]) for k, n in spans]
+        return [group for group in out if group[2]]
 
     def _buffers(self, frames: int, dtype, device):
         g = self.g
-        if not self.lefts:  # sized for the most frames a clip uses (a last clip cut short uses fewer)
+        if not self.lefts:
             y_ov, width = max(ov for _, _, ov in g.ys), sum(length for _, length, _ in g.xs)
             x_ov, y_len = max(ov for _, _, ov in g.xs), max(length for _, length, _ in g.ys)
-            most = g.kept + g.tail
-            self.strips = torch.empty(1, 3, most, y_ov, width, dtype=dtype, device=device) if y_ov else None
-            self.lefts = [torch.empty(1, 3, most, y_len, x_ov, dtype=dtype, device=device) for _ in range(2)]
+            self.strips = torch.empty(1, 3, self.most, y_ov, width, dtype=dtype, device=device) if y_ov else None
+            self.lefts = [torch.empty(1, 3, self.most, y_len, x_ov, dtype=dtype, device=device) for _ in range(2)]
             if g.chunks > 1 and g.tail:
                 self.tails = torch.empty(1, 3, g.tail, g.height, g.width, dtype=dtype, device=device)
         n = slice(0, frames)
         return (None if self.strips is None else self.strips[:, :, n]), [left[:, :, n] for left in self.lefts]
 
-    def _clip(self, c: int, target: torch.Tensor, count: int) -> None:
+    def _tile(self, c: int, i: int, j: int, first: int, count: int, used: list[int]) -> torch.Tensor:
+        """The decoded frames `used` (counted from latent frame `first`) of tile (i, j): `[1, 3, len(used), h, w]`."""
         g, vae = self.g, self.vae
         ratio = int(vae.spatial_compression_ratio)
-        chunk_frames = g.chunk_tokens * int(vae.temporal_compression_ratio)
-        last = c == g.chunks - 1
-        # the decoded frames that reach an output: the kept ones (all of them: the cross-fade with the previous tail
-        # weighs frames by the kept length), then the tail ones this clip outputs (last clip) or keeps for the next
-        tail = max(count - g.kept, 0) if last else g.tail
-        used = torch.cat([torch.arange(g.pre, chunk_frames), torch.arange(chunk_frames + g.pre,
-                                                                           chunk_frames + g.pre + tail)])
-        clip_z = self.z[:, :, c * g.chunk_tokens: c * g.chunk_tokens + g.clip_tokens]
+        (y0, y_len, _), (x0, x_len, _) = g.ys[i], g.xs[j]
+        cached = self.tokens.get((i, j))
+        if cached is None:
+            t0 = c * g.chunk_tokens
+            tile_z = self.z[:, :, t0: t0 + g.clip_tokens, y0 // ratio: (y0 + y_len) // ratio,
+                            x0 // ratio: (x0 + x_len) // ratio]
+            if self.split:
+                cached = self.tokens[(i, j)] = vae_tokens.tokens(vae.decoder, vae.post_quant_conv(tile_z))
+            else:
+                tile = vae.decoder(vae.post_quant_conv(tile_z))
+            if self.counter is not None:
+                self.counter.advance()
+        if self.split:
+            tile = vae_tokens.pixels(vae.decoder, cached, (y_len // ratio, x_len // ratio), first, count)
+        if tile.shape[2] <= used[-1]:
+            raise RuntimeError(f"the VAE decoder returned {tile.shape[2]} frames for a clip; the decode plan expected "
+                               "more (unsupported VAE geometry)")
+        return tile.index_select(2, torch.tensor(used, device=tile.device))
+
+    def _group(self, c: int, first: int, count: int, used: list[int]) -> None:
+        g, vae, cf = self.g, self.vae, self.chunk_frames
+        last_clip = c == g.chunks - 1
+        decoded = [first * self.t_ratio + d for d in used]  # frame numbers within the clip's decoded frames
+        n_head = sum(d < cf for d in decoded)
+        head0 = decoded[0] - g.pre  # kept-frame number of the first head frame
+        tail0 = decoded[n_head] - cf - g.pre if n_head < len(decoded) else 0
+        outs = [d - g.pre for d in decoded[:n_head] if d - g.pre < g.clip_frames(c)]
+        if last_clip:
+            outs += [g.kept + tail0 + k for k in range(len(decoded) - n_head)]
+        start = c * g.kept + (outs[0] if outs else 0)
+        target = self.sink.buffer(start, len(outs)) if outs else None
         y_out = 0
-        for i, (y0, y_len, y_ov) in enumerate(g.ys):
+        for i, (_, _, y_ov) in enumerate(g.ys):
             x_out, x_strip = 0, 0
             above_ov = g.ys[i - 1][2] if i else 0
             last_row = i == len(g.ys) - 1
-            for j, (x0, x_len, x_ov) in enumerate(g.xs):
+            for j, (_, x_len, x_ov) in enumerate(g.xs):
                 check_cancel(self.cancel, f"while decoding video clip {c + 1} of {g.chunks}")
-                tile = vae.decoder(vae.post_quant_conv(
-                    clip_z[..., y0 // ratio: (y0 + y_len) // ratio, x0 // ratio: (x0 + x_len) // ratio]))
-                if tile.shape[2] < chunk_frames + g.pre + tail:
-                    raise RuntimeError(f"the VAE decoder returned {tile.shape[2]} frames for a clip; the decode plan "
-                                       "expected more (unsupported VAE geometry)")
-                tile = tile.index_select(2, used.to(tile.device))  # every later step is per frame: only these count
+                tile = self._tile(c, i, j, first, count, used)
                 strips, lefts = self._buffers(tile.shape[2], tile.dtype, tile.device)
                 # diffusers' _stitch_tiles blends with the *raw* tiles above and to the left: keep this tile's strips
                 # before it is blended (in place) itself.
@@ -265,23 +322,26 @@ class _Decode:
                 if j > 0:
                     x_prev = g.xs[j - 1][2]
                     _blend_into(vae, lefts[(j - 1) % 2][..., : tile.shape[-2], :x_prev], tile, x_prev, dim=-1)
-                tile = tile[..., : tile.shape[-2] - (0 if last_row else y_ov), : tile.shape[-1] - x_ov]
+                tile = tile[..., : tile.shape[-2] - y_ov, : tile.shape[-1] - x_ov]
                 h, w = tile.shape[-2], tile.shape[-1]
                 region = (Ellipsis, slice(y_out, y_out + h), slice(x_out, x_out + w))
-                head, after = tile[:, :, : g.kept], tile[:, :, g.kept:]
-                if c > 0 and self.tails is not None:  # diffusers' _decode: cross-fade with the previous clip's tail
+                head, after = tile[:, :, :n_head], tile[:, :, n_head:]
+                if c > 0 and n_head and head0 == 0 and self.tails is not None:
+                    # diffusers' _decode: cross-fade with the previous clip's tail
                     _blend_into(vae, self.tails[region], head, vae.frame_overlap, dim=-3)
-                self._emit(head[:, :, : min(count, g.kept)], target, 0, y_out, x_out)
-                if last:
-                    self._emit(after, target, g.kept, y_out, x_out)
-                elif tail:
-                    self.tails[region] = after
+                emitted = sum(d - g.pre < g.clip_frames(c) for d in decoded[:n_head])
+                if emitted:
+                    self._emit(head[:, :, :emitted], target, head0 - (outs[0] if outs else 0), y_out, x_out)
+                if after.shape[2] and last_clip:
+                    self._emit(after, target, g.kept + tail0 - outs[0], y_out, x_out)
+                elif after.shape[2]:
+                    self.tails[:, :, tail0: tail0 + after.shape[2]][region] = after
                 del tile, head, after
                 x_out += w
                 x_strip += x_len
-                if self.counter is not None:
-                    self.counter.advance()
             y_out += h
+        if outs:
+            self.sink.commit(start, len(outs))
 
     def _emit(self, frames: torch.Tensor, target: torch.Tensor, first: int, y: int, x: int) -> None:
         """Decoder-space frames `[1, 3, n, h, w]` -> the decode step's pixels, into `target[first.., y.., x..]`: the

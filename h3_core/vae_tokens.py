@@ -1,0 +1,66 @@
+"""The video VAE's ViT decoder in two halves: its transformer (once per tile) and its pixel head (per frame group).
+
+diffusers' MiniMax H3 video decoder turns every latent voxel into one token, runs full self-attention over a tile's
+tokens, then expands each token on its own (`norm_out`, `proj_out`, unpatchify) into a `patch_size_t x patch_size x
+patch_size` block of pixels. The pixel head is per token, so the pixels of any run of latent frames come from those
+frames' tokens alone, with the same values whether the head sees all of a tile's tokens or only some (checked bit
+for bit by tests/test_vae_stream.py).
+
+When a token is smaller than the uint8 pixels it expands into (a small decoder, like the embedded tiny H3's), the
+streamed decode keeps the tokens of a clip's tiles instead of its finished frames, and hands frames over a few at a
+time; with a wide decoder (the released H3's: 2048 float32 features for 3072 uint8 pixel values) it keeps pixels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import diffusers_adapter
+
+
+class _Tokens(Exception):  # noqa: N818 - a control-flow signal carrying the transformer's output, not an error
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("stop before the pixel head")
+        self.hidden = hidden
+
+
+def splittable(decoder) -> bool:
+    """True when `decoder` has the ViT layout (transformer, then a per-token `norm_out` and `proj_out`) and one of its
+    tokens takes fewer bytes than the uint8 pixel values it expands into."""
+    proj, norm = getattr(decoder, "proj_out", None), getattr(decoder, "norm_out", None)
+    if not isinstance(proj, torch.nn.Linear) or not isinstance(norm, torch.nn.LayerNorm):
+        return False
+    if not all(hasattr(decoder, name) for name in ("patch_size", "patch_size_t", "out_channels")):
+        return False
+    dtype = diffusers_adapter.parameter_dtype(proj)
+    return proj.in_features * dtype.itemsize < proj.out_features
+
+
+def tokens(decoder, x: torch.Tensor) -> torch.Tensor:
+    """The decoder run on `x` `[1, C, t, h, w]` up to its pixel head: `[1, t * h * w, features]`, the input `proj_out`
+    gets (after `norm_out` and the cast to `proj_out`'s dtype), latent voxels only (no register tokens)."""
+
+    def stop(_module, args):
+        raise _Tokens(args[0])
+
+    handle = decoder.norm_out.register_forward_pre_hook(stop)
+    try:
+        decoder(x)
+    except _Tokens as done:
+        hidden = done.hidden
+    else:
+        raise RuntimeError("the video VAE decoder never reached its norm_out (unsupported decoder layout)")
+    finally:
+        handle.remove()
+    voxels = x.shape[2] * x.shape[3] * x.shape[4]
+    return decoder.norm_out(hidden[:, :voxels]).to(diffusers_adapter.parameter_dtype(decoder.proj_out))
+
+
+def pixels(decoder, cached: torch.Tensor, grid: tuple[int, int], first: int, count: int) -> torch.Tensor:
+    """Decoded frames of latent frames `[first, first + count)` from a tile's `tokens` (latent grid `(h, w)`):
+    `[1, C, count * patch_size_t, h * patch_size, w * patch_size]`, laid out as the decoder lays them."""
+    h, w = grid
+    out = decoder.proj_out(cached[:, first * h * w: (first + count) * h * w])
+    p, pt, channels = decoder.patch_size, decoder.patch_size_t, decoder.out_channels
+    out = out.view(1, count, h, w, channels, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7).contiguous()
+    return out.reshape(1, channels, count * pt, h * p, w * p)
