@@ -230,23 +230,22 @@ class _Decode:
         self.most = max(len(used) for clip in groups for _, _, used in clip)
         for c, clip in enumerate(groups):
             self.tokens.clear()
-            for first, count, used in clip:
-                self._group(c, first, count, used)
+            for start, stop, used in clip:
+                self._group(c, start, stop, used)
 
     def _groups(self, c: int, count: int) -> list[tuple[int, int, list[int]]]:
-        """(first latent frame, latent frames, decoded frames that reach an output or the next clip) per group."""
+        """(first decoded frame, end, the decoded frames from the first that reach an output or the next clip) per
+        group."""
         g, pt, cf = self.g, self.t_ratio, self.chunk_frames
         tail = max(count - g.kept, 0) if c == g.chunks - 1 else g.tail
         used = [*range(g.pre, cf), *range(cf + g.pre, cf + g.pre + tail)]
         if not self.split:
-            return [(0, g.clip_tokens, used)]
-        # only the latent frames whose pixels are used; the first group reaches past the frames the cross-fade with
-        # the previous tail weighs (its weights depend on how many frames it sees)
-        last = -(-(used[-1] + 1) // pt) if tail else -(-(g.pre + count) // pt)
-        first = min(last, max(1, -(-(g.pre + min(int(self.vae.frame_overlap), g.kept)) // pt) if c else 1))
-        spans = [(0, first)] + [(k, 1) for k in range(first, last)]
-        out = [(k, n, [d - k * pt for d in used if k * pt <= d < (k + n) * pt]) for k, n in spans]
-        return [group for group in out if group[2]]
+            return [(0, g.clip_tokens * pt, used)]
+        # one frame a time, but the first frames a clip cross-fades with the previous tail together (the cross-fade's
+        # weights depend on how many frames it sees)
+        together = min(int(self.vae.frame_overlap), g.kept) if c and g.tail else 1
+        groups = [(g.pre, g.pre + together, list(range(together)))]
+        return groups + [(d, d + 1, [0]) for d in used if d >= g.pre + together and (d >= cf or d - g.pre < count)]
 
     def _buffers(self, frames: int, dtype, device):
         g = self.g
@@ -260,8 +259,8 @@ class _Decode:
         n = slice(0, frames)
         return (None if self.strips is None else self.strips[:, :, n]), [left[:, :, n] for left in self.lefts]
 
-    def _tile(self, c: int, i: int, j: int, first: int, count: int, used: list[int]) -> torch.Tensor:
-        """The decoded frames `used` (counted from latent frame `first`) of tile (i, j): `[1, 3, len(used), h, w]`."""
+    def _tile(self, c: int, i: int, j: int, start: int, stop: int, used: list[int]) -> torch.Tensor:
+        """The decoded frames `used` (counted from `start`) of tile (i, j): `[1, 3, len(used), h, w]`."""
         g, vae = self.g, self.vae
         ratio = int(vae.spatial_compression_ratio)
         (y0, y_len, _), (x0, x_len, _) = g.ys[i], g.xs[j]
@@ -277,24 +276,26 @@ class _Decode:
             if self.counter is not None:
                 self.counter.advance()
         if self.split:
-            tile = vae_tokens.pixels(vae.decoder, cached, (y_len // ratio, x_len // ratio), first, count)
+            tile = vae_tokens.pixels(vae.decoder, cached, (y_len // ratio, x_len // ratio), start, stop)
+            if len(used) == stop - start:
+                return tile
         if tile.shape[2] <= used[-1]:
             raise RuntimeError(f"the VAE decoder returned {tile.shape[2]} frames for a clip; the decode plan expected "
                                "more (unsupported VAE geometry)")
         return tile.index_select(2, torch.tensor(used, device=tile.device))
 
-    def _group(self, c: int, first: int, count: int, used: list[int]) -> None:
+    def _group(self, c: int, start: int, stop: int, used: list[int]) -> None:
         g, vae, cf = self.g, self.vae, self.chunk_frames
         last_clip = c == g.chunks - 1
-        decoded = [first * self.t_ratio + d for d in used]  # frame numbers within the clip's decoded frames
+        decoded = [start + d for d in used]  # frame numbers within the clip's decoded frames
         n_head = sum(d < cf for d in decoded)
         head0 = decoded[0] - g.pre  # kept-frame number of the first head frame
         tail0 = decoded[n_head] - cf - g.pre if n_head < len(decoded) else 0
         outs = [d - g.pre for d in decoded[:n_head] if d - g.pre < g.clip_frames(c)]
         if last_clip:
             outs += [g.kept + tail0 + k for k in range(len(decoded) - n_head)]
-        start = c * g.kept + (outs[0] if outs else 0)
-        target = self.sink.buffer(start, len(outs)) if outs else None
+        out_start = c * g.kept + (outs[0] if outs else 0)
+        target = self.sink.buffer(out_start, len(outs)) if outs else None
         y_out = 0
         for i, (_, _, y_ov) in enumerate(g.ys):
             x_out, x_strip = 0, 0
@@ -302,7 +303,7 @@ class _Decode:
             last_row = i == len(g.ys) - 1
             for j, (_, x_len, x_ov) in enumerate(g.xs):
                 check_cancel(self.cancel, f"while decoding video clip {c + 1} of {g.chunks}")
-                tile = self._tile(c, i, j, first, count, used)
+                tile = self._tile(c, i, j, start, stop, used)
                 strips, lefts = self._buffers(tile.shape[2], tile.dtype, tile.device)
                 # diffusers' _stitch_tiles blends with the *raw* tiles above and to the left: keep this tile's strips
                 # before it is blended (in place) itself.
@@ -341,7 +342,7 @@ class _Decode:
                 x_strip += x_len
             y_out += h
         if outs:
-            self.sink.commit(start, len(outs))
+            self.sink.commit(out_start, len(outs))
 
     def _emit(self, frames: torch.Tensor, target: torch.Tensor, first: int, y: int, x: int) -> None:
         """Decoder-space frames `[1, 3, n, h, w]` -> the decode step's pixels, into `target[first.., y.., x..]`: the

@@ -32,6 +32,8 @@ def splittable(decoder) -> bool:
         return False
     if not all(hasattr(decoder, name) for name in ("patch_size", "patch_size_t", "out_channels")):
         return False
+    if proj._forward_hooks or proj._forward_pre_hooks or hasattr(proj, "_diffusers_hook"):
+        return False  # its weight is not what it multiplies by (layerwise casting, offloading): use it whole only
     dtype = diffusers_adapter.parameter_dtype(proj)
     return proj.in_features * dtype.itemsize < proj.out_features
 
@@ -56,11 +58,26 @@ def tokens(decoder, x: torch.Tensor) -> torch.Tensor:
     return decoder.norm_out(hidden[:, :voxels]).to(diffusers_adapter.parameter_dtype(decoder.proj_out))
 
 
-def pixels(decoder, cached: torch.Tensor, grid: tuple[int, int], first: int, count: int) -> torch.Tensor:
-    """Decoded frames of latent frames `[first, first + count)` from a tile's `tokens` (latent grid `(h, w)`):
-    `[1, C, count * patch_size_t, h * patch_size, w * patch_size]`, laid out as the decoder lays them."""
+def pixels(decoder, cached: torch.Tensor, grid: tuple[int, int], start: int, stop: int) -> torch.Tensor:
+    """Decoded frames `[start, stop)` of a tile from its `tokens` (latent grid `(h, w)`): `[1, C, stop - start,
+    h * patch_size, w * patch_size]`, the decoder's values laid out as it lays them. A latent frame's whole pixel
+    block goes through `proj_out` itself; a part of it through the rows of `proj_out`'s weight and bias that make
+    those frames (each output value is one row's dot product with the token, so the same value)."""
     h, w = grid
-    out = decoder.proj_out(cached[:, first * h * w: (first + count) * h * w])
     p, pt, channels = decoder.patch_size, decoder.patch_size_t, decoder.out_channels
-    out = out.view(1, count, h, w, channels, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7).contiguous()
-    return out.reshape(1, channels, count * pt, h * p, w * p)
+    head = decoder.proj_out
+    pieces = []
+    while start < stop:
+        k, t0 = divmod(start, pt)
+        t1 = min(pt, t0 + stop - start)
+        voxels = cached[:, k * h * w: (k + 1) * h * w]
+        if (t0, t1) == (0, pt):
+            out = head(voxels)
+        else:
+            weight = head.weight.view(channels, pt, p * p, -1)[:, t0:t1].reshape(-1, head.in_features)
+            bias = None if head.bias is None else head.bias.view(channels, pt, p * p)[:, t0:t1].reshape(-1)
+            out = torch.nn.functional.linear(voxels, weight, bias)
+        out = out.view(1, h, w, channels, t1 - t0, p, p).permute(0, 3, 4, 1, 5, 2, 6)
+        pieces.append(out.reshape(1, channels, t1 - t0, h * p, w * p))
+        start += t1 - t0
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
