@@ -175,13 +175,10 @@ def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threadi
     device = latents.device
     latents_mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
-    z = latents * latents_std + latents_mean
     hook = getattr(vae, "_hf_hook", None)  # what diffusers' `apply_forward_hook` on `vae.decode` does first
     if hook is not None and hasattr(hook, "pre_forward"):
         hook.pre_forward(vae)
-    z = z.to(diffusers_adapter.parameter_dtype(vae.post_quant_conv))
-    if geometry.pad_tokens:
-        z = torch.cat([z, z[:, :, -1:].repeat(1, 1, geometry.pad_tokens, 1, 1)], dim=2)
+    z = (latents, latents_std, latents_mean, diffusers_adapter.parameter_dtype(vae.post_quant_conv))
     pixel_mean = torch.tensor(facts.PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
     pixel_std = torch.tensor(facts.PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
     sink.open(geometry)
@@ -222,14 +219,15 @@ class _Decode:
         self.tails: torch.Tensor | None = None
         self.strips: torch.Tensor | None = None  # raw bottom strips of the row above, side by side
         self.lefts: list[torch.Tensor] = []  # raw right strips of the tile to the left and of this tile
-        self.tokens: dict[tuple[int, int], torch.Tensor] = {}  # this clip's tile tokens (split decode only)
+        self.tokens: torch.Tensor | None = None  # this clip's tiles' decoder tokens (token cache only)
+        self.have: set[int] = set()  # the tiles whose tokens are in `self.tokens`
 
     def run(self) -> None:
         g = self.g
         groups = [self._groups(c, g.clip_frames(c)) for c in range(g.chunks)]
         self.most = max(len(used) for clip in groups for _, _, used in clip)
         for c, clip in enumerate(groups):
-            self.tokens.clear()
+            self.have.clear()
             for start, stop, used in clip:
                 self._group(c, start, stop, used)
 
@@ -264,13 +262,23 @@ class _Decode:
         g, vae = self.g, self.vae
         ratio = int(vae.spatial_compression_ratio)
         (y0, y_len, _), (x0, x_len, _) = g.ys[i], g.xs[j]
-        cached = self.tokens.get((i, j))
+        n = i * len(g.xs) + j
+        cached = self.tokens[n] if n in self.have else None
         if cached is None:
+            # diffusers de-normalises the whole latent, casts it, repeats its last frame `pad_tokens` times and cuts
+            # clips and tiles from that; the same element-wise steps on this tile's part of it give the same values
+            latents, std, mean, dtype = self.z
             t0 = c * g.chunk_tokens
-            tile_z = self.z[:, :, t0: t0 + g.clip_tokens, y0 // ratio: (y0 + y_len) // ratio,
-                            x0 // ratio: (x0 + x_len) // ratio]
+            frames = torch.arange(t0, t0 + g.clip_tokens).clamp_(max=latents.shape[2] - 1).to(latents.device)
+            part = latents[..., y0 // ratio: (y0 + y_len) // ratio, x0 // ratio: (x0 + x_len) // ratio]
+            tile_z = (part.index_select(2, frames) * std + mean).to(dtype)
             if self.split:
-                cached = self.tokens[(i, j)] = vae_tokens.tokens(vae.decoder, vae.post_quant_conv(tile_z))
+                cached = vae_tokens.tokens(vae.decoder, vae.post_quant_conv(tile_z))
+                if self.tokens is None:  # one block for the clip's tiles (all the same size), reused clip after clip
+                    self.tokens = cached.new_empty(len(g.ys) * len(g.xs), *cached.shape)
+                self.tokens[n].copy_(cached)
+                cached = self.tokens[n]
+                self.have.add(n)
             else:
                 tile = vae.decoder(vae.post_quant_conv(tile_z))
             if self.counter is not None:
