@@ -168,9 +168,9 @@ def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threadi
 
     The frames equal diffusers' decode step (`latents * std + mean`, `vae.decode`, `x.float() * pixel_std +
     pixel_mean`, clamp to [0, 1]) bit for bit. Reports the `decode_video` progress phase per tile and checks
-    `cancel` between tiles. `token_cache`: keep the tiles' decoder tokens and hand frames over a few at a time
-    (`vae_tokens`); None: when the decoder's tokens are smaller than the pixels they make. Returns the plan (frame
-    count and geometry)."""
+    `cancel` between tiles. `token_cache`: keep the tiles' decoder tokens and hand frames over one at a time
+    (`vae_tokens`); None: on CPU when the decoder's tokens are smaller than the pixels they make. Returns the plan
+    (frame count and geometry)."""
     geometry = plan(vae, latents.shape)
     device = latents.device
     latents_mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
@@ -178,16 +178,16 @@ def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threadi
     hook = getattr(vae, "_hf_hook", None)  # what diffusers' `apply_forward_hook` on `vae.decode` does first
     if hook is not None and hasattr(hook, "pre_forward"):
         hook.pre_forward(vae)
-    z = (latents, latents_std, latents_mean, diffusers_adapter.parameter_dtype(vae.post_quant_conv))
+    source = (latents, latents_std, latents_mean, diffusers_adapter.parameter_dtype(vae.post_quant_conv))
     pixel_mean = torch.tensor(facts.PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
     pixel_std = torch.tensor(facts.PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
     sink.open(geometry)
     counter = progress.Counter("decode_video", geometry.decoder_calls) if progress.active() else None
-    if token_cache is None:
-        token_cache = splits(vae)
+    if token_cache is None:  # checked bit for bit on CPU; a GPU's matrix kernels may round a part differently
+        token_cache = splits(vae) and device.type == "cpu"
     elif token_cache and not splits(vae):
         raise VaeStreamError("this video VAE's decoder cannot be split into tokens and a pixel head")
-    _Decode(vae, z, geometry, sink, (pixel_mean, pixel_std), counter, cancel, token_cache).run()
+    _Decode(vae, source, geometry, sink, (pixel_mean, pixel_std), counter, cancel, token_cache).run()
     return geometry
 
 
@@ -208,8 +208,8 @@ class _Decode:
     (one block each, so the decoder's short-lived tensors do not fragment the heap around it) and holds only frames
     that reach an output: a clip's kept frames, then the tail frames after its chunk."""
 
-    def __init__(self, vae, z, geometry: DecodePlan, sink: FrameSink, pixels, counter, cancel, split: bool):
-        self.vae, self.z, self.g, self.sink, self.pixels = vae, z, geometry, sink, pixels
+    def __init__(self, vae, source, geometry: DecodePlan, sink: FrameSink, pixels, counter, cancel, split: bool):
+        self.vae, self.source, self.g, self.sink, self.pixels = vae, source, geometry, sink, pixels
         self.counter, self.cancel, self.split = counter, cancel, split
         self.t_ratio = int(vae.temporal_compression_ratio)
         self.chunk_frames = geometry.chunk_tokens * self.t_ratio
@@ -267,7 +267,7 @@ class _Decode:
         if cached is None:
             # diffusers de-normalises the whole latent, casts it, repeats its last frame `pad_tokens` times and cuts
             # clips and tiles from that; the same element-wise steps on this tile's part of it give the same values
-            latents, std, mean, dtype = self.z
+            latents, std, mean, dtype = self.source
             t0 = c * g.chunk_tokens
             frames = torch.arange(t0, t0 + g.clip_tokens).clamp_(max=latents.shape[2] - 1).to(latents.device)
             part = latents[..., y0 // ratio: (y0 + y_len) // ratio, x0 // ratio: (x0 + x_len) // ratio]
