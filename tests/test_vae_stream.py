@@ -63,7 +63,7 @@ def test_streamed_decode_is_bitwise_diffusers(vae, reference, height, width, fra
         vae_stream.decode_video(vae, z, sink, token_cache=token_cache)
         assert torch.equal(sink.video, expected)
         clips = []
-        vae_stream.decode_video(vae, z, vae_stream.WriterSink(lambda frames_u8: clips.append(frames_u8.copy())),
+        vae_stream.decode_video(vae, z, vae_stream.WriterSink(lambda u8, out=clips: out.append(u8.copy())),
                                 token_cache=token_cache)
         assert np.array_equal(np.concatenate(clips), expected_u8)
         sizes = [len(clip) for clip in clips]
