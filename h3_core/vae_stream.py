@@ -8,17 +8,31 @@ Its peak memory therefore grows with the canvas and the length, although each de
 `decode_video` runs the very same modules on the very same tiles and applies the very same arithmetic (diffusers'
 own `_blend` for the spatial and temporal cross-fades, then the decode step's `x.float() * std + mean` and clamp),
 but as soon as a tile's pixels are final it writes them into a buffer the caller's `FrameSink` provides and forgets
-them. What it holds besides one tile's work: the raw overlap strips the next tiles blend with (one row of strips and
-one left strip) and the previous clip's tail frames the next clip cross-fades with (5 frames of the canvas, blended
-tile by tile in place). Every operation is element-wise on the same values in the same order, so the frames are
-bit-identical to diffusers' decode (tests/test_vae_stream.py checks it in float32 on several tiles and clips).
+them. Every operation is element-wise on the same values in the same order, so the frames are bit-identical to
+diffusers' decode (tests/test_vae_stream.py checks it in float32 on several tiles and clips, both ways below).
+
+A frame is final only after the last tile of its clip, and the decoder makes all of a tile's frames in one call. So
+besides one tile's work (the same at every canvas) the decode holds, per canvas pixel:
+
+* the frames not yet handed over. Stitching decoder pixels (any decoder), a whole clip's output frames wait in the
+  sink (the last clip's 5 tail frames with them: 22 frames, 66 bytes a pixel as uint8). When the decoder's tokens are
+  smaller than the pixels they expand into (`vae_tokens`: the tiny H3's ViT decoder, 32 features for 3072 pixel
+  values; not the released one's), the tiles' tokens are kept instead (a 22-frame clip: about 6 bytes a pixel, tile
+  overlaps included) and frames are made and handed over one at a time (3 bytes a pixel as uint8);
+* the raw overlap strips the next row of tiles and the next tile blend with (diffusers blends with the tiles *before*
+  they were blended themselves), only for frames being made: one block for the row, two for the left strip;
+* for a clip that another clip follows, its 5 tail frames in the decoder's dtype (60 bytes a pixel in float32): the
+  next clip's first frames cross-fade with them. The last clip's tail goes to the sink with its other frames.
+
+The latents are de-normalised tile by tile (the same element-wise steps), and every buffer that outlives a tile is
+one block allocated once per decode, so the decoder's short-lived tensors do not fragment the heap around it.
 
 Where frames go is the sink's business:
 
 * `TensorSink`: one preallocated float32 `[F, H, W, 3]` video (what ComfyUI's IMAGE output and `Decoded.video`
   are): the peak is that video plus the decode's working set, never a second copy of it;
-* `WriterSink`: one reusable uint8 clip buffer handed to a frame writer (the mp4 encoder) after each clip, so the
-  decoded video never exists in memory at all (4x smaller than float32, and only one clip of it).
+* `WriterSink`: one reusable uint8 buffer handed to a frame writer (the mp4 encoder) after each clip or frame, so the
+  decoded video never exists in memory at all.
 """
 
 from __future__ import annotations
@@ -226,8 +240,13 @@ class _Decode:
         g = self.g
         groups = [self._groups(c, g.clip_frames(c)) for c in range(g.chunks)]
         self.most = max(len(used) for clip in groups for _, _, used in clip)
+        # The first group is made while the tiles' transformers run, from their fresh tokens: only the latent frames
+        # of the later groups are kept.
+        keep = [clip[1][0] // self.t_ratio if len(clip) > 1 else g.clip_tokens for clip in groups]
+        self.kept_tokens = g.clip_tokens - min(keep)
         for c, clip in enumerate(groups):
             self.have.clear()
+            self.keep_from = keep[c]
             for start, stop, used in clip:
                 self._group(c, start, stop, used)
 
@@ -273,20 +292,26 @@ class _Decode:
             part = latents[..., y0 // ratio: (y0 + y_len) // ratio, x0 // ratio: (x0 + x_len) // ratio]
             tile_z = (part.index_select(2, frames) * std + mean).to(dtype)
             if self.split:
-                cached = vae_tokens.tokens(vae.decoder, vae.post_quant_conv(tile_z))
-                if self.tokens is None:  # one block for the clip's tiles (all the same size), reused clip after clip
-                    self.tokens = cached.new_empty(len(g.ys) * len(g.xs), *cached.shape)
-                self.tokens[n].copy_(cached)
-                cached = self.tokens[n]
-                self.have.add(n)
+                fresh = vae_tokens.tokens(vae.decoder, vae.post_quant_conv(tile_z))
+                voxels = fresh.shape[1] // g.clip_tokens
+                if self.kept_tokens:
+                    if self.tokens is None:  # one block for the tiles (all the same size), reused clip after clip
+                        self.tokens = fresh.new_empty(len(g.ys) * len(g.xs), 1, self.kept_tokens * voxels,
+                                                      fresh.shape[2])
+                    kept = fresh[:, self.keep_from * voxels:]
+                    self.tokens[n][:, : kept.shape[1]].copy_(kept)
+                    self.have.add(n)
+                tile = vae_tokens.pixels(vae.decoder, fresh, (y_len // ratio, x_len // ratio), start, stop)
+                del fresh
             else:
                 tile = vae.decoder(vae.post_quant_conv(tile_z))
             if self.counter is not None:
                 self.counter.advance()
-        if self.split:
-            tile = vae_tokens.pixels(vae.decoder, cached, (y_len // ratio, x_len // ratio), start, stop)
-            if len(used) == stop - start:
-                return tile
+        elif self.split:
+            skip = self.keep_from * self.t_ratio  # decoded frames before the kept tokens' first latent frame
+            tile = vae_tokens.pixels(vae.decoder, cached, (y_len // ratio, x_len // ratio), start - skip, stop - skip)
+        if self.split and len(used) == stop - start:
+            return tile
         if tile.shape[2] <= used[-1]:
             raise RuntimeError(f"the VAE decoder returned {tile.shape[2]} frames for a clip; the decode plan expected "
                                "more (unsupported VAE geometry)")
