@@ -216,11 +216,11 @@ def splits(vae) -> bool:
 class _Decode:
     """One decode's state: the overlap strips, the tail frames, the cached tokens, and where frames go.
 
-    A clip is decoded in frame groups (runs of latent frames): all of it at once when the decoder's pixels are
-    stitched straight away, a few latent frames at a time when its tokens are kept (`vae_tokens`). Spatial blends are
-    per frame, so each group is stitched on its own. Every buffer that outlives one tile is allocated once per decode
-    (one block each, so the decoder's short-lived tensors do not fragment the heap around it) and holds only frames
-    that reach an output: a clip's kept frames, then the tail frames after its chunk."""
+    A clip is decoded in frame groups: all of it at once when the decoder's pixels are stitched, one frame at a time
+    (the first frames a clip cross-fades with the previous tail together) when its tokens are kept (`vae_tokens`).
+    Spatial blends are per frame, so each group is stitched on its own. Every buffer that outlives one tile is
+    allocated once per decode (one block each, so the decoder's short-lived tensors do not fragment the heap around
+    it) and holds only frames that reach an output: a clip's kept frames, then the tail frames after its chunk."""
 
     def __init__(self, vae, source, geometry: DecodePlan, sink: FrameSink, pixels, counter, cancel, split: bool):
         self.vae, self.source, self.g, self.sink, self.pixels = vae, source, geometry, sink, pixels
@@ -329,6 +329,8 @@ class _Decode:
             outs += [g.kept + tail0 + k for k in range(len(decoded) - n_head)]
         out_start = c * g.kept + (outs[0] if outs else 0)
         target = self.sink.buffer(out_start, len(outs)) if outs else None
+        emitted = sum(d - g.pre < g.clip_frames(c) for d in decoded[:n_head])  # head frames output (from the first)
+        head_at, tail_at = head0 - (outs[0] if outs else 0), g.kept + tail0 - (outs[0] if outs else 0)
         y_out = 0
         for i, (_, _, y_ov) in enumerate(g.ys):
             x_out, x_strip = 0, 0
@@ -363,11 +365,10 @@ class _Decode:
                 if c > 0 and n_head and head0 == 0 and self.tails is not None:
                     # diffusers' _decode: cross-fade with the previous clip's tail
                     _blend_into(vae, self.tails[region], head, vae.frame_overlap, dim=-3)
-                emitted = sum(d - g.pre < g.clip_frames(c) for d in decoded[:n_head])
                 if emitted:
-                    self._emit(head[:, :, :emitted], target, head0 - (outs[0] if outs else 0), y_out, x_out)
+                    self._emit(head[:, :, :emitted], target, head_at, y_out, x_out)
                 if after.shape[2] and last_clip:
-                    self._emit(after, target, g.kept + tail0 - outs[0], y_out, x_out)
+                    self._emit(after, target, tail_at, y_out, x_out)
                 elif after.shape[2]:
                     self.tails[:, :, tail0: tail0 + after.shape[2]][region] = after
                 del tile, head, after
@@ -379,16 +380,15 @@ class _Decode:
 
     def _emit(self, frames: torch.Tensor, target: torch.Tensor, first: int, y: int, x: int) -> None:
         """Decoder-space frames `[1, 3, n, h, w]` -> the decode step's pixels, into `target[first.., y.., x..]`: the
-        decode step's `x.float() * std + mean` and clamp (in place on one temporary per frame: the same operations,
-        the same values)."""
+        decode step's `x.float() * std + mean` and clamp (in place on one temporary: the same operations, the same
+        values)."""
         pixel_mean, pixel_std = self.pixels
-        for k in range(frames.shape[2]):
-            values = frames[:, :, k: k + 1].float() * pixel_std
-            values.add_(pixel_mean).clamp_(0, 1)
-            if target.dtype == torch.uint8:  # media.frames_to_uint8's rounding: (x * 255).round().clip(0, 255)
-                values.mul_(255.0).round_().clamp_(0, 255)
-            values = values[0, :, 0].permute(1, 2, 0)
-            target[first + k, y: y + values.shape[0], x: x + values.shape[1]].copy_(values)
+        values = frames.float() * pixel_std
+        values.add_(pixel_mean).clamp_(0, 1)
+        if target.dtype == torch.uint8:  # media.frames_to_uint8's rounding: (x * 255).round().clip(0, 255)
+            values.mul_(255.0).round_().clamp_(0, 255)
+        values = values[0].permute(1, 2, 3, 0)
+        target[first: first + values.shape[0], y: y + values.shape[1], x: x + values.shape[2]].copy_(values)
 
 
 def _blend_into(vae, a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
