@@ -90,10 +90,35 @@ def test_several_clips_cross_fade_and_tiles_are_counted(vae, token_cache):
     assert tiles[0] == (0, 18) and tiles[-1] == (18, 18)
 
 
+def test_overlaps_wider_than_half_a_tile_are_bitwise_diffusers(vae, reference):
+    """A middle tile whose blends from above and into the row below overlap (48 + 48 > 64 px rows)."""
+    vae.tile_sample_min_overlap_height = 48
+    try:
+        z = latents_for(96, 96, 3)
+        plan = vae_stream.plan(vae, z.shape)
+        assert [ov for _, _, ov in plan.ys] == [48, 48, 0]
+        expected = reference(z)
+        for token_cache in (False, True):
+            sink = vae_stream.TensorSink()
+            vae_stream.decode_video(vae, z, sink, token_cache=token_cache)
+            assert torch.equal(sink.video, expected)
+    finally:
+        vae.tile_sample_min_overlap_height = 16
+
+
 def test_the_tiny_decoder_is_split_and_the_choice_is_checked(vae):
     assert vae_stream.splits(vae)  # 32 float32 features per token, 3 x 4 x 16 x 16 uint8 pixel values
     head = vae.decoder.proj_out
     assert vae_tokens.splittable(vae.decoder) and head.in_features * 4 < head.out_features
+    # a pixel head whose weight is not what it multiplies by (a hook on it: layerwise casting, offloading) is only
+    # ever run whole, through the decoder
+    handle = head.register_forward_pre_hook(lambda *_: None)
+    try:
+        assert not vae_stream.splits(vae)
+        with pytest.raises(vae_stream.VaeStreamError, match="cannot be split"):
+            vae_stream.decode_video(vae, latents_for(64, 64, 3), vae_stream.TensorSink(), token_cache=True)
+    finally:
+        handle.remove()
 
 
 def test_cancel_stops_between_tiles(vae):
