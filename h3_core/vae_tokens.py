@@ -34,6 +34,8 @@ def splittable(decoder) -> bool:
         return False
     if proj._forward_hooks or proj._forward_pre_hooks or hasattr(proj, "_diffusers_hook"):
         return False  # its weight is not what it multiplies by (layerwise casting, offloading): use it whole only
+    if decoder._forward_hooks or hasattr(decoder, "_hf_hook") or torch.nn.modules.module._global_forward_hooks:
+        return False  # someone watches the decoder's whole forward (which `tokens` stops early): let it run whole
     dtype = diffusers_adapter.parameter_dtype(proj)
     return proj.in_features * dtype.itemsize < proj.out_features
 
