@@ -13,7 +13,10 @@ decoded clips are concatenated at the end. The audio VAE runs in one pass.
 `compare`: diffusers' decode step against h3_core's streamed decode (h3_core/vae_stream.py) side by side, in one
 process per canvas, the arms interleaved round by round (rotated order), heap trimmed and the high-water mark reset
 before every op: peak and time of each arm at 1x, 4x and 16x the pixels, with 95 % bootstrap intervals of the
-ratios (peak: ratio of medians, the two canvases resampled independently; time: paired per round).
+ratios (peak: ratio of medians, the two canvases resampled independently; time: paired per round). The tiny H3's
+decoder is narrow enough that the streamed decode keeps its tokens and makes frames one at a time
+(`vae_stream.splits`, recorded as `token_cache`); `stream_u8_pixels` forces the other way, stitching the decoder's
+pixels a clip at a time, which is what a wide decoder (the released H3's) gets.
 """
 
 from __future__ import annotations

@@ -183,8 +183,8 @@ def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threadi
     The frames equal diffusers' decode step (`latents * std + mean`, `vae.decode`, `x.float() * pixel_std +
     pixel_mean`, clamp to [0, 1]) bit for bit. Reports the `decode_video` progress phase per tile and checks
     `cancel` between tiles. `token_cache`: keep the tiles' decoder tokens and hand frames over one at a time
-    (`vae_tokens`); None: on CPU when the decoder's tokens are smaller than the pixels they make. Returns the plan
-    (frame count and geometry)."""
+    (`vae_tokens`); None: in float32 on CPU when the decoder's tokens are smaller than the pixels they make.
+    Returns the plan (frame count and geometry)."""
     geometry = plan(vae, latents.shape)
     device = latents.device
     latents_mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
@@ -197,8 +197,9 @@ def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threadi
     pixel_std = torch.tensor(facts.PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
     sink.open(geometry)
     counter = progress.Counter("decode_video", geometry.decoder_calls) if progress.active() else None
-    if token_cache is None:  # checked bit for bit on CPU; a GPU's matrix kernels may round a part differently
-        token_cache = splits(vae) and device.type == "cpu"
+    if token_cache is None:  # checked bit for bit in float32 on CPU; other kernels may round a part differently
+        token_cache = (splits(vae) and device.type == "cpu"
+                       and diffusers_adapter.parameter_dtype(vae.decoder.proj_out) == torch.float32)
     elif token_cache and not splits(vae):
         raise VaeStreamError("this video VAE's decoder cannot be split into tokens and a pixel head")
     _Decode(vae, source, geometry, sink, (pixel_mean, pixel_std), counter, cancel, token_cache).run()
