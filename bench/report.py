@@ -276,9 +276,11 @@ def _why_vae(cmp: dict, factor: str) -> str:
         f"{grown:.0f} bytes per added pixel ({peak(small):.0f} MB at {small['size']}x{small['size']}, "
         f"{peak(big):.0f} MB at {big['size']}x{big['size']}; diffusers' decode step: x{pair['diffusers']['ratio']:.2f}"
         f"), but the part that stays the same is small too (the tiny VAE's decoder is 2 layers x 32 wide), so the "
-        f"ratio stays high although the absolute growth is a few MB.{pixels} What would lower it further: handing "
-        "the encoder rows of a frame as they become final (the writer takes whole frames) or keeping fewer tokens "
-        "(all of a clip's are needed until its last frame)"
+        f"ratio stays high although the absolute growth is a few MB.{pixels} What grows is what the order of work "
+        "needs: one whole frame for the encoder (it encodes whole frames), the tokens of a clip (each is needed "
+        "until its latent frame's last pixel is made) and one frame of overlap strips; any cut there also shrinks "
+        "the fixed part, so on this model the ratio mostly measures how small that part is (and the allocator's "
+        "noise on it)"
     )
 
 
