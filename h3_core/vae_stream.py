@@ -214,8 +214,45 @@ def splits(vae) -> bool:
             and int(decoder.patch_size_t) == int(vae.temporal_compression_ratio))
 
 
+class _Stitch:
+    """diffusers' `_stitch_tiles` for one run of frames, tile by tile in row order: each tile is blended in place with
+    the raw bottom strip of the tile above and the raw right strip of the tile to the left (diffusers blends with the
+    tiles *before* they were blended themselves), and keeps its own for the tiles that follow: one block for the row
+    of bottom strips, two for the right strips (this tile's and the one to its left)."""
+
+    def __init__(self, g: DecodePlan, frames: int, dtype, device):
+        y_ov, width = max(ov for _, _, ov in g.ys), sum(length for _, length, _ in g.xs)
+        x_ov, y_len = max(ov for _, _, ov in g.xs), max(length for _, length, _ in g.ys)
+        self.g, self.x_at = g, [sum(length for _, length, _ in g.xs[:j]) for j in range(len(g.xs))]
+        self.strips = torch.empty(1, 3, frames, y_ov, width, dtype=dtype, device=device) if y_ov else None
+        self.lefts = [torch.empty(1, 3, frames, y_len, x_ov, dtype=dtype, device=device) for _ in range(2)]
+
+    def __call__(self, vae, tile: torch.Tensor, i: int, j: int) -> torch.Tensor:
+        """`tile` `[1, 3, n, h, w]` blended in place; returns the part of it that is final (no overlap with the tiles
+        below and to the right)."""
+        g, n = self.g, slice(0, tile.shape[2])
+        y_ov, x_ov, above_ov = g.ys[i][2], g.xs[j][2], g.ys[i - 1][2] if i else 0
+        lefts = [left[:, :, n] for left in self.lefts]
+        if j < len(g.xs) - 1:
+            lefts[j % 2][..., : tile.shape[-2], :x_ov].copy_(tile[..., -x_ov:])
+        bottom = None
+        if i < len(g.ys) - 1:
+            bottom = tile[..., -y_ov:, :]
+            if above_ov + y_ov > tile.shape[-2]:  # the blend from above reaches into it: copy it first
+                bottom = bottom.clone()
+        strip = None if self.strips is None else self.strips[:, :, n, :, self.x_at[j]: self.x_at[j] + g.xs[j][1]]
+        if i > 0:
+            _blend_into(vae, strip[..., :above_ov, :], tile, above_ov, dim=-2)
+        if bottom is not None:
+            strip[..., :y_ov, :].copy_(bottom)
+        if j > 0:
+            x_prev = g.xs[j - 1][2]
+            _blend_into(vae, lefts[(j - 1) % 2][..., : tile.shape[-2], :x_prev], tile, x_prev, dim=-1)
+        return tile[..., : tile.shape[-2] - y_ov, : tile.shape[-1] - x_ov]
+
+
 class _Decode:
-    """One decode's state: the overlap strips, the tail frames, the cached tokens, and where frames go.
+    """One decode's state: the stitching, the tail frames or cached tokens, and where frames go.
 
     A clip is decoded in frame groups: all of it at once when the decoder's pixels are stitched, one frame at a time
     (the first frames a clip cross-fades with the previous tail together) when its tokens are kept (`vae_tokens`).
@@ -228,26 +265,28 @@ class _Decode:
         self.counter, self.cancel, self.split = counter, cancel, split
         self.t_ratio = int(vae.temporal_compression_ratio)
         self.chunk_frames = geometry.chunk_tokens * self.t_ratio
-        # The previous clip's tail (raw decoder output, spatially blended), overwritten region by region with this
-        # clip's tail right after that region's head frames were cross-faded with it. Only a clip that another clip
-        # follows keeps its tail here; the last clip's tail frames go to the sink with its kept frames.
+        # Stitching pixels: the previous clip's tail (raw decoder output, spatially blended), overwritten region by
+        # region with this clip's tail right after that region's head frames were cross-faded with it. Only a clip
+        # that another clip follows keeps its tail; the last clip's tail frames go to the sink with its kept frames.
         self.tails: torch.Tensor | None = None
-        self.strips: torch.Tensor | None = None  # raw bottom strips of the row above, side by side
-        self.lefts: list[torch.Tensor] = []  # raw right strips of the tile to the left and of this tile
-        self.tokens: torch.Tensor | None = None  # this clip's tiles' decoder tokens (token cache only)
-        self.have: set[int] = set()  # the tiles whose tokens are in `self.tokens`
+        self.stitch: dict[str, _Stitch] = {}
+        # Keeping tokens: a block of the tiles' tokens per clip, two clips' worth: the previous clip's tail frames are
+        # made again from its tokens (and stitched on their own) when this clip's first frames cross-fade with them.
+        self.blocks: list[torch.Tensor | None] = [None, None]
+        self.have: list[set[int]] = [set(), set()]  # the tiles whose tokens each block holds
 
     def run(self) -> None:
-        g = self.g
+        g, pt = self.g, self.t_ratio
         groups = [self._groups(c, g.clip_frames(c)) for c in range(g.chunks)]
         self.most = max(len(used) for clip in groups for _, _, used in clip)
         # The first group is made while the tiles' transformers run, from their fresh tokens: only the latent frames
-        # of the later groups are kept.
-        keep = [clip[1][0] // self.t_ratio if len(clip) > 1 else g.clip_tokens for clip in groups]
-        self.kept_tokens = g.clip_tokens - min(keep)
+        # of the later groups are kept, and of a clip that another clip follows, those of its tail.
+        self.keep = [clip[1][0] // pt if len(clip) > 1 else g.clip_tokens for clip in groups]
+        if g.tail:
+            self.keep[:-1] = [min(k, (self.chunk_frames + g.pre) // pt) for k in self.keep[:-1]]
+        self.kept_tokens = g.clip_tokens - min(self.keep)
         for c, clip in enumerate(groups):
-            self.have.clear()
-            self.keep_from = keep[c]
+            self.have[c % 2].clear()
             for start, stop, used in clip:
                 self._group(c, start, stop, used)
 
@@ -260,31 +299,22 @@ class _Decode:
         if not self.split:
             return [(0, g.clip_tokens * pt, used)]
         # one frame a time, but the first frames a clip cross-fades with the previous tail together (the cross-fade's
-        # weights depend on how many frames it sees)
+        # weights depend on how many frames it sees); a tail for the next clip is made again then, not now
         together = min(int(self.vae.frame_overlap), g.kept) if c and g.tail else 1
         groups = [(g.pre, g.pre + together, list(range(together)))]
-        return groups + [(d, d + 1, [0]) for d in used if d >= g.pre + together and (d >= cf or d - g.pre < count)]
-
-    def _buffers(self, frames: int, dtype, device):
-        g = self.g
-        if not self.lefts:
-            y_ov, width = max(ov for _, _, ov in g.ys), sum(length for _, length, _ in g.xs)
-            x_ov, y_len = max(ov for _, _, ov in g.xs), max(length for _, length, _ in g.ys)
-            self.strips = torch.empty(1, 3, self.most, y_ov, width, dtype=dtype, device=device) if y_ov else None
-            self.lefts = [torch.empty(1, 3, self.most, y_len, x_ov, dtype=dtype, device=device) for _ in range(2)]
-            if g.chunks > 1 and g.tail:
-                self.tails = torch.empty(1, 3, g.tail, g.height, g.width, dtype=dtype, device=device)
-        n = slice(0, frames)
-        return (None if self.strips is None else self.strips[:, :, n]), [left[:, :, n] for left in self.lefts]
+        later = [d for d in used if d >= g.pre + together and (d - g.pre < count if d < cf else c == g.chunks - 1)]
+        return groups + [(d, d + 1, [0]) for d in later]
 
     def _tile(self, c: int, i: int, j: int, start: int, stop: int, used: list[int]) -> torch.Tensor:
-        """The decoded frames `used` (counted from `start`) of tile (i, j): `[1, 3, len(used), h, w]`."""
-        g, vae = self.g, self.vae
+        """The decoded frames `used` (counted from `start`) of tile (i, j) of clip `c`: `[1, 3, len(used), h, w]`."""
+        g, vae, pt = self.g, self.vae, self.t_ratio
         ratio = int(vae.spatial_compression_ratio)
         (y0, y_len, _), (x0, x_len, _) = g.ys[i], g.xs[j]
-        n = i * len(g.xs) + j
-        cached = self.tokens[n] if n in self.have else None
-        if cached is None:
+        n, block, grid = i * len(g.xs) + j, c % 2, (y_len // ratio, x_len // ratio)
+        if self.split and n in self.have[block]:
+            skip = self.keep[c] * pt  # decoded frames before the kept tokens' first latent frame
+            tile = vae_tokens.pixels(vae.decoder, self.blocks[block][n], grid, start - skip, stop - skip)
+        else:
             # diffusers de-normalises the whole latent, casts it, repeats its last frame `pad_tokens` times and cuts
             # clips and tiles from that; the same element-wise steps on this tile's part of it give the same values
             latents, std, mean, dtype = self.source
@@ -296,27 +326,29 @@ class _Decode:
                 fresh = vae_tokens.tokens(vae.decoder, vae.post_quant_conv(tile_z))
                 voxels = fresh.shape[1] // g.clip_tokens
                 if self.kept_tokens:
-                    if self.tokens is None:  # one block for the tiles (all the same size), reused clip after clip
-                        self.tokens = fresh.new_empty(len(g.ys) * len(g.xs), 1, self.kept_tokens * voxels,
-                                                      fresh.shape[2])
-                    kept = fresh[:, self.keep_from * voxels:]
-                    self.tokens[n][:, : kept.shape[1]].copy_(kept)
-                    self.have.add(n)
-                tile = vae_tokens.pixels(vae.decoder, fresh, (y_len // ratio, x_len // ratio), start, stop)
+                    if self.blocks[block] is None:  # the tiles are all the same size
+                        self.blocks[block] = fresh.new_empty(len(g.ys) * len(g.xs), 1, self.kept_tokens * voxels,
+                                                             fresh.shape[2])
+                    kept = fresh[:, self.keep[c] * voxels:]
+                    self.blocks[block][n][:, : kept.shape[1]].copy_(kept)
+                    self.have[block].add(n)
+                tile = vae_tokens.pixels(vae.decoder, fresh, grid, start, stop)
                 del fresh
             else:
                 tile = vae.decoder(vae.post_quant_conv(tile_z))
             if self.counter is not None:
                 self.counter.advance()
-        elif self.split:
-            skip = self.keep_from * self.t_ratio  # decoded frames before the kept tokens' first latent frame
-            tile = vae_tokens.pixels(vae.decoder, cached, (y_len // ratio, x_len // ratio), start - skip, stop - skip)
         if self.split and len(used) == stop - start:
             return tile
         if tile.shape[2] <= used[-1]:
             raise RuntimeError(f"the VAE decoder returned {tile.shape[2]} frames for a clip; the decode plan expected "
                                "more (unsupported VAE geometry)")
         return tile.index_select(2, torch.tensor(used, device=tile.device))
+
+    def _stitched(self, name: str, frames: int, tile: torch.Tensor, i: int, j: int) -> torch.Tensor:
+        if name not in self.stitch:
+            self.stitch[name] = _Stitch(self.g, frames, tile.dtype, tile.device)
+        return self.stitch[name](self.vae, tile, i, j)
 
     def _group(self, c: int, start: int, stop: int, used: list[int]) -> None:
         g, vae, cf = self.g, self.vae, self.chunk_frames
@@ -332,49 +364,32 @@ class _Decode:
         target = self.sink.buffer(out_start, len(outs)) if outs else None
         emitted = sum(d - g.pre < g.clip_frames(c) for d in decoded[:n_head])  # head frames output (from the first)
         head_at, tail_at = head0 - (outs[0] if outs else 0), g.kept + tail0 - (outs[0] if outs else 0)
+        fade = c > 0 and g.tail and n_head and head0 == 0  # diffusers' _decode: cross-fade with the previous tail
         y_out = 0
-        for i, (_, _, y_ov) in enumerate(g.ys):
-            x_out, x_strip = 0, 0
-            above_ov = g.ys[i - 1][2] if i else 0
-            last_row = i == len(g.ys) - 1
-            for j, (_, x_len, x_ov) in enumerate(g.xs):
+        for i in range(len(g.ys)):
+            x_out = 0
+            for j in range(len(g.xs)):
                 check_cancel(self.cancel, f"while decoding video clip {c + 1} of {g.chunks}")
-                tile = self._tile(c, i, j, start, stop, used)
-                strips, lefts = self._buffers(tile.shape[2], tile.dtype, tile.device)
-                # diffusers' _stitch_tiles blends with the *raw* tiles above and to the left: keep this tile's strips
-                # before it is blended (in place) itself.
-                if j < len(g.xs) - 1:
-                    lefts[j % 2][..., : tile.shape[-2], :x_ov].copy_(tile[..., -x_ov:])
-                bottom = None
-                if not last_row:
-                    bottom = tile[..., -y_ov:, :]
-                    if above_ov + y_ov > tile.shape[-2]:  # the blend from above reaches into it: copy it first
-                        bottom = bottom.clone()
-                strip = None if strips is None else strips[..., x_strip: x_strip + x_len]
-                if i > 0:
-                    _blend_into(vae, strip[..., :above_ov, :], tile, above_ov, dim=-2)
-                if bottom is not None:
-                    strip[..., :y_ov, :].copy_(bottom)
-                    del bottom
-                if j > 0:
-                    x_prev = g.xs[j - 1][2]
-                    _blend_into(vae, lefts[(j - 1) % 2][..., : tile.shape[-2], :x_prev], tile, x_prev, dim=-1)
-                tile = tile[..., : tile.shape[-2] - y_ov, : tile.shape[-1] - x_ov]
+                tile = self._stitched("clip", self.most, self._tile(c, i, j, start, stop, used), i, j)
                 h, w = tile.shape[-2], tile.shape[-1]
                 region = (Ellipsis, slice(y_out, y_out + h), slice(x_out, x_out + w))
                 head, after = tile[:, :, :n_head], tile[:, :, n_head:]
-                if c > 0 and n_head and head0 == 0 and self.tails is not None:
-                    # diffusers' _decode: cross-fade with the previous clip's tail
+                if fade and self.split:
+                    first = cf + g.pre  # the previous clip's tail, made again from its tokens
+                    tail = self._tile(c - 1, i, j, first, first + g.tail, list(range(g.tail)))
+                    _blend_into(vae, self._stitched("tail", g.tail, tail, i, j), head, vae.frame_overlap, dim=-3)
+                elif fade:
                     _blend_into(vae, self.tails[region], head, vae.frame_overlap, dim=-3)
                 if emitted:
                     self._emit(head[:, :, :emitted], target, head_at, y_out, x_out)
                 if after.shape[2] and last_clip:
                     self._emit(after, target, tail_at, y_out, x_out)
-                elif after.shape[2]:
+                elif after.shape[2]:  # stitching pixels: keep the tail for the next clip
+                    if self.tails is None:
+                        self.tails = torch.empty(1, 3, g.tail, g.height, g.width, dtype=tile.dtype, device=tile.device)
                     self.tails[:, :, tail0: tail0 + after.shape[2]][region] = after
                 del tile, head, after
                 x_out += w
-                x_strip += x_len
             y_out += h
         if outs:
             self.sink.commit(out_start, len(outs))
