@@ -20,12 +20,15 @@ besides one tile's work (the same at every canvas) the decode holds, per canvas 
   values; not the released one's), the tiles' tokens are kept instead (a 22-frame clip: about 6 bytes a pixel, tile
   overlaps included) and frames are made and handed over one at a time (3 bytes a pixel as uint8);
 * the raw overlap strips the next row of tiles and the next tile blend with (diffusers blends with the tiles *before*
-  they were blended themselves), only for frames being made: one block for the row, two for the left strip;
-* for a clip that another clip follows, its 5 tail frames in the decoder's dtype (60 bytes a pixel in float32): the
-  next clip's first frames cross-fade with them. The last clip's tail goes to the sink with its other frames.
+  they were blended themselves), only for the frames being made: one block for the row, two for the left strip;
+* for a clip that another clip follows, what its 5 tail frames need, since the next clip's first frames cross-fade
+  with them: stitching pixels, the tail frames themselves in the decoder's dtype (60 bytes a pixel in float32);
+  keeping tokens, that clip's tokens, from which its tail is made (and stitched) again when the next clip needs it.
+  The last clip's tail frames go to the sink with its other frames.
 
-The latents are de-normalised tile by tile (the same element-wise steps), and every buffer that outlives a tile is
-one block allocated once per decode, so the decoder's short-lived tensors do not fragment the heap around it.
+Every buffer that outlives a tile is one block, allocated before the first decoder call (so the decoder's
+short-lived tensors do not fragment the heap around it), and the latents are de-normalised tile by tile (the same
+element-wise steps), so nothing the size of the latent video is copied either.
 
 Where frames go is the sink's business:
 
@@ -285,10 +288,28 @@ class _Decode:
         if g.tail:
             self.keep[:-1] = [min(k, (self.chunk_frames + g.pre) // pt) for k in self.keep[:-1]]
         self.kept_tokens = g.clip_tokens - min(self.keep)
+        self._allocate()
         for c, clip in enumerate(groups):
             self.have[c % 2].clear()
             for start, stop, used in clip:
                 self._group(c, start, stop, used)
+
+    def _allocate(self) -> None:
+        """Every buffer that lives across tiles, before the first decoder call (while the heap is still tidy: freed
+        decoder work would otherwise sit around buffers placed among it)."""
+        g, vae = self.g, self.vae
+        dtype = diffusers_adapter.parameter_dtype(vae.decoder.proj_out if self.split else vae.decoder)
+        device = self.source[0].device
+        self.stitch["clip"] = _Stitch(g, self.most, dtype, device)
+        if g.chunks > 1 and g.tail and self.split:
+            self.stitch["tail"] = _Stitch(g, g.tail, dtype, device)
+        elif g.chunks > 1 and g.tail:
+            self.tails = torch.empty(1, 3, g.tail, g.height, g.width, dtype=dtype, device=device)
+        if self.split and self.kept_tokens:
+            ratio, (_, y_len, _), (_, x_len, _) = int(vae.spatial_compression_ratio), g.ys[0], g.xs[0]
+            voxels = (y_len // ratio) * (x_len // ratio) * self.kept_tokens
+            shape = (len(g.ys) * len(g.xs), 1, voxels, vae.decoder.proj_out.in_features)
+            self.blocks = [torch.empty(shape, dtype=dtype, device=device) if k < g.chunks else None for k in range(2)]
 
     def _groups(self, c: int, count: int) -> list[tuple[int, int, list[int]]]:
         """(first decoded frame, end, the decoded frames from the first that reach an output or the next clip) per
@@ -326,7 +347,7 @@ class _Decode:
                 fresh = vae_tokens.tokens(vae.decoder, vae.post_quant_conv(tile_z))
                 voxels = fresh.shape[1] // g.clip_tokens
                 if self.kept_tokens:
-                    if self.blocks[block] is None:  # the tiles are all the same size
+                    if self.blocks[block] is None or self.blocks[block].dtype != fresh.dtype:  # (all the same size)
                         self.blocks[block] = fresh.new_empty(len(g.ys) * len(g.xs), 1, self.kept_tokens * voxels,
                                                              fresh.shape[2])
                     kept = fresh[:, self.keep[c] * voxels:]
@@ -346,7 +367,7 @@ class _Decode:
         return tile.index_select(2, torch.tensor(used, device=tile.device))
 
     def _stitched(self, name: str, frames: int, tile: torch.Tensor, i: int, j: int) -> torch.Tensor:
-        if name not in self.stitch:
+        if name not in self.stitch or self.stitch[name].lefts[0].dtype != tile.dtype:  # never a silent cast
             self.stitch[name] = _Stitch(self.g, frames, tile.dtype, tile.device)
         return self.stitch[name](self.vae, tile, i, j)
 
@@ -385,7 +406,7 @@ class _Decode:
                 if after.shape[2] and last_clip:
                     self._emit(after, target, tail_at, y_out, x_out)
                 elif after.shape[2]:  # stitching pixels: keep the tail for the next clip
-                    if self.tails is None:
+                    if self.tails.dtype != tile.dtype:  # never a silent cast
                         self.tails = torch.empty(1, 3, g.tail, g.height, g.width, dtype=tile.dtype, device=tile.device)
                     self.tails[:, :, tail0: tail0 + after.shape[2]][region] = after
                 del tile, head, after
