@@ -7,8 +7,9 @@ frames' tokens alone, with the same values whether the head sees all of a tile's
 for bit by tests/test_vae_stream.py).
 
 When a token is smaller than the uint8 pixels it expands into (a small decoder, like the embedded tiny H3's), the
-streamed decode keeps the tokens of a clip's tiles instead of its finished frames, and hands frames over a few at a
-time; with a wide decoder (the released H3's: 2048 float32 features for 3072 uint8 pixel values) it keeps pixels.
+streamed decode keeps the tokens of a clip's tiles instead of its finished frames and makes and hands over one frame
+at a time; with a wide decoder (the released H3's: 2048 float32 features for 3072 uint8 pixel values) it keeps
+pixels.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 from . import diffusers_adapter
 
 
-class _Tokens(Exception):  # noqa: N818 - a control-flow signal carrying the transformer's output, not an error
+class _StopAtHead(Exception):
+    """Raised at the pixel head's door to end the decoder's forward early, carrying the transformer's output."""
+
     def __init__(self, hidden: torch.Tensor):
         super().__init__("stop before the pixel head")
         self.hidden = hidden
@@ -45,12 +48,12 @@ def tokens(decoder, x: torch.Tensor) -> torch.Tensor:
     gets (after `norm_out` and the cast to `proj_out`'s dtype), latent voxels only (no register tokens)."""
 
     def stop(_module, args):
-        raise _Tokens(args[0])
+        raise _StopAtHead(args[0])
 
     handle = decoder.norm_out.register_forward_pre_hook(stop)
     try:
         decoder(x)
-    except _Tokens as done:
+    except _StopAtHead as done:
         hidden = done.hidden
     else:
         raise RuntimeError("the video VAE decoder never reached its norm_out (unsupported decoder layout)")
