@@ -253,26 +253,34 @@ def _why_vae(cmp: dict, factor: str) -> str:
     by = {p["size"]: p for p in cmp["points"]}
     small, big = by[pair["from"]], by[pair["to"]]
 
-    def peak(point):
-        values = sorted(point["arms"]["stream_u8"]["peak_bytes"])
+    def peak(point, arm="stream_u8"):
+        values = sorted(point["arms"][arm]["peak_bytes"])
         return values[len(values) // 2] / MB
 
-    px = big["size"] ** 2
-    clip_mb, tails_mb = 17 * px * 3 / MB, 5 * px * 3 * 4 / MB
+    grown = (peak(big) - peak(small)) * MB / (big["size"] ** 2 - small["size"] ** 2)
+    held = (
+        "the tiles' decoder tokens (the tiny decoder's tokens are smaller than the pixels they make: about 6 bytes "
+        "a pixel for 22 frames), one uint8 frame for the mp4 encoder (frames are made one at a time from the tokens) "
+        "and one frame of overlap strips"
+        if big.get("token_cache") else
+        "the clip's uint8 frames for the mp4 encoder (22 frames, 66 bytes a pixel: a frame is final only after the "
+        "clip's last tile, and the decoder makes all of a tile's frames at once) and one row of overlap strips"
+    )
+    pixels = ""
+    if "stream_u8_pixels" in pair:
+        pixels = (f" Stitching the decoder's pixels a clip at a time instead (a wide decoder's path, e.g. the released "
+                  f"H3's): x{pair['stream_u8_pixels']['ratio']:.2f}, {peak(big, 'stream_u8_pixels'):.0f} MB at "
+                  f"{big['size']}x{big['size']}.")
     return (
-        "The streamed decode holds one tile's work (the same at every canvas) plus state that grows with the canvas "
-        "and that no order of work removes: the clip handed to the mp4 encoder (17 whole frames, uint8: every frame "
-        "of a clip is final only after the clip's last tile, since the decoder produces all 28 frames of a tile at "
-        "once), the previous clip's 5 tail frames for the temporal cross-fade (float32, the decoder's dtype, kept "
-        f"exact for bitwise equality) and one row of overlap strips. At {big['size']}x{big['size']} that is "
-        f"{clip_mb:.0f} + {tails_mb:.0f} MB + strips, against a peak of {peak(big):.0f} MB there and "
-        f"{peak(small):.0f} MB at {small['size']}x{small['size']}. The tiny VAE's per-tile work is small (2 layers x "
-        "32 wide), so these buffers dominate its ratio; the real decoder (36 layers x 2048 wide) needs far more memory "
-        "per tile next to the same buffers, so its ratio is lower. What is gone: every buffer the size of the video "
-        f"(diffusers' decode step: x{pair['diffusers']['ratio']:.2f} here). What reaches the target on this model: "
-        "a smaller hand-over to the encoder (frames in YUV 4:2:0, 1.5 instead of 3 bytes a pixel, converted per "
-        "tile; not byte-identical to converting whole frames, so not done) or fewer tail frames kept (fixed by the "
-        "VAE's token drop); with the real decoder, its larger per-tile work"
+        f"The streamed decode holds one tile's work (the same at every canvas) plus {held}. The peak grows by "
+        f"{grown:.0f} bytes per added pixel ({peak(small):.0f} MB at {small['size']}x{small['size']}, "
+        f"{peak(big):.0f} MB at {big['size']}x{big['size']}; diffusers' decode step: x{pair['diffusers']['ratio']:.2f}"
+        f"), but the part that stays the same is small too (the tiny VAE's decoder is 2 layers x 32 wide), so the "
+        f"ratio stays high although the absolute growth is a few MB.{pixels} What grows is what the order of work "
+        "needs: one whole frame for the encoder (it encodes whole frames), the tokens of a clip (each is needed "
+        "until its latent frame's last pixel is made) and one frame of overlap strips; any cut there also shrinks "
+        "the fixed part, so on this model the ratio mostly measures how small that part is (and the allocator's "
+        "noise on it)"
     )
 
 
