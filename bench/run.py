@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                 from bench import vae
 
                 results["vae"] = vae.run(models, threads=args.threads, **plan["vae"])
+                if not args.quick:  # the streamed decode on a decoder of the released width (a few minutes)
+                    from bench import vae_wide
+
+                    results["vae"]["wide"] = vae_wide.run(str(models), threads=args.threads)
             elif section == "ray":  # Ray Serve engine (bench/ray_bench.py), its plan there
                 results["ray"] = __import__("bench.ray_bench").ray_bench.run(models, args.threads, args.quick)
             elif section == "fairness":  # writes fairness.md / fairness.json next to results.md

@@ -13,10 +13,7 @@ decoded clips are concatenated at the end. The audio VAE runs in one pass.
 `compare`: diffusers' decode step against h3_core's streamed decode (h3_core/vae_stream.py) side by side, in one
 process per canvas, the arms interleaved round by round (rotated order), heap trimmed and the high-water mark reset
 before every op: peak and time of each arm at 1x, 4x and 16x the pixels, with 95 % bootstrap intervals of the
-ratios (peak: ratio of medians, the two canvases resampled independently; time: paired per round). The tiny H3's
-decoder is narrow enough that the streamed decode keeps its tokens and makes frames one at a time
-(`vae_stream.splits`, recorded as `token_cache`); `stream_u8_pixels` forces the other way, stitching the decoder's
-pixels a clip at a time, which is what a wide decoder (the released H3's) gets.
+ratios (peak: ratio of medians, the two canvases resampled independently; time: paired per round).
 """
 
 from __future__ import annotations
@@ -160,13 +157,11 @@ def sweep(models, threads: int, points: list[dict], per_process: bool) -> list[d
 
 # --- diffusers' decode step vs the streamed decode, side by side -----------------------------------------------
 
-ARMS = ("diffusers", "stream_f32", "stream_u8", "stream_u8_pixels", "mp4_whole", "mp4_stream")
+ARMS = ("diffusers", "stream_f32", "stream_u8", "mp4_whole", "mp4_stream")
 ARM_LABELS = {
     "diffusers": "diffusers' decode step (vae.decode, de-normalise, clamp; float32 video out)",
     "stream_f32": "streamed, float32 video out (Decode node IMAGE, Decoded.video)",
     "stream_u8": "streamed, uint8 frames handed to a frame writer (the mp4 writer's input)",
-    "stream_u8_pixels": "streamed, uint8, stitched decoder pixels a clip at a time (no token cache: a wide decoder's "
-                        "path, e.g. the released H3's)",
     "mp4_whole": "end to end: diffusers' decode step, then write_mp4 of the whole video (before)",
     "mp4_stream": "end to end: streamed decode straight into the mp4 encoder (CLI generate now)",
 }
@@ -243,9 +238,8 @@ def _compare_worker(spec: dict) -> dict:
             sink = vae_stream.TensorSink()
             vae_stream.decode_video(vae, z, sink)
             return sink.video
-        if name in ("stream_u8", "stream_u8_pixels"):
-            vae_stream.decode_video(vae, z, vae_stream.WriterSink(lambda frames: None),
-                                    token_cache=False if name == "stream_u8_pixels" else None)
+        if name == "stream_u8":
+            vae_stream.decode_video(vae, z, vae_stream.WriterSink(lambda frames: None))
             return None
         path = os.path.join(folder, f"{name}.mp4")
         if name == "mp4_whole":
@@ -285,7 +279,7 @@ def _compare_worker(spec: dict) -> dict:
                 del result
     plan = vae_stream.plan(vae, z.shape)
     return {"size": size, "frames": plan.frames, "tiles": plan.tiles_per_clip, "clips": plan.chunks,
-            "token_cache": vae_stream.splits(vae), "arms": out, "bit_exact_warmup": same}
+            "arms": out, "bit_exact_warmup": same}
 
 
 def ratio_ci(small: list[float], big: list[float], iters: int = 2000, seed: int = 0) -> dict:

@@ -9,32 +9,29 @@ Its peak memory therefore grows with the canvas and the length, although each de
 own `_blend` for the spatial and temporal cross-fades, then the decode step's `x.float() * std + mean` and clamp),
 but as soon as a tile's pixels are final it writes them into a buffer the caller's `FrameSink` provides and forgets
 them. Every operation is element-wise on the same values in the same order, so the frames are bit-identical to
-diffusers' decode (tests/test_vae_stream.py checks it in float32 on several tiles and clips, both ways below).
+diffusers' decode (tests/test_vae_stream.py checks it in float32 on several tiles and clips).
 
 A frame is final only after the last tile of its clip, and the decoder makes all of a tile's frames in one call. So
 besides one tile's work (the same at every canvas) the decode holds, per canvas pixel:
 
-* the frames not yet handed over. Stitching decoder pixels (any decoder), a whole clip's output frames wait in the
-  sink (the last clip's 5 tail frames with them: 22 frames, 66 bytes a pixel as uint8). When the decoder's tokens are
-  smaller than the pixels they expand into (`vae_tokens`: the tiny H3's ViT decoder, 32 features for 3072 pixel
-  values; not the released one's), the tiles' tokens are kept instead (a 22-frame clip: about 6 bytes a pixel, tile
-  overlaps included) and frames are made and handed over one at a time (3 bytes a pixel as uint8);
+* the clip's output frames, waiting in the sink for its last tile (the last clip's 5 tail frames with them: 22
+  frames, 66 bytes a pixel as uint8);
 * the raw overlap strips the next row of tiles and the next tile blend with (diffusers blends with the tiles *before*
-  they were blended themselves), only for the frames being made: one block for the row, two for the left strip;
-* for a clip that another clip follows, what its 5 tail frames need, since the next clip's first frames cross-fade
-  with them: stitching pixels, the tail frames themselves in the decoder's dtype (60 bytes a pixel in float32);
-  keeping tokens, that clip's tokens, from which its tail is made (and stitched) again when the next clip needs it.
-  The last clip's tail frames go to the sink with its other frames.
+  they were blended themselves), only for frames that reach an output: one block for the row, two for the left strip;
+* for a clip that another clip follows, its 5 tail frames in the decoder's dtype (60 bytes a pixel in float32): the
+  next clip's first frames cross-fade with them. The last clip's tail frames go to the sink with its other frames.
 
 Every buffer that outlives a tile is one block, allocated before the first decoder call (so the decoder's
 short-lived tensors do not fragment the heap around it), and the latents are de-normalised tile by tile (the same
-element-wise steps), so nothing the size of the latent video is copied either.
+element-wise steps), so nothing the size of the latent video is copied either. With the released decoder (a ViT
+2048 features wide) one tile's work is far larger than these buffers; with the embedded tiny one (32 wide) they
+dominate the peak (`bench/vae_wide.py` measures both on this code).
 
 Where frames go is the sink's business:
 
 * `TensorSink`: one preallocated float32 `[F, H, W, 3]` video (what ComfyUI's IMAGE output and `Decoded.video`
   are): the peak is that video plus the decode's working set, never a second copy of it;
-* `WriterSink`: one reusable uint8 buffer handed to a frame writer (the mp4 encoder) after each clip or frame, so the
+* `WriterSink`: one reusable uint8 buffer handed to a frame writer (the mp4 encoder) after each clip, so the
   decoded video never exists in memory at all.
 """
 
@@ -47,7 +44,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import diffusers_adapter, facts, progress, vae_tokens
+from . import diffusers_adapter, facts, progress
 from .progress import check_cancel
 
 
@@ -179,15 +176,12 @@ class WriterSink(FrameSink):
 
 
 @torch.no_grad()
-def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threading.Event | None = None,
-                 token_cache: bool | None = None) -> DecodePlan:
+def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threading.Event | None = None) -> DecodePlan:
     """Decode normalised video latents `[1, 24, T, h, w]` (the sampler's output) into `sink`, clip by clip.
 
     The frames equal diffusers' decode step (`latents * std + mean`, `vae.decode`, `x.float() * pixel_std +
     pixel_mean`, clamp to [0, 1]) bit for bit. Reports the `decode_video` progress phase per tile and checks
-    `cancel` between tiles. `token_cache`: keep the tiles' decoder tokens and hand frames over one at a time
-    (`vae_tokens`); None: in float32 on CPU when the decoder's tokens are smaller than the pixels they make.
-    Returns the plan (frame count and geometry)."""
+    `cancel` between tiles. Returns the plan (frame count and geometry)."""
     geometry = plan(vae, latents.shape)
     device = latents.device
     latents_mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
@@ -200,21 +194,8 @@ def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threadi
     pixel_std = torch.tensor(facts.PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
     sink.open(geometry)
     counter = progress.Counter("decode_video", geometry.decoder_calls) if progress.active() else None
-    if token_cache is None:  # checked bit for bit in float32 on CPU; other kernels may round a part differently
-        token_cache = (splits(vae) and device.type == "cpu"
-                       and diffusers_adapter.parameter_dtype(vae.decoder.proj_out) == torch.float32)
-    elif token_cache and not splits(vae):
-        raise VaeStreamError("this video VAE's decoder cannot be split into tokens and a pixel head")
-    _Decode(vae, source, geometry, sink, (pixel_mean, pixel_std), counter, cancel, token_cache).run()
+    _Decode(vae, source, geometry, sink, (pixel_mean, pixel_std), counter, cancel).run()
     return geometry
-
-
-def splits(vae) -> bool:
-    """Whether the decode keeps `vae`'s decoder tokens rather than its pixels (`vae_tokens.splittable`, with the
-    decoder's patches as large as the VAE's compression)."""
-    decoder = vae.decoder
-    return (vae_tokens.splittable(decoder) and int(decoder.patch_size) == int(vae.spatial_compression_ratio)
-            and int(decoder.patch_size_t) == int(vae.temporal_compression_ratio))
 
 
 class _Stitch:
@@ -255,165 +236,106 @@ class _Stitch:
 
 
 class _Decode:
-    """One decode's state: the stitching, the tail frames or cached tokens, and where frames go.
+    """One decode's state: the stitching, the tail frames, and where frames go.
 
-    A clip is decoded in frame groups: all of it at once when the decoder's pixels are stitched, one frame at a time
-    (the first frames a clip cross-fades with the previous tail together) when its tokens are kept (`vae_tokens`).
-    Spatial blends are per frame, so each group is stitched on its own. Every buffer that outlives one tile is
-    allocated once per decode (one block each, so the decoder's short-lived tensors do not fragment the heap around
-    it) and holds only frames that reach an output: a clip's kept frames, then the tail frames after its chunk."""
+    Each clip is decoded tile by tile in row order; every tile gives all of the clip's frames at once. Every buffer
+    that outlives one tile is allocated once per decode, before the first decoder call (one block each, so the
+    decoder's short-lived tensors do not fragment the heap around it), and holds only frames that reach an output:
+    a clip's kept frames, then the tail frames after its chunk."""
 
-    def __init__(self, vae, source, geometry: DecodePlan, sink: FrameSink, pixels, counter, cancel, split: bool):
+    def __init__(self, vae, source, geometry: DecodePlan, sink: FrameSink, pixels, counter, cancel):
         self.vae, self.source, self.g, self.sink, self.pixels = vae, source, geometry, sink, pixels
-        self.counter, self.cancel, self.split = counter, cancel, split
+        self.counter, self.cancel = counter, cancel
         self.t_ratio = int(vae.temporal_compression_ratio)
         self.chunk_frames = geometry.chunk_tokens * self.t_ratio
-        # Stitching pixels: the previous clip's tail (raw decoder output, spatially blended), overwritten region by
-        # region with this clip's tail right after that region's head frames were cross-faded with it. Only a clip
-        # that another clip follows keeps its tail; the last clip's tail frames go to the sink with its kept frames.
+        # The previous clip's tail (raw decoder output, spatially blended), overwritten region by region with this
+        # clip's tail right after that region's head frames were cross-faded with it. Only a clip that another clip
+        # follows keeps its tail; the last clip's tail frames go to the sink with its kept frames.
         self.tails: torch.Tensor | None = None
-        self.stitch: dict[str, _Stitch] = {}
-        # Keeping tokens: a block of the tiles' tokens per clip, two clips' worth: the previous clip's tail frames are
-        # made again from its tokens (and stitched on their own) when this clip's first frames cross-fade with them.
-        self.blocks: list[torch.Tensor | None] = [None, None]
-        self.have: list[set[int]] = [set(), set()]  # the tiles whose tokens each block holds
+        self.stitch: _Stitch | None = None
 
     def run(self) -> None:
-        g, pt = self.g, self.t_ratio
-        groups = [self._groups(c, g.clip_frames(c)) for c in range(g.chunks)]
-        self.most = max(len(used) for clip in groups for _, _, used in clip)
-        # The first group is made while the tiles' transformers run, from their fresh tokens: only the latent frames
-        # of the later groups are kept, and of a clip that another clip follows, those of its tail.
-        self.keep = [clip[1][0] // pt if len(clip) > 1 else g.clip_tokens for clip in groups]
-        if g.tail:
-            self.keep[:-1] = [min(k, (self.chunk_frames + g.pre) // pt) for k in self.keep[:-1]]
-        self.kept_tokens = g.clip_tokens - min(self.keep)
-        self._allocate()
-        for c, clip in enumerate(groups):
-            self.have[c % 2].clear()
-            for start, stop, used in clip:
-                self._group(c, start, stop, used)
+        g = self.g
+        used = [self._used(c, g.clip_frames(c)) for c in range(g.chunks)]
+        self._allocate(max(len(u) for u in used))
+        for c in range(g.chunks):
+            self._clip(c, used[c])
 
-    def _allocate(self) -> None:
+    def _allocate(self, most: int) -> None:
         """Every buffer that lives across tiles, before the first decoder call (while the heap is still tidy: freed
         decoder work would otherwise sit around buffers placed among it)."""
-        g, vae = self.g, self.vae
-        dtype = diffusers_adapter.parameter_dtype(vae.decoder.proj_out if self.split else vae.decoder)
+        g = self.g
+        dtype = diffusers_adapter.parameter_dtype(self.vae.decoder)
         device = self.source[0].device
-        self.stitch["clip"] = _Stitch(g, self.most, dtype, device)
-        if g.chunks > 1 and g.tail and self.split:
-            self.stitch["tail"] = _Stitch(g, g.tail, dtype, device)
-        elif g.chunks > 1 and g.tail:
+        self.stitch = _Stitch(g, most, dtype, device)
+        if g.chunks > 1 and g.tail:
             self.tails = torch.empty(1, 3, g.tail, g.height, g.width, dtype=dtype, device=device)
-        if self.split and self.kept_tokens:
-            ratio, (_, y_len, _), (_, x_len, _) = int(vae.spatial_compression_ratio), g.ys[0], g.xs[0]
-            voxels = (y_len // ratio) * (x_len // ratio) * self.kept_tokens
-            shape = (len(g.ys) * len(g.xs), 1, voxels, vae.decoder.proj_out.in_features)
-            self.blocks = [torch.empty(shape, dtype=dtype, device=device) if k < g.chunks else None for k in range(2)]
 
-    def _groups(self, c: int, count: int) -> list[tuple[int, int, list[int]]]:
-        """(first decoded frame, end, the decoded frames from the first that reach an output or the next clip) per
-        group."""
-        g, pt, cf = self.g, self.t_ratio, self.chunk_frames
+    def _used(self, c: int, count: int) -> list[int]:
+        """The decoded frames of clip `c` that reach an output or the next clip: its head, then its tail."""
+        g, cf = self.g, self.chunk_frames
         tail = max(count - g.kept, 0) if c == g.chunks - 1 else g.tail
-        used = [*range(g.pre, cf), *range(cf + g.pre, cf + g.pre + tail)]
-        if not self.split:
-            return [(0, g.clip_tokens * pt, used)]
-        # one frame a time, but the first frames a clip cross-fades with the previous tail together (the cross-fade's
-        # weights depend on how many frames it sees); a tail for the next clip is made again then, not now
-        together = min(int(self.vae.frame_overlap), g.kept) if c and g.tail else 1
-        groups = [(g.pre, g.pre + together, list(range(together)))]
-        later = [d for d in used if d >= g.pre + together and (d - g.pre < count if d < cf else c == g.chunks - 1)]
-        return groups + [(d, d + 1, [0]) for d in later]
+        return [*range(g.pre, cf), *range(cf + g.pre, cf + g.pre + tail)]
 
-    def _tile(self, c: int, i: int, j: int, start: int, stop: int, used: list[int]) -> torch.Tensor:
-        """The decoded frames `used` (counted from `start`) of tile (i, j) of clip `c`: `[1, 3, len(used), h, w]`."""
-        g, vae, pt = self.g, self.vae, self.t_ratio
+    def _tile(self, c: int, i: int, j: int, used: list[int]) -> torch.Tensor:
+        """The decoded frames `used` of tile (i, j) of clip `c`: `[1, 3, len(used), h, w]`."""
+        g, vae = self.g, self.vae
         ratio = int(vae.spatial_compression_ratio)
         (y0, y_len, _), (x0, x_len, _) = g.ys[i], g.xs[j]
-        n, block, grid = i * len(g.xs) + j, c % 2, (y_len // ratio, x_len // ratio)
-        if self.split and n in self.have[block]:
-            skip = self.keep[c] * pt  # decoded frames before the kept tokens' first latent frame
-            tile = vae_tokens.pixels(vae.decoder, self.blocks[block][n], grid, start - skip, stop - skip)
-        else:
-            # diffusers de-normalises the whole latent, casts it, repeats its last frame `pad_tokens` times and cuts
-            # clips and tiles from that; the same element-wise steps on this tile's part of it give the same values
-            latents, std, mean, dtype = self.source
-            t0 = c * g.chunk_tokens
-            frames = torch.arange(t0, t0 + g.clip_tokens).clamp_(max=latents.shape[2] - 1).to(latents.device)
-            part = latents[..., y0 // ratio: (y0 + y_len) // ratio, x0 // ratio: (x0 + x_len) // ratio]
-            tile_z = (part.index_select(2, frames) * std + mean).to(dtype)
-            if self.split:
-                fresh = vae_tokens.tokens(vae.decoder, vae.post_quant_conv(tile_z))
-                voxels = fresh.shape[1] // g.clip_tokens
-                if self.kept_tokens:
-                    if self.blocks[block] is None or self.blocks[block].dtype != fresh.dtype:  # (all the same size)
-                        self.blocks[block] = fresh.new_empty(len(g.ys) * len(g.xs), 1, self.kept_tokens * voxels,
-                                                             fresh.shape[2])
-                    kept = fresh[:, self.keep[c] * voxels:]
-                    self.blocks[block][n][:, : kept.shape[1]].copy_(kept)
-                    self.have[block].add(n)
-                tile = vae_tokens.pixels(vae.decoder, fresh, grid, start, stop)
-                del fresh
-            else:
-                tile = vae.decoder(vae.post_quant_conv(tile_z))
-            if self.counter is not None:
-                self.counter.advance()
-        if self.split and len(used) == stop - start:
-            return tile
+        # diffusers de-normalises the whole latent, casts it, repeats its last frame `pad_tokens` times and cuts
+        # clips and tiles from that; the same element-wise steps on this tile's part of it give the same values
+        latents, std, mean, dtype = self.source
+        t0 = c * g.chunk_tokens
+        frames = torch.arange(t0, t0 + g.clip_tokens).clamp_(max=latents.shape[2] - 1).to(latents.device)
+        part = latents[..., y0 // ratio: (y0 + y_len) // ratio, x0 // ratio: (x0 + x_len) // ratio]
+        tile_z = (part.index_select(2, frames) * std + mean).to(dtype)
+        tile = vae.decoder(vae.post_quant_conv(tile_z))
+        if self.counter is not None:
+            self.counter.advance()
         if tile.shape[2] <= used[-1]:
             raise RuntimeError(f"the VAE decoder returned {tile.shape[2]} frames for a clip; the decode plan expected "
                                "more (unsupported VAE geometry)")
         return tile.index_select(2, torch.tensor(used, device=tile.device))
 
-    def _stitched(self, name: str, frames: int, tile: torch.Tensor, i: int, j: int) -> torch.Tensor:
-        if name not in self.stitch or self.stitch[name].lefts[0].dtype != tile.dtype:  # never a silent cast
-            self.stitch[name] = _Stitch(self.g, frames, tile.dtype, tile.device)
-        return self.stitch[name](self.vae, tile, i, j)
-
-    def _group(self, c: int, start: int, stop: int, used: list[int]) -> None:
+    def _clip(self, c: int, used: list[int]) -> None:
         g, vae, cf = self.g, self.vae, self.chunk_frames
         last_clip = c == g.chunks - 1
-        decoded = [start + d for d in used]  # frame numbers within the clip's decoded frames
-        n_head = sum(d < cf for d in decoded)
-        head0 = decoded[0] - g.pre  # kept-frame number of the first head frame
-        tail0 = decoded[n_head] - cf - g.pre if n_head < len(decoded) else 0
-        outs = [d - g.pre for d in decoded[:n_head] if d - g.pre < g.clip_frames(c)]
-        if last_clip:
-            outs += [g.kept + tail0 + k for k in range(len(decoded) - n_head)]
-        out_start = c * g.kept + (outs[0] if outs else 0)
-        target = self.sink.buffer(out_start, len(outs)) if outs else None
-        emitted = sum(d - g.pre < g.clip_frames(c) for d in decoded[:n_head])  # head frames output (from the first)
-        head_at, tail_at = head0 - (outs[0] if outs else 0), g.kept + tail0 - (outs[0] if outs else 0)
-        fade = c > 0 and g.tail and n_head and head0 == 0  # diffusers' _decode: cross-fade with the previous tail
+        n_head = sum(d < cf for d in used)
+        count = g.clip_frames(c)
+        emitted = sum(d - g.pre < count for d in used[:n_head])  # head frames that are output frames
+        outs = emitted + (len(used) - n_head if last_clip else 0)
+        out_start = c * g.kept
+        target = self.sink.buffer(out_start, outs) if outs else None
+        fade = c > 0 and g.tail and n_head  # diffusers' _decode: cross-fade with the previous clip's tail
         y_out = 0
         for i in range(len(g.ys)):
             x_out = 0
             for j in range(len(g.xs)):
                 check_cancel(self.cancel, f"while decoding video clip {c + 1} of {g.chunks}")
-                tile = self._stitched("clip", self.most, self._tile(c, i, j, start, stop, used), i, j)
+                tile = self._stitched(self._tile(c, i, j, used), i, j)
                 h, w = tile.shape[-2], tile.shape[-1]
                 region = (Ellipsis, slice(y_out, y_out + h), slice(x_out, x_out + w))
                 head, after = tile[:, :, :n_head], tile[:, :, n_head:]
-                if fade and self.split:
-                    first = cf + g.pre  # the previous clip's tail, made again from its tokens
-                    tail = self._tile(c - 1, i, j, first, first + g.tail, list(range(g.tail)))
-                    _blend_into(vae, self._stitched("tail", g.tail, tail, i, j), head, vae.frame_overlap, dim=-3)
-                elif fade:
+                if fade:
                     _blend_into(vae, self.tails[region], head, vae.frame_overlap, dim=-3)
                 if emitted:
-                    self._emit(head[:, :, :emitted], target, head_at, y_out, x_out)
-                if after.shape[2] and last_clip:
-                    self._emit(after, target, tail_at, y_out, x_out)
-                elif after.shape[2]:  # stitching pixels: keep the tail for the next clip
+                    self._emit(head[:, :, :emitted], target, 0, y_out, x_out)
+                if after.shape[2] and last_clip:  # the last clip's tail frames are output frames too
+                    self._emit(after, target, g.kept, y_out, x_out)
+                elif after.shape[2]:  # keep the tail for the next clip
                     if self.tails.dtype != tile.dtype:  # never a silent cast
                         self.tails = torch.empty(1, 3, g.tail, g.height, g.width, dtype=tile.dtype, device=tile.device)
-                    self.tails[:, :, tail0: tail0 + after.shape[2]][region] = after
+                    self.tails[region] = after
                 del tile, head, after
                 x_out += w
             y_out += h
         if outs:
-            self.sink.commit(out_start, len(outs))
+            self.sink.commit(out_start, outs)
+
+    def _stitched(self, tile: torch.Tensor, i: int, j: int) -> torch.Tensor:
+        if self.stitch.lefts[0].dtype != tile.dtype:  # never a silent cast
+            self.stitch = _Stitch(self.g, self.stitch.lefts[0].shape[2], tile.dtype, tile.device)
+        return self.stitch(self.vae, tile, i, j)
 
     def _emit(self, frames: torch.Tensor, target: torch.Tensor, first: int, y: int, x: int) -> None:
         """Decoder-space frames `[1, 3, n, h, w]` -> the decode step's pixels, into `target[first.., y.., x..]`: the

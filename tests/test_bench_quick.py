@@ -92,6 +92,14 @@ def test_streamed_vae_encode_bench_compares_both_arms(tiny_dir):
     assert "bit-identical" in vae_encode.table(out)
 
 
+def test_released_width_decoder_bench_runs_the_streamed_decode(tiny_dir):
+    from bench import vae_wide
+
+    out = vae_wide.run(str(tiny_dir), sizes=(64, 128))
+    assert out["points"][64]["decoder_width"] == 2048 and out["points"][128]["handed_frames"] == 22
+    assert out["peak_ratios"]["4x"] > 0
+
+
 def test_vae_memory_worker_and_stage1_folder(tiny_dir, tmp_path):
     points = vae.sweep(tiny_dir, 1, [dict(op="video_decode", height=64, width=64, frames=22, reps=1),
                                      dict(op="audio_encode", seconds=2.0, reps=1)], per_process=False)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from h3_core import media, progress, vae_stream, vae_tokens
+from h3_core import media, progress, vae_stream
 from h3_core.blocks import pipeline_for, workflow_blocks
 from h3_core.diffusion import AVLatents, DiffusionStage
 from h3_core.models import ModelSource
@@ -58,23 +58,17 @@ def test_streamed_decode_is_bitwise_diffusers(vae, reference, height, width, fra
     assert plan.frames == expected.shape[0] and (plan.height, plan.width) == (height, width)
     if height > 64:
         assert plan.tiles_per_clip >= 4
-    for token_cache in (False, True):  # stitched pixels of whole clips / the tiny decoder's tokens, a few frames a time
-        sink = vae_stream.TensorSink()
-        vae_stream.decode_video(vae, z, sink, token_cache=token_cache)
-        assert torch.equal(sink.video, expected)
-        clips = []
-        vae_stream.decode_video(vae, z, vae_stream.WriterSink(lambda u8, out=clips: out.append(u8.copy())),
-                                token_cache=token_cache)
-        assert np.array_equal(np.concatenate(clips), expected_u8)
-        sizes = [len(clip) for clip in clips]
-        if token_cache:  # one latent frame's pixels a time (the cross-faded first frames of a clip together)
-            assert max(sizes) <= max(vae.frame_overlap, vae.temporal_compression_ratio) < plan.kept
-        else:  # a clip a time, the last one with its tail frames
-            assert sizes == [plan.clip_frames(c) for c in range(plan.chunks)]
+    sink = vae_stream.TensorSink()
+    vae_stream.decode_video(vae, z, sink)
+    assert torch.equal(sink.video, expected)
+    clips = []
+    vae_stream.decode_video(vae, z, vae_stream.WriterSink(lambda u8, out=clips: out.append(u8.copy())))
+    assert np.array_equal(np.concatenate(clips), expected_u8)
+    # a clip a time, the last one with its tail frames
+    assert [len(clip) for clip in clips] == [plan.clip_frames(c) for c in range(plan.chunks)]
 
 
-@pytest.mark.parametrize("token_cache", [False, True])
-def test_several_clips_cross_fade_and_tiles_are_counted(vae, token_cache):
+def test_several_clips_cross_fade_and_tiles_are_counted(vae):
     z = latents_for(160, 96, 17)
     plan = vae_stream.plan(vae, z.shape)
     assert plan.chunks == 3 and plan.tail > 0 and plan.tiles_per_clip == 6
@@ -82,11 +76,11 @@ def test_several_clips_cross_fade_and_tiles_are_counted(vae, token_cache):
     handle = vae.decoder.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
         with progress.reporting(lambda *event: events.append(event)):
-            vae_stream.decode_video(vae, z, vae_stream.TensorSink(), token_cache=token_cache)
+            vae_stream.decode_video(vae, z, vae_stream.TensorSink())
     finally:
         handle.remove()
     tiles = [(done, total) for phase, done, total in events if phase == "decode_video"]
-    assert len(calls) == plan.decoder_calls == 18  # the token cache runs each tile's transformer once too
+    assert len(calls) == plan.decoder_calls == 18
     assert tiles[0] == (0, 18) and tiles[-1] == (18, 18)
 
 
@@ -98,30 +92,11 @@ def test_overlaps_wider_than_half_a_tile_are_bitwise_diffusers(vae, reference):
         plan = vae_stream.plan(vae, z.shape)
         assert [ov for _, _, ov in plan.ys] == [48, 48, 0]
         expected = reference(z)
-        for token_cache in (False, True):
-            sink = vae_stream.TensorSink()
-            vae_stream.decode_video(vae, z, sink, token_cache=token_cache)
-            assert torch.equal(sink.video, expected)
+        sink = vae_stream.TensorSink()
+        vae_stream.decode_video(vae, z, sink)
+        assert torch.equal(sink.video, expected)
     finally:
         vae.tile_sample_min_overlap_height = 16
-
-
-def test_the_tiny_decoder_is_split_and_the_choice_is_checked(vae):
-    assert vae_stream.splits(vae)  # 32 float32 features per token, 3 x 4 x 16 x 16 uint8 pixel values
-    head = vae.decoder.proj_out
-    assert vae_tokens.splittable(vae.decoder) and head.in_features * 4 < head.out_features
-    # a pixel head whose weight is not what it multiplies by (a hook on it: layerwise casting, offloading) is only
-    # ever run whole, through the decoder
-    for module in (head, vae.decoder):  # or a decoder whose whole forward is watched (its end is never reached)
-        handle = (module.register_forward_pre_hook if module is head else module.register_forward_hook)(
-            lambda *_: None)
-        try:
-            assert not vae_stream.splits(vae)
-            with pytest.raises(vae_stream.VaeStreamError, match="cannot be split"):
-                vae_stream.decode_video(vae, latents_for(64, 64, 3), vae_stream.TensorSink(), token_cache=True)
-        finally:
-            handle.remove()
-    assert vae_stream.splits(vae)
 
 
 def test_cancel_stops_between_tiles(vae):
