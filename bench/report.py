@@ -322,7 +322,7 @@ def markdown(results: dict) -> str:
         f"Loopback only. Every A/B comparison is interleaved (ABBA) in the same run."
     )
     started = meta.get("section_started", {})
-    if len(set(started.values())) > 1:  # `--update` re-measured some sections: say when each one ran
+    if meta.get("updated"):  # `--update` re-measured some sections: say when each one ran
         L.append("")
         L.append("Sections measured at different times (`--update`): " + ", ".join(
             f"{name} {started[name]}" for name in meta.get("sections", []) if name in started) + ".")
