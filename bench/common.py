@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -217,6 +218,22 @@ def set_threads(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def tiny_models(models: str | None):
+    """The models folder to measure: `models`, else $H3_TINY_DIR, else the embedded tiny H3 built into a temporary
+    folder for the duration of the block."""
+    import tempfile
+
+    models = models or os.environ.get("H3_TINY_DIR")
+    if models:
+        yield str(models)
+        return
+    from h3_core import tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        yield str(tiny.build(Path(tmp) / "tiny", seed=0))
 
 
 def log(message: str) -> None:

@@ -89,17 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
-    import os
-    import tempfile
-    from pathlib import Path
-
     size, lengths = (128, (22, 73)) if args.quick else (256, (22, 73, 124, 175))
-    with tempfile.TemporaryDirectory() as tmp:
-        models = args.models or os.environ.get("H3_TINY_DIR")
-        if not models:
-            from h3_core import tiny
-
-            models = str(tiny.build(Path(tmp) / "tiny", seed=0))
+    with common.tiny_models(args.models) as models:
         result = run(models, size=size, lengths=lengths, threads=args.threads)
     out = common.REPO / "bench" / "results" / "issue14"
     (out / "vae_encode.json").write_text(json.dumps(result, indent=1))

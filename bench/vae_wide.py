@@ -86,16 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
-    import os
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        models = args.models or os.environ.get("H3_TINY_DIR")
-        if not models:
-            from h3_core import tiny
-
-            models = str(tiny.build(Path(tmp) / "tiny", seed=0))
+    with common.tiny_models(args.models) as models:
         result = run(models, sizes=(384, 768) if args.quick else (384, 768, 1536), threads=args.threads)
     if not args.quick:
         (common.REPO / "bench" / "results" / "issue14" / "vae_wide.json").write_text(json.dumps(result, indent=1))

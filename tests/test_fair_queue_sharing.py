@@ -14,6 +14,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from service_support import run_service
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
@@ -199,13 +200,6 @@ def _batches(jobs) -> list[list]:
     return [groups[started] for started in sorted(groups)]
 
 
-async def _run(stage, config, body):
-    service = EncoderService(stage, config)
-    await service.start()
-    try:
-        return await body(service)
-    finally:
-        await service.stop()
 
 
 def test_a_flood_takes_half_batches_while_another_client_shares_the_server(stage):
@@ -220,7 +214,7 @@ def test_a_flood_takes_half_batches_while_another_client_shares_the_server(stage
         await asyncio.gather(*(job.future for job in again))
         return [[job.client for job in batch] for batch in _batches(alone + [light] + shared + again)]
 
-    batches = asyncio.run(_run(stage, ServerConfig(threads=1, text_batch=8, anticipate_s=0), body))
+    batches = asyncio.run(run_service(stage, ServerConfig(threads=1, text_batch=8, anticipate_s=0), body))
     assert batches[:2] == [["flood"] * 8] * 2
     assert batches[2] == ["light", "flood"]  # the light client's turn, and the flood's next job taken early
     assert batches[3:6] == [["flood"] * 4, ["flood"] * 4, ["flood"] * 3]  # 8 // 2 while both share the server
@@ -233,7 +227,7 @@ def test_sixteen_clients_still_share_full_batches(stage):
         await asyncio.gather(*(job.future for job in jobs))
         return [len(batch) for batch in _batches(jobs)]
 
-    assert asyncio.run(_run(stage, ServerConfig(threads=1, text_batch=8), body)) == [8, 8]
+    assert asyncio.run(run_service(stage, ServerConfig(threads=1, text_batch=8), body)) == [8, 8]
 
 
 def _closed_loop():
@@ -258,7 +252,7 @@ def _closed_loop():
 
 def test_a_closed_loop_client_next_in_line_is_waited_for(stage):
     config = ServerConfig(threads=1, text_batch=8, queue_size=64, anticipate_s=0.2)
-    between, answers, counters = asyncio.run(_run(stage, config, _closed_loop()))
+    between, answers, counters = asyncio.run(run_service(stage, config, _closed_loop()))
     # its first request rode in the flood's first batch (the flood came first), then its turns came: the flood's
     # turn is the one inside the light client's batch, no flood turn between its requests; the wait after its last
     # answer ran out
@@ -266,7 +260,7 @@ def test_a_closed_loop_client_next_in_line_is_waited_for(stage):
     assert answers == [stage.encode(EncodeRequest(prompt=_prompt(600 + i), width=64, height=64,
                                                   num_frames=124)).to_bytes() for i in range(5)]
     config = ServerConfig(threads=1, text_batch=8, queue_size=64, anticipate_s=0)
-    between, _, counters = asyncio.run(_run(stage, config, _closed_loop()))
+    between, _, counters = asyncio.run(run_service(stage, config, _closed_loop()))
     assert all(n >= 1 for n in between) and "anticipated" not in counters  # without: a flood turn every time
 
 

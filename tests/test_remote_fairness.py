@@ -12,6 +12,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from service_support import run_service
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
@@ -48,13 +49,6 @@ def _submit(service: EncoderService, client: str, prompt: str):
     return job
 
 
-async def _run(stage, config, body):
-    service = EncoderService(stage, config)
-    await service.start()
-    try:
-        return await body(service)
-    finally:
-        await service.stop()
 
 
 def _finish_order(jobs: dict[str, object]) -> list[str]:
@@ -113,7 +107,7 @@ def test_service_serves_clients_round_robin(stage):
         await asyncio.gather(*(job.future for job in jobs.values()))
         return _finish_order(jobs), positions
 
-    order, positions = asyncio.run(_run(stage, ServerConfig(threads=1, text_batch=1), body))
+    order, positions = asyncio.run(run_service(stage, ServerConfig(threads=1, text_batch=1), body))
     assert order == ["a0", "b0", "c0", "a1", "b1", "a2"]
     assert [name for name, _ in sorted(positions.items(), key=lambda item: item[1])] == order
 
@@ -129,7 +123,7 @@ def test_a_flood_does_not_starve_a_single_request(stage):
         await asyncio.gather(*(job.future for job in flood))
         return unfinished
 
-    unfinished = asyncio.run(_run(stage, ServerConfig(threads=1, text_batch=1, queue_size=64), body))
+    unfinished = asyncio.run(run_service(stage, ServerConfig(threads=1, text_batch=1, queue_size=64), body))
     assert unfinished >= 20  # answered while at most one or two flood jobs ran after its arrival
 
 
@@ -145,7 +139,7 @@ def test_full_queue_makes_room_for_a_light_client(stage):
         await asyncio.gather(light.future, *(job.future for job in flood[:-1]))
         return _finish_order({"light": light, **{f"f{i}": job for i, job in enumerate(flood[:-1])}})
 
-    order = asyncio.run(_run(stage, ServerConfig(threads=1, text_batch=1, queue_size=4), body))
+    order = asyncio.run(run_service(stage, ServerConfig(threads=1, text_batch=1, queue_size=4), body))
     assert order.index("light") <= 1
 
 
@@ -188,7 +182,7 @@ def test_service_batches_queued_prompts_of_equal_length(stage):
             results.append([(await job.future)[0].tobytes() for job in jobs])
         return results, dict(service.batcher.stats)
 
-    results, stats = asyncio.run(_run(stage, ServerConfig(threads=1, text_batch=8), body))
+    results, stats = asyncio.run(run_service(stage, ServerConfig(threads=1, text_batch=8), body))
     for round_, answers in enumerate(results):
         prompts = [_prompt(f"c{i}", round_) for i in range(3)] + ["Another prompt, of another length entirely."]
         assert answers == [stage.encode(_request(p)).to_bytes() for p in prompts]

@@ -10,6 +10,7 @@ import asyncio
 import gc
 
 import pytest
+from service_support import run_service
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
@@ -29,13 +30,6 @@ def _spec(**fields):
     return protocol.parse_request(body)
 
 
-async def _with_service(stage, config, body):
-    service = EncoderService(stage, config)
-    await service.start()
-    try:
-        return await body(service)
-    finally:
-        await service.stop()
 
 
 def test_service_encodes_joins_and_caches_without_http(stage, one_thread):
@@ -56,7 +50,7 @@ def test_service_encodes_joins_and_caches_without_http(stage, one_thread):
         assert service.counters["computed"] == 1
         return data
 
-    data = asyncio.run(_with_service(stage, ServerConfig(threads=1), body))
+    data = asyncio.run(run_service(stage, ServerConfig(threads=1), body))
     assert data.tobytes() == stage.encode(protocol_request()).to_bytes()  # the wire form, unjoined
 
 
@@ -90,7 +84,7 @@ def test_admission_budget_and_draining(stage):
                 pass
         assert info.value.status == 503 and service.active_requests == 0
 
-    asyncio.run(_with_service(stage, config, body))
+    asyncio.run(run_service(stage, config, body))
 
 
 def test_missing_component_refused_before_queueing(stage):
@@ -108,7 +102,7 @@ def test_missing_component_refused_before_queueing(stage):
         assert info.value.status == 422 and info.value.code == "component_not_loaded"
         assert "['video', 'audio']" in info.value.message and service.queued == 0
 
-    asyncio.run(_with_service(TextOnly(), ServerConfig(threads=1), body))
+    asyncio.run(run_service(TextOnly(), ServerConfig(threads=1), body))
 
 
 def test_failed_job_keeps_no_traceback(stage):
@@ -130,7 +124,7 @@ def test_failed_job_keeps_no_traceback(stage):
         assert job.parts is None and not service._inflight and not service._pending
         return error.status
 
-    assert asyncio.run(_with_service(Refusing(), ServerConfig(threads=1), body)) == 422
+    assert asyncio.run(run_service(Refusing(), ServerConfig(threads=1), body)) == 422
     gc.collect()
 
 
@@ -155,7 +149,7 @@ def test_jobs_record_the_encoders_fine_phases(stage, one_thread):
         await job.future
         return job.phases.entries
 
-    entries = asyncio.run(_with_service(stage, ServerConfig(threads=1), body))
+    entries = asyncio.run(run_service(stage, ServerConfig(threads=1), body))
     text = [e for e in entries if e["phase"] == "text" and "total" in e]
     layers = stage.text_encoder.config.text_config.num_hidden_layers
     assert text and text[-1]["done"] == text[-1]["total"] == layers
