@@ -93,7 +93,8 @@ def test_encoders_report_text_clips_and_audio(ref2va):
     _, events = ref2va
     layers = 51  # the tiny text encoder's stack (50 layers and the weightless 51st, as at release)
     assert phases(events, "text") == [(k, layers) for k in range(layers + 1)]
-    assert phases(events, "video_vae") == [(0, 2), (1, 2), (2, 2)]  # the reference image and video
+    # one unit for the reference image, one per 17-frame clip of the reference video (3 here)
+    assert phases(events, "video_vae") == [(k, 4) for k in range(5)]
     assert phases(events, "audio_vae") == [(0, 2), (1, 2), (2, 2)]  # the video's soundtrack and the audio
 
 

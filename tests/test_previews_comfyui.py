@@ -66,7 +66,8 @@ def test_every_long_node_reports_progress(ref2va_run):
         values = events[node]
         assert values[0][0] == 0 and values[-1][0] == values[-1][1] > 1000, (graph[node]["class_type"], values)
     assert events["9"] == [(k, 51) for k in range(52)]  # text encode: one event per layer of the tiny stack
-    assert events["10"] == [(0, 2), (1, 2), (2, 2)]  # video VAE: the reference image and the reference video
+    # video VAE: one unit for the reference image, one per 17-frame clip of the reference video (3 here)
+    assert events["10"] == [(k, 4) for k in range(5)]
     assert events["11"] == [(0, 2), (1, 2), (2, 2)]  # audio VAE: the video's soundtrack and the reference audio
     decode = events["13"]
     tiles = [value for value in decode if value[1] > 1]

@@ -251,7 +251,8 @@ def test_16_clients_x_20_requests_with_a_replica_killed(stage, ray_url):
 
 def test_backpressure_is_a_429_with_retry_after(ray_url):
     def raw_encode(index):
-        content_type, body = _wire(EncodeRequest(prompt=f"[wait 0.8] Backpressure {index}.", width=64, height=64))
+        # Each accepted request holds its slot 1.6 s, longer than 28 requests take to arrive on a busy 2-core machine.
+        content_type, body = _wire(EncodeRequest(prompt=f"[wait 1.6] Backpressure {index}.", width=64, height=64))
         return _raw(ray_url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type, **AUTH}, timeout=60)
 
     with concurrent.futures.ThreadPoolExecutor(28) as pool:  # 2 replicas x 2 slots + 16 queued = 20 accepted
