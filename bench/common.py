@@ -200,10 +200,20 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_worker(module: str, args: dict[str, Any], threads: int, timeout: float = 600) -> dict[str, Any]:
-    """Run `python -m bench.<module> --worker JSON` in a fresh process; its last stdout line is the JSON answer."""
+# glibc's mmap threshold pinned at 1 MiB (which also turns off its adaptive raising): every buffer of 1 MiB or more
+# is mapped on its own and unmapped when freed, so a peak (VmHWM) counts what the measured op holds, not freed heap
+# that earlier ops left resident. With the adaptive default the same streamed decode peaked at 85-116 MB at 384x384
+# depending on which arm ran before it in the process.
+LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
+
+def run_worker(module: str, args: dict[str, Any], threads: int, timeout: float = 600,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `python -m bench.<module> --worker JSON` in a fresh process (`env` added to its environment); its last
+    stdout line is the JSON answer."""
     cmd = [sys.executable, "-m", f"bench.{module}", "--worker", json.dumps(args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(threads), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env={**worker_env(threads), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"bench worker {module} {args} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -59,7 +59,11 @@ NOTES = [
     "process (page cache warm).",
     "Peak memory on CPU: RSS high-water mark (VmHWM) after resetting it with /proc/self/clear_refs, minus RSS just "
     "before the op, after trimming the heap (malloc_trim). Full runs use a fresh process per point; --quick runs "
-    "a sweep per process (checked against per-point processes: peaks within ~4 %).",
+    "a sweep per process (checked against per-point processes: peaks within ~4 %). The streamed-decode comparison "
+    "and bench/vae_wide.py measure peaks with glibc's mmap threshold pinned at 1 MiB (MALLOC_MMAP_THRESHOLD_): "
+    "buffers of 1 MiB or more are unmapped when freed, so a peak is what the op holds rather than freed heap an "
+    "earlier arm left resident (with the adaptive default, the same decode peaked 85-116 MB at 384x384 depending "
+    "on the arm before it); its times come from a second process with the default allocator.",
     "Wire: the same subprocess serves the real aiohttp app (around a synthetic stage that returns prebuilt "
     "contracts; cache off, so each request pays to_wire: header + one xxh3-128 pass) and a raw blocking TCP server "
     "that sendall()s the very same bytes; the client side is EncoderClient.encode vs socket.recv_into a fresh buffer. "

@@ -10,10 +10,12 @@ diffusers' AutoencoderKLMiniMaxH3 tiles spatially (on by default; 256 px tiles, 
 cover the frame) and chunks time (17-frame clips); tiles of a clip are all kept, then blended and concatenated;
 decoded clips are concatenated at the end. The audio VAE runs in one pass.
 
-`compare`: diffusers' decode step against h3_core's streamed decode (h3_core/vae_stream.py) side by side, in one
-process per canvas, the arms interleaved round by round (rotated order), heap trimmed and the high-water mark reset
-before every op: peak and time of each arm at 1x, 4x and 16x the pixels, with 95 % bootstrap intervals of the
-ratios (peak: ratio of medians, the two canvases resampled independently; time: paired per round).
+`compare`: diffusers' decode step against h3_core's streamed decode (h3_core/vae_stream.py) side by side, the arms
+interleaved round by round (rotated order), heap trimmed and the high-water mark reset before every op: peak and time
+of each arm at 1x, 4x and 16x the pixels, with 95 % bootstrap intervals of the ratios (peak: ratio of medians, the
+two canvases resampled independently; time: paired per round). Two processes per canvas: the peaks come from one with
+glibc's mmap threshold pinned at 1 MiB (`common.LIVE_MEMORY_ENV`: each op's live memory, not the freed heap earlier
+arms left resident), the times from one with the default allocator (its peaks are kept too).
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ def sweep(models, threads: int, points: list[dict], per_process: bool) -> list[d
 # --- diffusers' decode step vs the streamed decode, side by side -----------------------------------------------
 
 ARMS = ("diffusers", "stream_f32", "stream_u8", "mp4_whole", "mp4_stream")
+WRITER_ARMS = ("stream_u8", "mp4_stream")  # hand uint8 clips to a writer: their product is one clip, not the video
 ARM_LABELS = {
     "diffusers": "diffusers' decode step (vae.decode, de-normalise, clamp; float32 video out)",
     "stream_f32": "streamed, float32 video out (Decode node IMAGE, Decoded.video)",
@@ -278,8 +281,14 @@ def _compare_worker(spec: dict) -> dict:
                 out[name]["output_bytes"] = 0 if result is None else result.numel() * result.element_size()
                 del result
     plan = vae_stream.plan(vae, z.shape)
+    # What each arm hands on, which grows with the pixels by definition: the float32 video it returns, or for the
+    # writer arms the one reusable uint8 buffer of the largest clip (the frames the mp4 writer takes at once).
+    handover = max(plan.clip_frames(c) for c in range(plan.chunks))
+    handover_bytes = handover * plan.height * plan.width * 3
+    for name in arms:
+        out[name]["product_bytes"] = handover_bytes if name in WRITER_ARMS else out[name]["output_bytes"]
     return {"size": size, "frames": plan.frames, "tiles": plan.tiles_per_clip, "clips": plan.chunks,
-            "arms": out, "bit_exact_warmup": same}
+            "handover_frames": handover, "arms": out, "bit_exact_warmup": same}
 
 
 def ratio_ci(small: list[float], big: list[float], iters: int = 2000, seed: int = 0) -> dict:
@@ -294,6 +303,10 @@ def ratio_ci(small: list[float], big: list[float], iters: int = 2000, seed: int 
     return {"ratio": float(np.median(b) / np.median(a)), "ci95": [float(lo), float(hi)]}
 
 
+def _working(arm: dict) -> list[float]:
+    return [peak - arm["product_bytes"] for peak in arm["peak_bytes"]]
+
+
 def compare(models, threads: int, *, sizes=(384, 768, 1536), frames: int = 22, rounds: int = 5,
             arms: tuple[str, ...] = ARMS) -> dict:
     """Every arm at every canvas (a process per canvas); peak ratios against the first canvas, time ratios of the
@@ -303,10 +316,17 @@ def compare(models, threads: int, *, sizes=(384, 768, 1536), frames: int = 22, r
         common.log(f"vae compare: {size}x{size}, {frames} frames, {rounds} rounds of {', '.join(arms)}")
         spec = {"models": str(models), "compare": True, "size": size, "frames": frames, "rounds": rounds,
                 "arms": list(arms)}
-        point = common.run_worker("vae", spec, threads, timeout=3600)
+        # Two processes per canvas: peaks with glibc's mmap threshold pinned (live memory, whatever ran before),
+        # times with the default allocator (what users run; pinned, every large buffer is faulted in afresh)
+        point = common.run_worker("vae", spec, threads, timeout=3600, env=common.LIVE_MEMORY_ENV)
+        timed = common.run_worker("vae", spec, threads, timeout=3600)
+        point["bit_exact_warmup"] = point["bit_exact_warmup"] and timed["bit_exact_warmup"]
         for name in arms:
-            m = point["arms"][name]
-            common.log(f"vae compare:   {name}: peak {common.summary(m['peak_bytes'])['median'] / common.MB:.0f} MB, "
+            m, t = point["arms"][name], timed["arms"][name]
+            m["time_s_pinned_allocator"], m["time_s"] = m["time_s"], t["time_s"]
+            m["peak_bytes_default_allocator"] = t["peak_bytes"]
+            common.log(f"vae compare:   {name}: peak {common.summary(m['peak_bytes'])['median'] / common.MB:.0f} MB "
+                       f"(default allocator {common.summary(t['peak_bytes'])['median'] / common.MB:.0f} MB), "
                        f"{common.summary(m['time_s'])['median']:.2f} s")
         points.append(point)
     base = points[0]
@@ -316,6 +336,14 @@ def compare(models, threads: int, *, sizes=(384, 768, 1536), frames: int = 22, r
         peaks[f"{factor}x"] = {
             "from": base["size"], "to": point["size"],
             **{name: ratio_ci(base["arms"][name]["peak_bytes"], point["arms"][name]["peak_bytes"]) for name in arms},
+        }
+    working = {}  # peak - what the arm hands on (the video it returns, or its clip buffer): the decode's own memory
+    for point in points[1:]:
+        factor = round(point["size"] ** 2 / base["size"] ** 2)
+        working[f"{factor}x"] = {
+            "from": base["size"], "to": point["size"],
+            **{name: ratio_ci(_working(base["arms"][name]), _working(point["arms"][name]))
+               for name in arms if "product_bytes" in point["arms"][name] and name != "mp4_whole"},
         }
     times = {}
     for point in points:
@@ -329,7 +357,7 @@ def compare(models, threads: int, *, sizes=(384, 768, 1536), frames: int = 22, r
         if "mp4_whole" in point["arms"] and "mp4_stream" in point["arms"]:
             pair = common.paired(point["arms"]["mp4_whole"]["time_s"], point["arms"]["mp4_stream"]["time_s"])
             times[str(point["size"])]["mp4_stream_vs_whole"] = {k: v for k, v in pair.items() if k != "ratios"}
-    return {"points": points, "peak_ratios": peaks, "time_ratios": times, "arms": list(arms),
+    return {"points": points, "peak_ratios": peaks, "working_ratios": working, "time_ratios": times, "arms": list(arms),
             "bit_exact": all(p["bit_exact_warmup"] for p in points)}
 
 

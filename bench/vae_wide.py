@@ -5,7 +5,8 @@ The embedded tiny H3's video decoder is 32 features wide, so one tile's work is 
 features wide (32 heads x 64, SwiGLU 4x, 36 blocks). This builds diffusers' `AutoencoderKLMiniMaxH3` with the tiny
 H3's geometry but one decoder block of the released width (random weights: memory and the code path do not depend
 on the values; one block, since blocks run one after another and their activations do not accumulate), and measures
-the very same `vae_stream.decode_video` -> `WriterSink` path real weights take, one fresh process per canvas.
+the very same `vae_stream.decode_video` -> `WriterSink` path real weights take, one fresh process per canvas (glibc's
+mmap threshold pinned, `common.LIVE_MEMORY_ENV`, as in bench/vae.py's comparison).
 
     python -m bench.vae_wide [--quick]      writes bench/results/issue14/vae_wide.json and prints the ratios
 """
@@ -58,6 +59,7 @@ def worker(args: dict) -> dict:
         after = common.proc_status()
     return {"size": size, "peak_bytes": after["VmHWM"] - before["VmRSS"], "seconds": seconds,
             "frames": plan.frames, "tiles": plan.tiles_per_clip, "handed_frames": sum(handed),
+            "clip_bytes": max(handed) * size * size * 3,
             "decoder_width": vae.decoder.proj_out.in_features}
 
 
@@ -68,12 +70,15 @@ def run(models: str, *, sizes=(384, 768, 1536), threads: int = 1) -> dict:
     points = {}
     for size in sizes:
         points[size] = common.run_worker("vae_wide", {"config": config, "size": size, "threads": threads}, threads,
-                                         timeout=3600)
+                                         timeout=3600, env=common.LIVE_MEMORY_ENV)
         common.log(f"vae wide decoder {size}x{size}: peak {points[size]['peak_bytes'] / common.MB:.0f} MB, "
                    f"{points[size]['seconds']:.1f} s")
     base = points[sizes[0]]["peak_bytes"]
     ratios = {f"{(s // sizes[0]) ** 2}x": points[s]["peak_bytes"] / base for s in sizes[1:]}
-    return {"decoder": RELEASED_DECODER, "points": points, "peak_ratios": ratios}
+    working = lambda p: p["peak_bytes"] - p["clip_bytes"]  # less the clip buffer handed to the writer
+    working_ratios = {f"{(s // sizes[0]) ** 2}x": working(points[s]) / working(points[sizes[0]]) for s in sizes[1:]}
+    return {"decoder": RELEASED_DECODER, "points": points, "peak_ratios": ratios, "working_ratios": working_ratios,
+            "allocator": common.LIVE_MEMORY_ENV}
 
 
 def main(argv: list[str] | None = None) -> int:

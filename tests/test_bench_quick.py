@@ -81,6 +81,13 @@ def test_tile_grid_matches_diffusers_and_the_comparison_runs(tiny_dir):
     out = vae.compare(tiny_dir, 1, sizes=(64, 128), frames=22, rounds=2, arms=("diffusers", "stream_f32", "stream_u8"))
     assert out["bit_exact"] and set(out["peak_ratios"]["4x"]) >= {"diffusers", "stream_f32", "stream_u8"}
     assert out["time_ratios"]["128"]["stream_u8"]["median_ratio"] > 0
+    # peaks from the pinned-allocator process, the default allocator's kept beside them; working = peak - the clip
+    # the writer arm hands on (22 frames of uint8 RGB), or - the float32 video the other arms return
+    point = out["points"][1]["arms"]
+    assert len(point["stream_u8"]["peak_bytes_default_allocator"]) == 2
+    assert point["stream_u8"]["product_bytes"] == 22 * 128 * 128 * 3
+    assert point["stream_f32"]["product_bytes"] == 22 * 128 * 128 * 3 * 4
+    assert out["working_ratios"]["4x"]["stream_u8"]["ratio"] > 0
 
 
 def test_streamed_vae_encode_bench_compares_both_arms(tiny_dir):
@@ -97,7 +104,8 @@ def test_released_width_decoder_bench_runs_the_streamed_decode(tiny_dir):
 
     out = vae_wide.run(str(tiny_dir), sizes=(64, 128))
     assert out["points"][64]["decoder_width"] == 2048 and out["points"][128]["handed_frames"] == 22
-    assert out["peak_ratios"]["4x"] > 0
+    assert out["peak_ratios"]["4x"] > 0 and out["working_ratios"]["4x"] > 0
+    assert out["points"][128]["clip_bytes"] == 22 * 128 * 128 * 3
 
 
 def test_vae_memory_worker_and_stage1_folder(tiny_dir, tmp_path):
@@ -115,13 +123,16 @@ def test_vae_memory_worker_and_stage1_folder(tiny_dir, tmp_path):
 def _fake_compare() -> dict:
     arms = ("diffusers", "stream_f32", "stream_u8")
     points = [dict(size=s, frames=22, tiles=vae.tile_grid(s) ** 2, clips=1, bit_exact_warmup=True,
-                   arms={a: dict(peak_bytes=[s * s * k * 100] * 3, time_s=[s / 256 * k] * 3, output_bytes=0)
+                   arms={a: dict(peak_bytes=[s * s * k * 100] * 3, time_s=[s / 256 * k] * 3, output_bytes=0,
+                                        product_bytes=s * s * 66)
                          for k, a in enumerate(arms, 1)}) for s in (384, 768, 1536)]
     ratio = dict(ratio=2.0, ci95=[1.9, 2.1])
     paired = dict(median_ratio=0.9, ci95=[0.8, 1.0], iqr=[0.85, 0.95], ratio_of_medians=0.9)
     return dict(points=points, arms=list(arms), bit_exact=True,
                 peak_ratios={f: dict({"from": 384, "to": to}, **{a: ratio for a in arms})
                              for f, to in (("4x", 768), ("16x", 1536))},
+                working_ratios={f: dict({"from": 384, "to": to}, **{a: ratio for a in arms})
+                                for f, to in (("4x", 768), ("16x", 1536))},
                 time_ratios={str(s): {"stream_f32": paired, "stream_u8": paired} for s in (384, 768, 1536)})
 
 
@@ -183,6 +194,7 @@ def test_report_targets_markdown_json_and_plots(tmp_path):
     written = report.write(results, tmp_path)
     md = (tmp_path / "results.md").read_text()
     assert "## Targets: " in md and "**missed**" in md and "What reaches the target" in md
+    assert "working at 4x pixels" in md and "needs the decode's working memory" in md
     assert json.loads((tmp_path / "results.json").read_text())["targets"][0]["name"] == names[0]
     assert set(written["plots"]) == {"split.png", "wire.png", "remote.png", "vae.png"}
     lines = report.status_lines(results)
