@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                 results["ray"] = __import__("bench.ray_bench").ray_bench.run(models, args.threads, args.quick)
             elif section == "fairness":  # writes fairness.md / fairness.json next to results.md
                 # In a fresh process: run after the wire section in this one, its 16 client threads measured a p99
-                # 2.4x higher (1.22 vs 0.50 of the fair share, reproduced twice) than in a process of their own.
+                # 2.4x higher (1.22 vs 0.50 of the fair share). The cause is Python's cyclic GC: the earlier
+                # sections leave ~160k more objects here (torch, h3_core), and each full collection stops every
+                # client thread while it walks them; gc.freeze() after the wire section gave 0.32-0.34 (alone 0.31-
+                # 0.33, without it 0.52-0.68, quick plan). The server's own process is not affected.
                 out.mkdir(parents=True, exist_ok=True)
                 cmd = [sys.executable, "-m", "bench.fairness", "--models", str(models), "--out", str(out),
                        "--threads", str(args.threads), *(["--quick"] if args.quick else [])]
