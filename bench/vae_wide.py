@@ -8,7 +8,8 @@ on the values; one block, since blocks run one after another and their activatio
 the very same `vae_stream.decode_video` -> `WriterSink` path real weights take, one fresh process per canvas (glibc's
 mmap threshold pinned, `common.LIVE_MEMORY_ENV`, as in bench/vae.py's comparison).
 
-    python -m bench.vae_wide [--quick]      writes bench/results/issue14/vae_wide.json and prints the ratios
+    python -m bench.vae_wide [--quick]                 writes bench/results/issue14/vae_wide.json, prints the ratios
+    python -m bench.vae_wide --device cuda             the same decode on a GPU: device peaks (vae_wide_cuda.json)
 """
 
 from __future__ import annotations
@@ -42,43 +43,58 @@ def worker(args: dict) -> dict:
     from h3_core import vae_stream
 
     common.set_threads(int(args.get("threads", 1)))
-    vae = build_vae(args["config"])
+    device = torch.device(args.get("device", "cpu"))
+    vae = build_vae(args["config"]).to(device)
     size = int(args["size"])
     generator = torch.Generator().manual_seed(0)
-    z = torch.randn(1, 24, LATENT_FRAMES, size // 16, size // 16, generator=generator)
+    z = torch.randn(1, 24, LATENT_FRAMES, size // 16, size // 16, generator=generator).to(device)
+    cuda = device.type == "cuda"
     with torch.no_grad():
         vae_stream.decode_video(vae, z[..., :8, :8], vae_stream.WriterSink(lambda frames: None))  # warm-up
         handed = []
-        sink = vae_stream.WriterSink(lambda frames: handed.append(frames.shape[0]))
+        sink = vae_stream.WriterSink(lambda frames: handed.append(frames.shape[0]))  # uint8 frames in host memory
         common.trim_heap()
+        if cuda:  # the decode's work lives on the device: its peak is the caching allocator's, not the RSS
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
         before = common.proc_status()
         common.reset_peak()
         started = time.perf_counter()
         plan = vae_stream.decode_video(vae, z, sink)
+        if cuda:
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - started
         after = common.proc_status()
-    return {"size": size, "peak_bytes": after["VmHWM"] - before["VmRSS"], "seconds": seconds,
+    device_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+    return {"size": size, "device": str(device), "device_peak_bytes": device_peak,
+            "host_peak_bytes": after["VmHWM"] - before["VmRSS"],
+            "peak_bytes": device_peak if cuda else after["VmHWM"] - before["VmRSS"], "seconds": seconds,
             "frames": plan.frames, "tiles": plan.tiles_per_clip, "handed_frames": sum(handed),
             "clip_bytes": max(handed) * size * size * 3,
             "decoder_width": vae.decoder.proj_out.in_features}
 
 
-def run(models: str, *, sizes=(384, 768, 1536), threads: int = 1) -> dict:
+def run(models: str, *, sizes=(384, 768, 1536), threads: int = 1, device: str = "cpu") -> dict:
+    """Peaks at each canvas and their ratios to the first. On CUDA `peak_bytes` is the decode's device peak
+    (`torch.cuda.max_memory_allocated` above what was allocated before it; the clip buffer stays in host memory,
+    `host_peak_bytes`); on CPU it is the RSS high-water mark."""
     from pathlib import Path
 
     config = str(Path(models) / "diffusers" / "vae" / "config.json")
     points = {}
     for size in sizes:
-        points[size] = common.run_worker("vae_wide", {"config": config, "size": size, "threads": threads}, threads,
-                                         timeout=3600, env=common.LIVE_MEMORY_ENV)
+        spec = {"config": config, "size": size, "threads": threads, "device": device}
+        points[size] = common.run_worker("vae_wide", spec, threads, timeout=3600, env=common.LIVE_MEMORY_ENV)
         common.log(f"vae wide decoder {size}x{size}: peak {points[size]['peak_bytes'] / common.MB:.0f} MB, "
                    f"{points[size]['seconds']:.1f} s")
     base = points[sizes[0]]["peak_bytes"]
     ratios = {f"{(s // sizes[0]) ** 2}x": points[s]["peak_bytes"] / base for s in sizes[1:]}
-    working = lambda p: p["peak_bytes"] - p["clip_bytes"]  # less the clip buffer handed to the writer
+    # less the clip buffer handed to the writer (in host memory: on CUDA the device peak never held it)
+    working = lambda p: p["peak_bytes"] - (p["clip_bytes"] if p.get("device", "cpu") == "cpu" else 0)
     working_ratios = {f"{(s // sizes[0]) ** 2}x": working(points[s]) / working(points[sizes[0]]) for s in sizes[1:]}
-    return {"decoder": RELEASED_DECODER, "points": points, "peak_ratios": ratios, "working_ratios": working_ratios,
-            "allocator": common.LIVE_MEMORY_ENV}
+    return {"decoder": RELEASED_DECODER, "device": device, "points": points, "peak_ratios": ratios,
+            "working_ratios": working_ratios, "allocator": common.LIVE_MEMORY_ENV}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,14 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="384 and 768 only")
     parser.add_argument("--models", help="the embedded tiny H3 (default: $H3_TINY_DIR, else built into a temp dir)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu (RSS peaks) or cuda (device peaks; needs a GPU)")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
     with common.tiny_models(args.models) as models:
-        result = run(models, sizes=(384, 768) if args.quick else (384, 768, 1536), threads=args.threads)
+        result = run(models, sizes=(384, 768) if args.quick else (384, 768, 1536), threads=args.threads,
+                     device=args.device)
     if not args.quick:
-        (common.REPO / "bench" / "results" / "issue14" / "vae_wide.json").write_text(json.dumps(result, indent=1))
+        name = "vae_wide.json" if args.device == "cpu" else f"vae_wide_{args.device.split(':')[0]}.json"
+        (common.REPO / "bench" / "results" / "issue14" / name).write_text(json.dumps(result, indent=1))
     print(json.dumps(result["peak_ratios"]))
     return 0
 

@@ -106,6 +106,9 @@ def test_released_width_decoder_bench_runs_the_streamed_decode(tiny_dir):
     assert out["points"][64]["decoder_width"] == 2048 and out["points"][128]["handed_frames"] == 22
     assert out["peak_ratios"]["4x"] > 0 and out["working_ratios"]["4x"] > 0
     assert out["points"][128]["clip_bytes"] == 22 * 128 * 128 * 3
+    # on CPU the peak is the RSS high-water mark (on CUDA, --device cuda: the device peak, host peak beside it)
+    assert out["device"] == "cpu" and out["points"][128]["device_peak_bytes"] is None
+    assert out["points"][128]["peak_bytes"] == out["points"][128]["host_peak_bytes"]
 
 
 def test_vae_memory_worker_and_stage1_folder(tiny_dir, tmp_path):
