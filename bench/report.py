@@ -286,7 +286,9 @@ def _why_vae(cmp: dict, factor: str) -> str:
         # peak_1 = W_1 + C and peak_k >= W_1 + k C (the working memory W never shrinks as the canvas grows), so
         # peak_k <= limit * peak_1 needs W_1 >= C (k - limit) / (limit - 1)
         need = clip / MB * (k - limit) / (limit - 1)
-        have = median(_working_of(small))
+        from bench.vae import working_bytes
+
+        have = median(working_bytes(small["arms"]["stream_u8"]))
         text += (
             f" Arithmetic: with a clip of C = {clip / MB:.1f} MB at {small['size']}x{small['size']}, a peak ratio "
             f"<= {limit} at {k}x pixels needs the decode's working memory at {small['size']}x{small['size']} to be "
@@ -306,11 +308,6 @@ def _why_vae(cmp: dict, factor: str) -> str:
             "dominates and the peak itself meets the target"
         )
     return text
-
-
-def _working_of(point: dict, arm: str = "stream_u8") -> list[float]:
-    m = point["arms"][arm]
-    return [p - m.get("product_bytes", 0) for p in m["peak_bytes"]]
 
 
 # --- markdown --------------------------------------------------------------------------------------
