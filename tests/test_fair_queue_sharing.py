@@ -109,12 +109,18 @@ def test_a_batch_takes_a_fair_share_of_its_owner_and_the_same_quantum_of_others(
     assert _names(mixed.take_batch(lambda job: job.name != "a1", 8, "a")) == ["a2", "b0"]  # only matching jobs
 
 
-def test_expects_next_only_when_its_turn_took_the_others_turn():
-    clock = Clock()
+def _light_then_flood(clock: Clock, floods: int) -> FairQueue:
+    """A queue holding the light client's l0, then `floods` jobs f0.. of the flood client."""
     queue = FairQueue(clock=clock)
     queue.push(_job("light", "l0"))
-    for i in range(6):
+    for i in range(floods):
         queue.push(_job("flood", f"f{i}"))
+    return queue
+
+
+def test_expects_next_only_when_its_turn_took_the_others_turn():
+    clock = Clock()
+    queue = _light_then_flood(clock, 6)
     assert queue.pop().name == "l0"
     assert [job.name for job in queue.take_matching(lambda job: True, 7, owner="light")] == ["f0"]
     queue.answered("light")
@@ -140,10 +146,7 @@ def test_expects_next_only_when_its_turn_took_the_others_turn():
 
 def test_wait_for_next_returns_when_the_client_sends():
     clock = Clock()
-    queue = FairQueue(clock=clock)
-    queue.push(_job("light", "l0"))
-    for i in range(4):
-        queue.push(_job("flood", f"f{i}"))
+    queue = _light_then_flood(clock, 4)
     queue.pop()
     queue.take_matching(lambda job: True, 7, owner="light")
     queue.answered("light")
