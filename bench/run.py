@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             models = tiny.build(tmp / "tiny", seed=0)
             results["meta"]["built_tiny"] = True
             results["meta"]["build_tiny_s"] = time.perf_counter() - t0
-        results["meta"]["models"] = str(models) if args.models else "embedded tiny H3 (built by this run)"
+        # the folder's name only: a results file is committed and shared, a machine's absolute path means nothing
+        results["meta"]["models"] = (f"given folder '{Path(models).name}'" if args.models
+                                     else "embedded tiny H3 (built by this run)")
         for section in sections:
             t0 = time.perf_counter()
             common.log(f"=== section {section} ===")
