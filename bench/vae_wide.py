@@ -67,9 +67,9 @@ def worker(args: dict) -> dict:
         seconds = time.perf_counter() - started
         after = common.proc_status()
     device_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
-    return {"size": size, "device": str(device), "device_peak_bytes": device_peak,
-            "host_peak_bytes": after["VmHWM"] - before["VmRSS"],
-            "peak_bytes": device_peak if cuda else after["VmHWM"] - before["VmRSS"], "seconds": seconds,
+    host_peak = after["VmHWM"] - before["VmRSS"]
+    return {"size": size, "device": str(device), "device_peak_bytes": device_peak, "host_peak_bytes": host_peak,
+            "peak_bytes": host_peak if device_peak is None else device_peak, "seconds": seconds,
             "frames": plan.frames, "tiles": plan.tiles_per_clip, "handed_frames": sum(handed),
             "clip_bytes": max(handed) * size * size * 3,
             "decoder_width": vae.decoder.proj_out.in_features}
@@ -91,7 +91,7 @@ def run(models: str, *, sizes=(384, 768, 1536), threads: int = 1, device: str = 
     base = points[sizes[0]]["peak_bytes"]
     ratios = {f"{(s // sizes[0]) ** 2}x": points[s]["peak_bytes"] / base for s in sizes[1:]}
     # less the clip buffer handed to the writer (in host memory: on CUDA the device peak never held it)
-    working = lambda p: p["peak_bytes"] - (p["clip_bytes"] if p.get("device", "cpu") == "cpu" else 0)
+    working = lambda p: p["peak_bytes"] - (p["clip_bytes"] if p["device_peak_bytes"] is None else 0)
     working_ratios = {f"{(s // sizes[0]) ** 2}x": working(points[s]) / working(points[sizes[0]]) for s in sizes[1:]}
     return {"decoder": RELEASED_DECODER, "device": device, "points": points, "peak_ratios": ratios,
             "working_ratios": working_ratios, "allocator": common.LIVE_MEMORY_ENV}
