@@ -23,8 +23,10 @@ class ServerConfigError(ValueError):
 class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     queue_size: int = 32  # requests waiting for, or in, the model thread
+    # The most a client may ask for is the default unless the operator raises it (`serve --deadline`): a unit's
+    # TimeoutStopSec (docs/DEPLOY.md) is sized on it, so a drain never outlasts the service manager's patience.
     default_deadline_s: float = 300.0
-    max_deadline_s: float = 1800.0
+    max_deadline_s: float = 300.0
     upload_timeout_s: float = 300.0  # to receive a whole request body
     # Request bytes held in memory, counted as they arrive (not as declared, so slow uploads reserve nothing).
     max_buffered_bytes: int = 2048 * protocol.MiB  # all clients together
