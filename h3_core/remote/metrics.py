@@ -39,6 +39,7 @@ PREFIX = "h3_encoder"
 PHASES = ("receive", "queue", "media_decode", "text", "video_vae", "audio_vae", "serialise", "send")
 UNKNOWN_TASK = "unknown"  # refused before its JSON was read (auth, size, malformed body)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+TOTAL_LOAD = "total"  # the service's key for the whole load (its own gauge: a label value would double `sum()`)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 # The service's own counters exported as events; the per-status ones are already in requests_total.
 _EVENT_PREFIXES_SKIPPED = ("status_",)
@@ -71,15 +72,16 @@ class ServerMetrics:
     def __init__(self, service: "EncoderService"):
         self.service = service
         self.registry = CollectorRegistry(auto_describe=True)
+        buckets = latency_buckets(service.config.max_deadline_s)
         self.requests = Counter(f"{PREFIX}_requests", "Answers to POST /v1/encode, by HTTP status and task "
                                 "(task 'unknown': refused before the request JSON was read).",
                                 ["status", "task"], registry=self.registry)
         self.request_seconds = Histogram(f"{PREFIX}_request_seconds", "Seconds from request arrival to the "
                                          "answer handed to the connection, successful encodes, by task and cache "
                                          "outcome (hit, miss, joined).", ["task", "cache"],
-                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+                                         buckets=buckets, registry=self.registry)
         self.phase_seconds = Histogram(f"{PREFIX}_phase_seconds", "Seconds spent in each phase of a request "
-                                       f"({', '.join(PHASES)}).", ["phase"], buckets=LATENCY_BUCKETS,
+                                       f"({', '.join(PHASES)}).", ["phase"], buckets=buckets,
                                        registry=self.registry)
         self.text_batch = Histogram(f"{PREFIX}_text_batch_size", "Requests per text-encoder forward in the "
                                     "server's batches of equal-length t2va prompts (1: encoded alone).",
@@ -114,6 +116,14 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """(body, content type) in Prometheus' text format 0.0.4."""
         return generate_latest(self.registry), CONTENT_TYPE
+
+
+def latency_buckets(max_deadline_s: float) -> tuple[float, ...]:
+    """The latency buckets, the top one at least the longest deadline a client may ask for (a request that ran
+    to its deadline lands in a bucket of its own, not only in +Inf)."""
+    if max_deadline_s <= LATENCY_BUCKETS[-1]:
+        return LATENCY_BUCKETS
+    return (*LATENCY_BUCKETS, float(max_deadline_s))
 
 
 def job_phases(job: "Job") -> list[tuple[str, float]]:
@@ -163,8 +173,9 @@ class _StateCollector:
         stats = service.cache.stats()
         yield gauge("cache_entries", "Conditioning answers in the cache.", stats["entries"])
         yield gauge("cache_bytes", "Bytes of conditioning in the cache.", stats["bytes"])
-        for name, value in (("hits", stats["hits"]), ("misses", stats["misses"])):
-            family = CounterMetricFamily(f"{PREFIX}_cache_{name}", f"Cache lookups that {name[:-1]}.")
+        for name, value, help_text in (("hits", stats["hits"], "Cache lookups answered from the cache."),
+                                       ("misses", stats["misses"], "Cache lookups that found nothing.")):
+            family = CounterMetricFamily(f"{PREFIX}_cache_{name}", help_text)
             family.add_metric([], value)
             yield family
         events = CounterMetricFamily(f"{PREFIX}_events", "Server events by name (refusals: rejected_*, "
@@ -174,11 +185,15 @@ class _StateCollector:
             if not name.startswith(_EVENT_PREFIXES_SKIPPED):
                 events.add_metric([name], value)
         yield events
-        load = GaugeMetricFamily(f"{PREFIX}_model_load_seconds", "Seconds the encoders took to load, per component "
-                                 "and in total.", labels=["component"])
+        load = GaugeMetricFamily(f"{PREFIX}_model_load_seconds", "Seconds each encoder took to load (text, video, "
+                                 "audio); the whole load is h3_encoder_load_seconds.", labels=["component"])
         for component, seconds in sorted(service.load_seconds.items()):
-            load.add_metric([component], seconds)
+            if component != TOTAL_LOAD:
+                load.add_metric([component], seconds)
         yield load
+        if TOTAL_LOAD in service.load_seconds:
+            yield gauge("load_seconds", "Seconds from the start of loading to ready (every encoder and what surrounds "
+                        "them).", service.load_seconds[TOTAL_LOAD])
         yield from _device_memory(service)
 
 

@@ -215,8 +215,12 @@ class RayHandler(Handler):
 
     def load(self) -> dict[str, Any]:
         load = self.service.load()
+        # `replicas` is always a number: the configured count, or the autoscaling maximum (`autoscale` gives both).
+        autoscale = self.settings.autoscale
         load.update(queued=0, running=len(self.flights), capacity=self.settings.capacity(),
-                    replicas=self.settings.autoscale or self.settings.replicas, served_by=dict(self.served_by))
+                    replicas=autoscale[1] if autoscale else self.settings.replicas,
+                    autoscale={"min": autoscale[0], "max": autoscale[1]} if autoscale else None,
+                    served_by=dict(self.served_by))
         return load
 
     def describe(self) -> dict[str, Any]:
@@ -321,11 +325,26 @@ async def _chunks(request: Request):
         raise ConnectionResetError("the client disconnected while sending the body") from None
 
 
+def _request_log() -> None:
+    """The single server's request log (one line per request, `handler.Handler`) on this replica's stderr: Ray
+    keeps it in the worker's log file and shows it in the terminal of a `serve --engine ray` that started Ray. Ray
+    leaves loggers other than its own at WARNING, which would drop those INFO lines."""
+    if not log.handlers:
+        import sys
+
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(stream)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 @serve.deployment(name=INGRESS)
 class H3Ingress:
     """Ray Serve's HTTP entry: turns the Starlette request into an `Incoming` for the shared handler."""
 
     def __init__(self, encoder, settings: RaySettings):
+        _request_log()
         token = os.environ.get(settings.token_env) or None
         check_bind(settings.host, token, settings.token_env)  # refuse to start open beyond loopback
         self.encoder, self.settings = encoder, settings
