@@ -173,6 +173,12 @@ def test_the_unit_stops_the_server_alone_and_outwaits_the_longest_deadline():
     drain = config.max_deadline_s + 5  # service.drain's default timeout
     assert config.max_deadline_s == config.default_deadline_s == 300
     assert int(unit["TimeoutStopSec"][0]) > drain
+    # ... and a client cannot ask for more than that deadline (a 1500 s request used to be accepted).
+    base = {"protocol": protocol.PROTOCOL_VERSION, "prompt": "A fox."}
+    assert protocol.parse_request(dict(base, deadline_s=300), max_deadline_s=config.max_deadline_s).deadline_s == 300
+    with pytest.raises(protocol.ProtocolError, match=r"deadline_s must be in \(0, 300\]") as refused:
+        protocol.parse_request(dict(base, deadline_s=1500), max_deadline_s=config.max_deadline_s)
+    assert refused.value.status == 422
 
 
 def test_systemd_analyze_verify_and_security(tmp_path):

@@ -4,9 +4,10 @@ Every ```bash block of those files is listed below, keyed by its first line: eit
 doc shows it, or it is excluded with the reason. A new block fails `test_every_block_is_run_or_excluded` until it
 is listed. The runnable ones run in order, with `bash -e`, in a fresh copy of this checkout (the files a clone
 has) whose `.venv` is a new virtual environment over this project's venv (a `.pth` file: the heavy packages, torch
-first, are already installed, as scripts/setup_env.sh leaves them), with pip offline (`PIP_NO_INDEX`, no build
-isolation): so `pip install '.[ray]'` installs the pack from that copy into that venv, and every `python -m h3_core`
-after it runs the installed package. Any failing command fails the test (and its output is shown).
+first, are already installed, as scripts/setup_env.sh leaves them): so `pip install '.[ray]'` (pip's own, with build
+isolation, from the configured index: setuptools for the build) finds every dependency installed, installs the pack
+from that copy into that venv, and every `python -m h3_core` after it runs the installed package. Any failing
+command fails the test (and its output is shown).
 
 The README's two blocks bring up the endpoint on loopback on both engines — `serve --engine ray --replicas 2` on a
 local Ray, from the README's exact words — encode through each, and compare the answers byte for byte. PROTOCOL.md's
@@ -146,7 +147,7 @@ def workdir(tmp_path_factory) -> Path:
 
 def _env(workdir: Path) -> dict[str, str]:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir.parent), "LANG": "C.UTF-8",
-           "PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     for name in ("OMP_NUM_THREADS", "H3_THREADS", "TMPDIR"):
         if name in os.environ:
             env[name] = os.environ[name]
