@@ -105,7 +105,7 @@ def _cmd_encode(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    if args.sp > 1:
+    if args.sp != 1:
         _generate_parallel(args)
     else:
         _generate(args)
