@@ -165,9 +165,8 @@ class DiffusionStage:
             raise ModelSourceError(f"this diffusion stage was given no {name}, which the request needs")
         module = self.source.load(name, **kwargs)
         dtype = kwargs.get("dtype", torch.float32)
-        activations = activation_estimate(name, module, dtype, **self._job) if name in STREAMABLE else 0
-        if self.parallel is not None and name in PARTITION_OF_TASK.values():
-            activations //= self.parallel.degree  # each rank holds 1/N of the sequence (planner.sequence_parallel)
+        ranks = self.parallel.degree if self.parallel is not None and name in PARTITION_OF_TASK.values() else 1
+        activations = activation_estimate(name, module, dtype, ranks=ranks, **self._job) if name in STREAMABLE else 0
         self.streaming[name] = place(module, name, self.device, self.offload, activation_bytes=activations)
         return module
 
