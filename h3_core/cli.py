@@ -105,23 +105,40 @@ def _cmd_encode(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    if args.sp != 1:
+        _generate_parallel(args)
+    else:
+        _generate(args)
+    print(args.out)
+    return 0
+
+
+def _generate(args, layout=None, rank: int = 0) -> None:
+    """Sample and (on rank 0) decode and write; with a sequence-parallel `layout`, this is one rank of it."""
     from . import media
     from .contract import H3Conditioning
     from .diffusion import DiffusionStage, SamplingOptions
     from .lora import LoRA
 
     cond = H3Conditioning.load(args.cond)
-    stage = DiffusionStage(component_args.model_source(args, cond.task), **devices.stage_kwargs(args, "transformer"))
+    placement = devices.stage_kwargs(args, "transformer")
+    if layout is not None:
+        placement["device"] = layout.device_of(rank)
+    stage = DiffusionStage(component_args.model_source(args, cond.task), parallel=layout, **placement)
     start = time.perf_counter()
+    lead = rank == 0  # only rank 0 reports, decodes and writes: every rank ends the loop with the same latents
     options = SamplingOptions(
         steps=args.steps,
         seed=args.seed,
         video_shift=args.video_shift,
         audio_shift=args.audio_shift,
-        progress=_progress("denoise"),
+        progress=_progress("denoise") if lead else None,
         lora=LoRA.load(args.lora) if args.lora else None,
         lora_strength=args.lora_strength,
     )
+    if not lead:
+        stage.sample(cond, options)
+        return
     with progress.reporting(loadbar.wrap(_phase_printer())):
         latents = stage.sample(cond, options)
         if not args.dump:  # streamed: each decoded clip goes to the mp4 encoder, the video is never held whole
@@ -141,9 +158,36 @@ def _cmd_generate(args) -> int:
             },
             args.dump,
         )
-    _log(f"generated {cond.num_frames} frames in {time.perf_counter() - start:.2f} s")
-    print(args.out)
-    return 0
+    ranks = f" on {layout.degree} sequence-parallel ranks" if layout is not None else ""
+    _log(f"generated {cond.num_frames} frames in {time.perf_counter() - start:.2f} s{ranks}")
+
+
+def _generate_parallel(args) -> None:
+    """`generate --sp N`: check the request against the machine and the DiT, then start the N ranks and wait."""
+    from . import sequence_parallel
+    from .contract import H3Conditioning
+    from .models import PARTITION_OF_TASK
+
+    task = H3Conditioning.load(args.cond).task
+    dit = component_args.model_source(args, task).paths.get(PARTITION_OF_TASK[task])
+    heads = sequence_parallel.dit_heads(dit) if dit is not None else None
+    layout = sequence_parallel.check(args.sp, args.sp_mode, devices.parse_device(args.device), heads)
+    _log(f"starting {layout.degree} sequence-parallel ranks ({layout.mode}, {layout.backend})")
+    sequence_parallel.launch(_generate_rank, layout, args)
+
+
+def _generate_rank(rank: int, layout, port: int, args) -> None:
+    """One rank of `generate --sp N` (a torch.multiprocessing worker)."""
+    import torch
+
+    from . import sequence_parallel
+
+    torch.set_num_threads(sequence_parallel.worker_threads(layout))
+    sequence_parallel.init_rank(layout, rank, port)
+    try:
+        _generate(args, layout, rank)
+    finally:
+        sequence_parallel.shutdown()
 
 
 def _cmd_check(args) -> int:
@@ -222,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--lora-strength", type=float, default=1.0, help="multiplier on the LoRA (default 1)")
     generate.add_argument("--dump", help="also write video/audio/latents tensors to this .safetensors")
+    generate.add_argument(
+        "--sp", type=int, default=1,
+        help="sequence-parallel ranks for the DiT (default 1): one process per GPU from --device cuda:K on "
+        "(cuda:K..K+N-1), or N gloo processes on the CPU; the DiT's heads must divide by N",
+    )
+    generate.add_argument("--sp-mode", choices=("ulysses", "ring"), default="ulysses",
+                          help="attention exchange between ranks (ring: CUDA only; default %(default)s)")
     generate.set_defaults(func=_cmd_generate)
 
     check = sub.add_parser("check", help="identify a weights file/folder and check its keys (headers only)")

@@ -45,6 +45,9 @@ BLOCKS = {
         "unexpected": "synopsis: PATH and DIR stand for real weights (tests/test_weights_detect_check.py and "
         "tests/test_planner.py run both commands)",
         ". .venv/bin/activate": None,  # two blocks start so: told apart by their second line, below
+        "# text encoder on GPU 0, the DiT sequence-parallel on GPUs 1 and 2 (CUDA)": "CUDA GPUs and real weights "
+        "(DIR); tests/test_sequence_parallel.py runs generate --sp 2 on two gloo CPU ranks, tests/test_planner.py "
+        "plan --sp",
     },
     "docs/DEPLOY.md": {
         "sudo useradd --system --user-group --home-dir /opt/comfyui-minimax-h3-split --shell /usr/sbin/nologin h3":

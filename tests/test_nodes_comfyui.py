@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from comfy_harness import PACK_NAME, comfy, free_port  # noqa: F401  (session fixture)
+from comfy_harness import PACK_NAME, ComfyError, comfy, free_port  # noqa: F401  (session fixture)
 
 from h3_core import media
 from h3_core.contract import H3Conditioning
@@ -127,6 +127,34 @@ def test_object_info_declares_every_node(server):
     assert [k for k in refs if k.startswith("ref_image_")] == [f"ref_image_{i}" for i in range(1, 10)]
     assert refs["ref_video_1"][0] == "VIDEO" and refs["ref_audio_3"][0] == "AUDIO"
     assert "tooltip" in info["H3SplitTextEncode"]["input"]["required"]["length"][1]
+
+
+LOADERS = ("H3SplitTextEncoderLoader", "H3SplitVideoVAELoader", "H3SplitAudioVAELoader", "H3SplitDiTLoader")
+
+
+def test_every_loader_places_its_model_on_a_device_the_user_picks(server):
+    """The appended `device` widget lists the devices torch sees ("default" first: ComfyUI's choice), every template
+    loader carries it, and a graph placing every model explicitly runs (on this CPU machine: all on cpu)."""
+    info = server.object_info()
+    for loader in LOADERS:
+        kind, options = info[loader]["input"]["optional"]["device"]
+        choices = options.get("options", kind)  # V3 combos: ["COMBO", {"options": [...]}]
+        assert choices[:2] == ["default", "cpu"] and options["default"] == "default", loader
+        assert info[loader]["input_order"]["optional"][-1] == "device", loader  # appended, never inserted
+    for name in NAMES:
+        template = json.loads((TEMPLATES / f"{name}.json").read_text())
+        loaders = [node for node in template["nodes"] if node["type"] in LOADERS]
+        assert loaders and all(node["widgets_values"][-1] == "default" for node in loaders), name
+    graph = api("t2va")
+    for node in graph.values():
+        if node["class_type"] in LOADERS:
+            node["inputs"]["device"] = "cpu"
+    result = server.run_prompt(graph, timeout=600)
+    assert result.status == "success", result.types()
+    bad = api("t2va")
+    node_of(bad, "H3SplitDiTLoader")["inputs"]["device"] = "cuda:7"
+    with pytest.raises(ComfyError, match="device"):  # a device this machine does not have: refused by name
+        server.run_prompt(bad, timeout=120)
 
 
 def test_workflows_are_generated_from_one_source(server):
