@@ -66,12 +66,18 @@ def _quantised(header: Header) -> str | None:
     return f"quantised MiniMax-H3 checkpoint ({'; '.join(detail)})"
 
 
+def _gguf(header: Header) -> str | None:
+    # GGUF's own tensor types (read by `quant.ggml`; types no dequantiser knows were refused with the header).
+    return "GGUF" if header.container == "gguf" else None
+
+
 def _dense(header: Header) -> str | None:
     return "dense" if all(info.dtype in DENSE_DTYPES for info in header.tensors.values()) else None
 
 
 # Checked in order. (The pruned "AdaLN curve" DiT is not a format: it is a key family of the DiT, see pruned.py.)
 FORMATS = (
+    WeightFormat("gguf", supported=True, recognise=_gguf),
     WeightFormat("quantised", supported=True, recognise=_quantised),
     WeightFormat("dense", supported=True, recognise=_dense),
 )

@@ -32,7 +32,8 @@ INT8 = "int8_tensorwise"
 FP8 = "float8_e4m3fn"
 W6A8 = "asym_w4a8_int8"
 NVFP4 = "nvfp4"
-SUPPORTED_FORMATS = (INT8, FP8, W6A8, NVFP4)
+GGUF = "gguf"  # a GGUF file's block-quantised layer (`ggml`); its marker is made by the loaders, not stored
+SUPPORTED_FORMATS = (INT8, FP8, W6A8, NVFP4, GGUF)
 # Marker formats ComfyUI core knows but this package does not run (named in refusals).
 UNIMPLEMENTED_FORMATS = ("float8_e5m2", "mxfp8", "convrot_w4a4", "svdquant_w4a4", "awq_w4a16")
 SUPPORTED_TEXT = (
@@ -46,9 +47,10 @@ SIDE_TENSORS = {
     FP8: {"weight_scale", "input_scale"},
     W6A8: {"weight_s_rel", "weight_s_channel"},
     NVFP4: {"weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"},
+    GGUF: set(),
 }
 REQUIRED_SIDE = {INT8: {"weight_scale"}, FP8: {"weight_scale"}, W6A8: {"weight_s_rel", "weight_s_channel"},
-                 NVFP4: {"weight_scale", "weight_scale_2"}}
+                 NVFP4: {"weight_scale", "weight_scale_2"}, GGUF: set()}
 # Every side-tensor suffix any Comfy quantised file uses (a key ending in one belongs to a layer P).
 SIDE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_s_rel",
                  "weight_s_channel", "weight_codebook", "weight_correction", "comfy_quant")
@@ -89,6 +91,8 @@ class LayerSpec:
             return f"fp8 e4m3 (per-tensor scale{static}{full})"
         if self.format == W6A8:
             return f"w6a8 (6-bit, group {self.group_size}, ConvRot {self.convrot_groupsize})"
+        if self.format == GGUF:
+            return f"GGUF {self.marker['ggml_type']}"
         awq = ", AWQ pre-scale" if "pre_quant_scale" in self.tensors else ""
         return f"nvfp4 (block 16{awq})"
 
@@ -199,7 +203,15 @@ def _nvfp4(where: str, marker: dict, tensors: dict) -> LayerSpec:
     return LayerSpec(NVFP4, (n, k), marker, tensors, group_size=16, bits=4)
 
 
-_DESCRIBE = {INT8: _int8, FP8: _fp8, W6A8: _w6a8, NVFP4: _nvfp4}
+def _gguf(where: str, marker: dict, tensors: dict) -> LayerSpec:
+    from . import ggml
+
+    dtype, shape = tensors["weight"]
+    _want(dtype == "U8", where, f"a GGUF block-quantised weight is held as U8 bytes, got {dtype} {list(shape)}")
+    return LayerSpec(GGUF, ggml.dense_shape(marker, tuple(shape), where), marker, tensors)
+
+
+_DESCRIBE = {INT8: _int8, FP8: _fp8, W6A8: _w6a8, NVFP4: _nvfp4, GGUF: _gguf}
 
 
 def refuse_formats(where: str, formats: dict) -> None:

@@ -62,6 +62,8 @@ def before_conversion(det, tensors: dict) -> dict:
     plan = getattr(det, "quant", None)
     if plan is None:
         return tensors
+    # GGUF layers' markers are the plan's (the file has none); a Comfy file's read ones are the same tensors.
+    tensors = {**plan.markers, **tensors}
     return _densify(plan, tensors) if det.handler.quantised_layers == "dequantise" else tensors
 
 
