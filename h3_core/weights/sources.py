@@ -176,7 +176,7 @@ def component_source(path: str) -> Source:
     if os.path.isfile(path):
         if is_gguf(path):  # told by its magic: GGUF files carry no config beside them
             return Source(path=path, container="file", files=[path])
-        if not path.endswith(".safetensors"):
+        if not path.endswith((".safetensors", ".gguf")):  # a .gguf name on other bytes: the header parser decides
             raise UnrecognisedCheckpointError(
                 f"{path}: only .safetensors and GGUF checkpoints are read (never pickled .ckpt/.pt/.bin files)"
             )

@@ -1,0 +1,169 @@
+"""GGUF DiT and text-encoder files (ComfyUI-GGUF's layout): detection from the file, refused GGML types, every
+twin's dequantisation against the `gguf` package's numpy dequantiser (bitwise, float32), quantised layers kept
+as stored bytes, and `encode --text-encoder X.gguf` + `generate --dit Y.gguf` writing a valid mp4.
+
+Cost: an mp4 costs a CLI encode and a full tiny decode (tens of seconds on a shared 2-core machine), so the mp4
+runs pair each GGML type once (its text encoder with one of its DiT twins, the DiT family rotating over fl2va,
+ref2va and the pruned fl2va); every DiT twin samples to finite latents, and H3_GGUF_MATRIX=full runs every DiT
+twin to an mp4.
+"""
+
+import os
+import pathlib
+import shutil
+
+import av
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from h3_core import cli, tiny, tiny_gguf, weights
+from h3_core.contract import H3Conditioning
+from h3_core.weights import gguf_file
+from h3_core.weights.errors import UnsupportedCheckpointError
+from h3_core.weights.headers import read_header
+from h3_core.weights.quant import ggml
+from h3_core.weights.quant.linear import QuantLinear
+
+VAE = tiny.COMFY_FILES["vae"]
+AUDIO_VAE = tiny.COMFY_FILES["audio_vae"]
+DIT_FAMILIES = ("fl2va", "ref2va", "fl2va_pruned")
+TWINS = [(family, kind) for family in (*DIT_FAMILIES, "text_encoder") for kind in tiny_gguf.QUANT_TYPES]
+MP4_PAIRS = [(DIT_FAMILIES[i % 3], kind) for i, kind in enumerate(tiny_gguf.QUANT_TYPES)]
+if os.environ.get("H3_GGUF_MATRIX") == "full":
+    MP4_PAIRS = [(family, kind) for family in DIT_FAMILIES for kind in tiny_gguf.QUANT_TYPES]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir, tmp_path_factory):
+    """A models folder holding the tiny fp32 sources, both VAEs and every GGUF twin (`tiny --twins gguf`)."""
+    comfy = tiny_dir / "comfyui"
+    if all((comfy / tiny_gguf.gguf_path(*twin)).is_file() for twin in TWINS):
+        return comfy
+    out = tmp_path_factory.mktemp("gguf")
+    for rel in {*tiny_gguf.SOURCES.values(), VAE, AUDIO_VAE}:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(comfy / rel, out / rel)
+    tiny_gguf.write_gguf_twins(out)
+    return out
+
+
+def _path(models, family, kind) -> pathlib.Path:
+    return models / tiny_gguf.gguf_path(family, kind)
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=["-".join(t) for t in TWINS])
+def test_every_twin_dequantises_as_the_gguf_package_does_bitwise(models, twin):
+    """Each block-quantised tensor, dequantised the way the loaded layers do it (diffusers' torch dequantiser),
+    equals the `gguf` package's numpy dequantisation bit for bit in float32; and the file checks clean."""
+    header = read_header([str(_path(models, *twin))])
+    quantised = {name: info for name, info in header.tensors.items() if info.ggml_type not in ggml.DENSE_TYPES}
+    assert quantised and {info.ggml_type for info in quantised.values()} <= {twin[1], "Q8_0"}
+    for name, info in quantised.items():
+        ours = ggml.dequantise(gguf_file.read_tensor(info), info.ggml_type, info.dense_shape, torch.float32)
+        reference = torch.from_numpy(gguf_file.numpy_dequantise(info))
+        assert ours.dtype == torch.float32 and torch.isfinite(ours).all(), name
+        assert torch.equal(ours, reference), name
+    report = weights.check(_path(models, *twin))
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("family", ["fl2va", "text_encoder"])
+def test_loaded_layers_stay_quantised_and_compute_with_the_numpy_weights(models, family):
+    """Loaded at bf16, a Q4_0 twin holds its quantised layers as the file's bytes (about 0.28x bf16 there); each
+    layer's weight is the numpy dequantisation (rows reordered as the converter reorders them)."""
+    path = _path(models, family, "Q4_0")
+    header = read_header([str(path)])
+    model = (weights.load_text_encoder if family == "text_encoder" else weights.load_transformer)(
+        path, dtype=torch.bfloat16)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert layers and all(m.weight.dtype == torch.uint8 for m in layers.values())
+    stored = sum(m.weight.numel() for m in layers.values())
+    dense = sum(m.in_features * m.out_features * 2 for m in layers.values())
+    assert stored / dense == pytest.approx(18 / 32 / 2)  # Q4_0: 18 bytes per 32 values vs 2 bytes a value
+    if family == "fl2va":
+        pairs = {"transformer_blocks.0.attn.to_out.0": "blocks.0.attn.out_proj.weight",
+                 "transformer_blocks.1.ff.net.2": "blocks.1.mlp.fc2.weight"}
+    else:
+        pairs = {"model.language_model.layers.3.mlp.down_proj": "model.layers.3.mlp.down_proj.weight"}
+    for module, key in pairs.items():
+        expected = torch.from_numpy(gguf_file.numpy_dequantise(header.tensors[key]))
+        assert torch.equal(layers[module].dense_weight(torch.float32), expected)
+        x = torch.randn(3, layers[module].in_features, dtype=torch.bfloat16)
+        got = layers[module](x)
+        want = torch.nn.functional.linear(x, expected.to(torch.bfloat16), None if layers[module].bias is None
+                                          else layers[module].bias.to(torch.bfloat16))
+        assert torch.equal(got, want)
+
+
+def test_format_is_read_from_the_file_not_its_name(models, tmp_path):
+    renamed = tmp_path / "minimax_h3_fl2va_bf16.safetensors"  # a misleading name: still GGUF
+    shutil.copy(_path(models, "fl2va", "Q5_1"), renamed)
+    det = weights.detect(str(renamed))
+    assert (det.component, det.partition, det.format) == ("transformer", "fl2va", "gguf")
+    assert {spec.label for spec in det.quant.layers.values()} == {"GGUF Q5_1"}
+    fake = tmp_path / "minimax_h3_fl2va_Q4_K.gguf"  # a .gguf name on safetensors bytes: the bytes decide
+    shutil.copy(models / tiny_gguf.SOURCES["fl2va"], fake)
+    assert weights.detect(str(fake)).format == "dense"
+
+
+def _write_gguf(path, tensors: dict) -> None:
+    writer = gguf.GGUFWriter(str(path), "minimax_h3")
+    for name, (array, qtype) in tensors.items():
+        writer.add_tensor(name, array, raw_shape=array.shape if qtype is not None else None, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("kind", ["Q8_K", "IQ2_XXS", "TQ1_0", "I8"])
+def test_types_no_dequantiser_knows_are_refused_by_name(tmp_path, kind):
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = np.zeros((4, 256 // block * size), dtype=np.uint8) if kind != "I8" else np.zeros((4, 256), np.int8)
+    path = tmp_path / "dit.gguf"
+    _write_gguf(path, {"blocks.0.mlp.fc2.weight": (data, qtype if kind != "I8" else None),
+                       "blocks.0.attn.norm.weight": (np.ones(8, np.float32), None)})
+    with pytest.raises(UnsupportedCheckpointError, match=rf"GGML tensor type {kind} x1 .*supported: GGUF F32/F16/BF16 "
+                                                         r"and .*Q4_K"):
+        weights.detect(str(path))
+
+
+def test_tiny_twins_gguf_step_writes_them_into_a_build(models, tmp_path):
+    """`python -m h3_core tiny --out DIR --twins gguf` on an existing build adds the GGUF twins only."""
+    build = tmp_path / "tiny"
+    for rel in set(tiny_gguf.SOURCES.values()):
+        (build / "comfyui" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(models / rel, build / "comfyui" / rel)
+    (build / "tiny.json").write_text("{}")
+    assert cli.main(["tiny", "--out", str(build), "--twins", "gguf"]) == 0
+    for twin in TWINS:
+        assert (build / "comfyui" / tiny_gguf.gguf_path(*twin)).read_bytes() == _path(models, *twin).read_bytes()
+
+
+def _check_mp4(path, frames: int, width: int, height: int) -> None:
+    with av.open(str(path)) as container:
+        video, audio = container.streams.video[0], container.streams.audio[0]
+        assert (video.codec_context.name, video.width, video.height) == ("h264", width, height)
+        assert audio.codec_context.name == "aac" and audio.channels == 2
+        assert sum(1 for _ in container.decode(video=0)) == frames
+
+
+@pytest.mark.parametrize("family, kind", MP4_PAIRS, ids=["-".join(p) for p in MP4_PAIRS])
+def test_encode_and_generate_with_gguf_files_write_a_valid_mp4(models, tmp_path, family, kind):
+    common = ["--vae", str(models / VAE), "--audio-vae", str(models / AUDIO_VAE)]
+    cond, out = tmp_path / "cond.safetensors", tmp_path / "out.mp4"
+    encode = ["encode", "--text-encoder", str(_path(models, "text_encoder", kind)), *common, "--width", "32",
+              "--height", "32", "--out", str(cond)]
+    if family.startswith("ref2va"):
+        image = pathlib.Path(__file__).resolve().parents[1] / "workflows" / "inputs" / "h3_example_reference_image.png"
+        encode += ["--prompt", "<Picture 1> waves.", "--ref-image", str(image)]
+    else:
+        encode += ["--prompt", "A red fox in the snow."]
+    assert cli.main(encode) == 0
+    assert cli.main(["generate", "--dit", str(_path(models, family, kind)), *common, "--cond", str(cond),
+                     "--steps", "2", "--out", str(out)]) == 0
+    saved = H3Conditioning.load(cond)
+    _check_mp4(out, saved.num_frames, saved.width, saved.height)
