@@ -90,12 +90,15 @@ def _quantise(name: str, tensor: torch.Tensor, ggml_type: str, rng: np.random.Ge
     return gguf.quants.quantize(dense, qtype), qtype, None
 
 
-def gguf_twin(family: str, tensors: dict, ggml_type: str, path: Path) -> Path:
-    """Write one GGUF twin of `tensors` (Comfy names) to `path`; deterministic for equal inputs."""
+def gguf_twin(family: str, tensors: dict, ggml_type: str, path: Path, metadata: dict | None = None) -> Path:
+    """Write one GGUF twin of `tensors` (Comfy names) to `path`, `metadata` as string fields (the tiny files'
+    `h3.config`: tiny widths are not all visible in shapes); deterministic for equal inputs."""
     import gguf
 
     rng = np.random.default_rng(sum(map(ord, family + ggml_type)))
     writer = gguf.GGUFWriter(str(path), ARCH[family])
+    for key, value in sorted((metadata or {}).items()):
+        writer.add_string(key, str(value))
     quantised = set(_quantised_layers(family, tensors))
     for name in sorted(tensors):
         tensor = tensors[name]
@@ -123,8 +126,9 @@ def _sources(models_dir: Path) -> dict:
 
     out = {}
     for family, rel in SOURCES.items():
-        tensors = load_tensors(read_header([str(models_dir / rel)]))
-        out[family] = prune_comfy_state_dict(tensors) if family.endswith("_pruned") else tensors
+        header = read_header([str(models_dir / rel)])
+        tensors = load_tensors(header)
+        out[family] = (prune_comfy_state_dict(tensors) if family.endswith("_pruned") else tensors, header.metadata)
     return out
 
 
@@ -132,7 +136,8 @@ def write_gguf_twins(models_dir: str | Path, types=QUANT_TYPES) -> list[Path]:
     """Write every GGUF twin next to the tiny fp32 files (which must exist); returns the paths written."""
     models_dir = Path(models_dir)
     written = []
-    for family, tensors in _sources(models_dir).items():
+    for family, (tensors, metadata) in _sources(models_dir).items():
         for ggml_type in types:
-            written.append(gguf_twin(family, tensors, ggml_type, models_dir / gguf_path(family, ggml_type)))
+            path = models_dir / gguf_path(family, ggml_type)
+            written.append(gguf_twin(family, tensors, ggml_type, path, metadata))
     return written

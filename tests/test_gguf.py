@@ -2,10 +2,10 @@
 twin's dequantisation against the `gguf` package's numpy dequantiser (bitwise, float32), quantised layers kept
 as stored bytes, and `encode --text-encoder X.gguf` + `generate --dit Y.gguf` writing a valid mp4.
 
-Cost: an mp4 costs a CLI encode and a full tiny decode (tens of seconds on a shared 2-core machine), so the mp4
-runs pair each GGML type once (its text encoder with one of its DiT twins, the DiT family rotating over fl2va,
-ref2va and the pruned fl2va); every DiT twin samples to finite latents, and H3_GGUF_MATRIX=full runs every DiT
-twin to an mp4.
+Cost: an mp4 costs a CLI encode and a full tiny decode (a minute or more on a shared 2-core machine), so by
+default two pairs run to an mp4 (a standard and a K-quant type, full and pruned DiT); every DiT and text-encoder
+twin computes exactly what a dense model holding the numpy-dequantised weights computes (one forward each), and
+H3_GGUF_MATRIX=full runs every DiT twin with the text encoder of its type to an mp4.
 """
 
 import os
@@ -30,7 +30,7 @@ VAE = tiny.COMFY_FILES["vae"]
 AUDIO_VAE = tiny.COMFY_FILES["audio_vae"]
 DIT_FAMILIES = ("fl2va", "ref2va", "fl2va_pruned")
 TWINS = [(family, kind) for family in (*DIT_FAMILIES, "text_encoder") for kind in tiny_gguf.QUANT_TYPES]
-MP4_PAIRS = [(DIT_FAMILIES[i % 3], kind) for i, kind in enumerate(tiny_gguf.QUANT_TYPES)]
+MP4_PAIRS = [("fl2va", "Q5_1"), ("fl2va_pruned", "Q4_K")]
 if os.environ.get("H3_GGUF_MATRIX") == "full":
     MP4_PAIRS = [(family, kind) for family in DIT_FAMILIES for kind in tiny_gguf.QUANT_TYPES]
 
@@ -95,6 +95,41 @@ def test_loaded_layers_stay_quantised_and_compute_with_the_numpy_weights(models,
         want = torch.nn.functional.linear(x, expected.to(torch.bfloat16), None if layers[module].bias is None
                                           else layers[module].bias.to(torch.bfloat16))
         assert torch.equal(got, want)
+
+
+def _dense_reference(path, out) -> pathlib.Path:
+    """The GGUF file as a dense float32 safetensors file: every tensor dequantised by the `gguf` package (numpy)."""
+    from h3_core.weights.safetensors_io import write_file
+
+    header = read_header([str(path)])
+    write_file(str(out), {name: torch.from_numpy(gguf_file.numpy_dequantise(info).copy())
+                          for name, info in header.tensors.items()}, header.metadata)
+    return out
+
+
+DIT_TWINS = [twin for twin in TWINS if twin[0] != "text_encoder"]
+
+
+@pytest.mark.parametrize("twin", DIT_TWINS, ids=["-".join(t) for t in DIT_TWINS])
+def test_dit_twin_forward_equals_the_numpy_dequantised_dense_model_bitwise(models, tmp_path, twin, parity_threads):
+    import weights_support as support
+
+    quant = weights.load_transformer(_path(models, *twin))
+    dense = weights.load_transformer(_dense_reference(_path(models, *twin), tmp_path / "dense.safetensors"))
+    assert isinstance(quant.transformer_blocks[0].attn.to_out[0], QuantLinear)
+    for got, expected in zip(support.dit_forward(quant), support.dit_forward(dense), strict=True):
+        assert torch.isfinite(got).all() and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_K"])
+def test_text_encoder_twin_equals_the_numpy_dequantised_dense_model_bitwise(models, tmp_path, kind, parity_threads):
+    import weights_support as support
+
+    path = _path(models, "text_encoder", kind)
+    quant = weights.load_text_encoder(path)
+    dense = weights.load_text_encoder(_dense_reference(path, tmp_path / "te.safetensors"))
+    got, expected = support.prompt_embeds(quant), support.prompt_embeds(dense)
+    assert torch.isfinite(got).all() and torch.equal(got, expected)
 
 
 def test_format_is_read_from_the_file_not_its_name(models, tmp_path):
@@ -167,3 +202,41 @@ def test_encode_and_generate_with_gguf_files_write_a_valid_mp4(models, tmp_path,
                      "--steps", "2", "--out", str(out)]) == 0
     saved = H3Conditioning.load(cond)
     _check_mp4(out, saved.num_frames, saved.width, saved.height)
+
+
+def test_plan_counts_the_stored_blocks(models):
+    """The planner sizes a GGUF file from its header: quantised layers at their stored bytes."""
+    from h3_core import planner
+
+    path = _path(models, "fl2va", "Q4_0")
+    header = read_header([str(path)])
+    plan = planner.plan_file(path, width=64, height=64, frames=124, device="cuda")
+    assert plan.stored_bytes == header.total_bytes
+    quantised = sum(info.nbytes for info in header.tensors.values() if info.ggml_type == "Q4_0")
+    assert quantised and plan.device_bytes < planner.plan_file(models / tiny_gguf.SOURCES["fl2va"], width=64,
+                                                               height=64, frames=124, device="cuda").device_bytes
+
+
+def test_gguf_dit_and_text_encoder_stream_block_by_block_bitwise(tiny_dir, models, parity_threads):
+    """`--offload block` on GGUF files: the stored bytes stream with their blocks; results equal the resident run."""
+    from h3_core.diffusion import DiffusionStage, SamplingOptions
+    from h3_core.encoder import EncoderStage
+    from h3_core.models import ModelSource
+    from h3_core.testing import CASES, STEPS
+
+    source = ModelSource.from_path(tiny_dir, layout="comfyui")
+    source.paths["text_encoder"] = _path(models, "text_encoder", "Q6_K")
+    source.paths["transformer"] = _path(models, "fl2va_pruned", "Q4_K")
+    request, _, seed = CASES["t2va-64x64-seed0"]
+    prepared = EncoderStage(source, components=("text",)).prepare(request)
+    resident_te = EncoderStage(source, components=("text",))
+    streamed_te = EncoderStage(source, components=("text",), offload="block")
+    assert torch.equal(streamed_te.encode_text(prepared)[0], resident_te.encode_text(prepared)[0])
+    cond = resident_te.encode(request)
+    options = SamplingOptions(steps=STEPS, seed=seed)
+    expected = DiffusionStage(source).sample(cond, options)
+    stage = DiffusionStage(source, offload="block")
+    streamed = stage.sample(cond, options)
+    assert torch.equal(streamed.video, expected.video) and torch.equal(streamed.audio, expected.audio)
+    block = stage.transformer("t2va").transformer_blocks[0]
+    assert any(isinstance(m, QuantLinear) and m.fmt == "gguf" for m in block.modules())
