@@ -240,3 +240,17 @@ def test_gguf_dit_and_text_encoder_stream_block_by_block_bitwise(tiny_dir, model
     assert torch.equal(streamed.video, expected.video) and torch.equal(streamed.audio, expected.audio)
     block = stage.transformer("t2va").transformer_blocks[0]
     assert any(isinstance(m, QuantLinear) and m.fmt == "gguf" for m in block.modules())
+
+
+def test_q4_k_layers_hold_well_under_0_35_of_bf16(models):
+    """Loaded at bf16, every Q4_K layer holds 144 bytes per 256 weights: 0.28x its bf16 size (bench/gguf_quality.py
+    reports every type, and the release-size files)."""
+    from bench import gguf_quality
+
+    model = weights.load_transformer(_path(models, "fl2va", "Q4_K"), dtype=torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.spec.marker["ggml_type"] == "Q4_K"]
+    assert layers
+    ratio = sum(m.weight.numel() for m in layers) / sum(m.in_features * m.out_features * 2 for m in layers)
+    assert ratio == 144 / 512 < 0.35
+    release, bf16 = gguf_quality.release_bytes("Q4_K")
+    assert release / bf16 < 0.35

@@ -42,7 +42,7 @@ def server(tiny_dir, tmp_path_factory):
 
 
 def _options(server, node: str, name: str) -> list[str]:
-    spec = server.object_info(node)[node]["input"]["required"][name]
+    spec = server.object_info(node)["input"]["required"][name]
     return spec[1]["options"] if len(spec) > 1 and "options" in spec[1] else spec[0]
 
 
