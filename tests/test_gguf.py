@@ -8,6 +8,7 @@ twin computes exactly what a dense model holding the numpy-dequantised weights c
 H3_GGUF_MATRIX=full runs every DiT twin with the text encoder of its type to an mp4.
 """
 
+import json
 import os
 import pathlib
 import shutil
@@ -28,6 +29,7 @@ from h3_core.weights.quant.linear import QuantLinear
 
 VAE = tiny.COMFY_FILES["vae"]
 AUDIO_VAE = tiny.COMFY_FILES["audio_vae"]
+BF16_DIT = "diffusion_models/minimax_h3_tiny_fl2va_bf16.safetensors"  # the bench's reference row
 DIT_FAMILIES = ("fl2va", "ref2va", "fl2va_pruned")
 TWINS = [(family, kind) for family in (*DIT_FAMILIES, "text_encoder") for kind in tiny_gguf.QUANT_TYPES]
 MP4_PAIRS = [("fl2va", "Q5_1"), ("fl2va_pruned", "Q4_K")]
@@ -42,7 +44,7 @@ def models(tiny_dir, tmp_path_factory):
     if all((comfy / tiny_gguf.gguf_path(*twin)).is_file() for twin in TWINS):
         return comfy
     out = tmp_path_factory.mktemp("gguf")
-    for rel in {*tiny_gguf.SOURCES.values(), VAE, AUDIO_VAE}:
+    for rel in {*tiny_gguf.SOURCES.values(), VAE, AUDIO_VAE, BF16_DIT}:
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(comfy / rel, out / rel)
     tiny_gguf.write_gguf_twins(out)
@@ -254,3 +256,16 @@ def test_q4_k_layers_hold_well_under_0_35_of_bf16(models):
     assert ratio == 144 / 512 < 0.35
     release, bf16 = gguf_quality.release_bytes("Q4_K")
     assert release / bf16 < 0.35
+
+
+def test_bench_command_runs_as_documented(models, tmp_path):
+    """`python bench/gguf_quality.py --models TINY/comfyui --out FILE` (docs/REAL_WEIGHTS.md): every row finite, the
+    standard types' errors ordered by their bits, Q4_K's release-size DiT under 0.35x bf16."""
+    from bench import gguf_quality
+
+    out = tmp_path / "gguf_quality.json"
+    assert gguf_quality.main(["--models", str(models), "--out", str(out)]) == 0
+    rows = {row["type"]: row for row in json.loads(out.read_text())}
+    assert all(row.get("finite", True) for row in rows.values())
+    assert rows["Q8_0"]["weight_error"] < rows["Q5_1"]["weight_error"] < rows["Q4_0"]["weight_error"] < 0.2
+    assert rows["Q4_K"]["quantised_vs_bf16"] < 0.35 and rows["Q4_K"]["release_vs_bf16"] < 0.35
