@@ -7,9 +7,10 @@
                                                                                the pruned "AdaLN curve" fl2va)
     text_encoders/qwen3vl_minimax_h3_tiny_<TYPE>.gguf                          the 50-layer text encoder
 
-Tensor names are the Comfy safetensors names. The linears a release GGUF quantises (the DiT's block and
-AdaLN linears, the text encoder's language linears) are stored in the GGML type; every other tensor
-is F32, except F16 for the pruned AdaLN projections (as published) and the text encoder's token table.
+Tensor names are the Comfy safetensors names. The tensors a community GGUF quantises (the DiT's block and
+AdaLN linears; the text encoder's language linears, token table and vision tower, its patch-embedding
+kernel as one flat run of blocks) are stored in the GGML type; every other tensor is F32, except F16 for
+the pruned AdaLN projections (as published).
 
 Q8_0, Q5_1, Q4_0 are the `gguf` package's own quantisers applied to the fp32 weights. The package has no
 K-quant quantiser, so the Q4_K / Q5_K / Q6_K twins hold *valid random blocks*: random codes and scale bytes
@@ -40,8 +41,8 @@ SOURCES = {  # twin family -> the tiny fp32 file it is made from (relative to th
     "text_encoder": "text_encoders/qwen3vl_minimax_h3_tiny_fp32.safetensors",
 }
 _ADALN = re.compile(r"blocks\.\d+\.adaln_proj\.linear\.weight")
+_VISION = re.compile(r"visual\..*\.weight")
 _ROW_REORDERED = re.compile(r".*\.(attn\.qkv_proj|mlp\.fc1)\.weight")  # split / half-swapped by the DiT loader
-_HALF = {"model.embed_tokens.weight"}  # the 151k-row token table: F16 (ComfyUI-GGUF dequantises it to F16 too)
 ARCH = {"fl2va": "minimax_h3", "ref2va": "minimax_h3", "fl2va_pruned": "minimax_h3", "text_encoder": "qwen3vl"}
 
 
@@ -53,9 +54,10 @@ def gguf_path(family: str, ggml_type: str) -> str:
 
 
 def _quantised_layers(family: str, tensors: dict) -> list[str]:
-    pattern = TE_LINEARS if family == "text_encoder" else None
-    return sorted(name for name in tensors if (pattern.fullmatch(name) if pattern else
-                                                DIT_BLOCK_LINEARS.fullmatch(name) or _ADALN.fullmatch(name)))
+    if family == "text_encoder":  # as the community's Comfy-format TE files: language, token table, vision tower
+        return sorted(name for name in tensors if TE_LINEARS.fullmatch(name) or name == "model.embed_tokens.weight"
+                      or (_VISION.fullmatch(name) and tensors[name].dim() >= 2))
+    return sorted(name for name in tensors if DIT_BLOCK_LINEARS.fullmatch(name) or _ADALN.fullmatch(name))
 
 
 def _random_kquant(ggml_type: str, dense: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -82,12 +84,17 @@ def _quantise(name: str, tensor: torch.Tensor, ggml_type: str, rng: np.random.Ge
     import gguf
 
     dense = tensor.to(torch.float32).numpy()
-    if ggml_type in K_QUANTS and _ROW_REORDERED.fullmatch(name):
+    if ggml_type in K_QUANTS and (_ROW_REORDERED.fullmatch(name) or dense.size % 256):
         ggml_type = "Q8_0"
     qtype = gguf.GGMLQuantizationType[ggml_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    rows = dense.ndim == 2 and dense.shape[1] % block == 0
     if ggml_type in K_QUANTS:
-        return _random_kquant(ggml_type, dense, rng), qtype, list(dense.shape)
-    return gguf.quants.quantize(dense, qtype), qtype, None
+        return _random_kquant(ggml_type, dense, rng), qtype, None if rows else list(dense.shape)
+    if rows:
+        return gguf.quants.quantize(dense, qtype), qtype, None
+    # one flat run of blocks, the shape recorded beside it (a conv kernel; rows not whole blocks)
+    return gguf.quants.quantize(dense.reshape(-1, block), qtype), qtype, list(dense.shape)
 
 
 def gguf_twin(family: str, tensors: dict, ggml_type: str, path: Path, metadata: dict | None = None) -> Path:
@@ -102,12 +109,12 @@ def gguf_twin(family: str, tensors: dict, ggml_type: str, path: Path, metadata: 
     quantised = set(_quantised_layers(family, tensors))
     for name in sorted(tensors):
         tensor = tensors[name]
-        if name in quantised:
+        if name in quantised and tensor.numel() % 32 == 0:
             stored, qtype, orig_shape = _quantise(name, tensor, ggml_type, rng)
             if orig_shape is not None:
                 writer.add_array(f"comfy.gguf.orig_shape.{name}", orig_shape)
             writer.add_tensor(name, stored, raw_shape=stored.shape, raw_dtype=qtype)
-        elif tensor.dtype == torch.float16 or name in _HALF:
+        elif tensor.dtype == torch.float16:
             writer.add_tensor(name, tensor.to(torch.float16).numpy(), raw_dtype=gguf.GGMLQuantizationType.F16)
         else:
             writer.add_tensor(name, tensor.to(torch.float32).numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)

@@ -10,6 +10,9 @@ in 144 bytes). Such a layer is held in memory exactly as stored, as U8 bytes:
 - `[n_blocks, type_size]` otherwise (ComfyUI-GGUF's `comfy.gguf.orig_shape` files: a tensor quantised as one
   flat run of blocks); then the marker states the dense shape, and the layer cannot be row-split.
 
+A block-quantised tensor of a module that is not a Linear (a convolution, an embedding table) is dequantised
+once at load (`route.install`), as ComfyUI-GGUF does with large token tables: only Linears compute from blocks.
+
 The accepted quantised types are exactly those diffusers' torch dequantisers know
 (`diffusers.quantizers.gguf.utils.dequantize_functions`: Q4_0..Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS); any
 other GGML type is refused by name before any weight is read. Dequantisation runs those functions in
@@ -77,8 +80,8 @@ def marker(ggml_type: str, shape: tuple[int, ...]) -> dict:
     return out
 
 
-def dense_shape(marker_dict: dict, stored: tuple[int, ...], where: str) -> tuple[int, int]:
-    """The [N, K] a GGUF layer stands for, from its marker and its stored bytes (validated)."""
+def dense_shape(marker_dict: dict, stored: tuple[int, ...], where: str) -> tuple[int, ...]:
+    """The shape a GGUF tensor stands for ([N, K] for a layer), from its marker and stored bytes (validated)."""
     ggml_type = marker_dict.get("ggml_type")
     if ggml_type not in quantised_types():
         raise H3WeightsError(f"{where}: GGML type {ggml_type!r} is not read (supported: {supported_text()})")
@@ -87,7 +90,10 @@ def dense_shape(marker_dict: dict, stored: tuple[int, ...], where: str) -> tuple
         raise H3WeightsError(f"{where}: a {ggml_type} layer is stored as U8 2-D bytes, got {list(stored)}")
     if "shape" in marker_dict:
         shape = tuple(int(d) for d in marker_dict["shape"])
-        if len(shape) != 2 or shape[0] * shape[1] != stored[0] * stored[1] // size * block or stored[1] != size:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if numel != stored[0] * stored[1] // size * block or stored[1] != size:
             raise H3WeightsError(f"{where}: {ggml_type} bytes {list(stored)} do not hold a {list(shape)} weight")
         return shape
     if stored[1] % size:
@@ -95,7 +101,7 @@ def dense_shape(marker_dict: dict, stored: tuple[int, ...], where: str) -> tuple
     return (stored[0], stored[1] // size * block)
 
 
-def dequantise(raw: torch.Tensor, ggml_type: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def dequantise(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The dense `shape` weight of one GGUF layer in `dtype` (diffusers' dequantiser, run in float32)."""
     gguf, functions = _library()
     qtype = gguf.GGMLQuantizationType[ggml_type]

@@ -97,6 +97,9 @@ def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
             continue  # no such module: `compare` reports its tensors as unexpected
         if isinstance(current, (QuantLinear, Int8Embedding)):
             continue  # installed by an earlier pass (the check), the loaders assign into it
+        if spec.format == layouts.GGUF and not isinstance(current, nn.Linear):
+            out[f"{name}.weight"] = _gguf_dense(spec, out[f"{name}.weight"])  # a conv / embedding: dense at load
+            continue
         if isinstance(current, nn.Linear):
             dense = (current.out_features, current.in_features)
             replacement = QuantLinear.empty(spec, current.bias.dtype if current.bias is not None else None)
@@ -112,6 +115,15 @@ def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
             continue
         setattr(parent, attr, replacement)
     return out, mismatched
+
+
+def _gguf_dense(spec, stored: torch.Tensor) -> torch.Tensor:
+    """A GGUF tensor of a non-Linear module, dequantised (float32; meta during a header-only check)."""
+    if stored.device.type == "meta":
+        return torch.empty(spec.shape, dtype=torch.float32, device="meta")
+    from . import ggml
+
+    return ggml.dequantise(stored, spec.marker["ggml_type"], spec.shape, torch.float32)
 
 
 def stored_names(model: nn.Module) -> set[str]:
