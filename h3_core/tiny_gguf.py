@@ -6,6 +6,9 @@
     diffusion_models/minimax_h3_tiny_{fl2va,ref2va,fl2va_pruned}_<TYPE>.gguf   the DiT (full both partitions;
                                                                                the pruned "AdaLN curve" fl2va)
     text_encoders/qwen3vl_minimax_h3_tiny_<TYPE>.gguf                          the 50-layer text encoder
+    text_encoders/qwen3vl_minimax_h3_tiny_split_Q8_0/                          the same without its vision tower,
+                                                                               and the tower as a separate
+                                                                               projector ("mmproj") file
 
 Tensor names are the Comfy safetensors names. The tensors a community GGUF quantises (the DiT's block and
 AdaLN linears; the text encoder's language linears, token table and vision tower, its patch-embedding
@@ -126,6 +129,16 @@ def gguf_twin(family: str, tensors: dict, ggml_type: str, path: Path, metadata: 
     return path
 
 
+SPLIT_TYPE = "Q8_0"  # the text encoder also written as a language-model file + a separate vision projector
+
+
+def split_paths(ggml_type: str = SPLIT_TYPE) -> tuple[str, str]:
+    """(text-encoder file without its tower, its vision-projector file), in their own folder under text_encoders/."""
+    folder = f"text_encoders/qwen3vl_minimax_h3_tiny_split_{ggml_type}"
+    name = f"qwen3vl_minimax_h3_tiny_{ggml_type}.gguf"
+    return f"{folder}/{name}", f"{folder}/mmproj_{name}"
+
+
 def _sources(models_dir: Path) -> dict:
     from .weights.headers import read_header
     from .weights.pruned import prune_comfy_state_dict
@@ -147,4 +160,10 @@ def write_gguf_twins(models_dir: str | Path, types=QUANT_TYPES) -> list[Path]:
         for ggml_type in types:
             path = models_dir / gguf_path(family, ggml_type)
             written.append(gguf_twin(family, tensors, ggml_type, path, metadata))
+        if family == "text_encoder" and SPLIT_TYPE in types:
+            language, projector = (models_dir / rel for rel in split_paths())
+            vision = {name for name in tensors if name.startswith("visual.")}
+            written.append(gguf_twin(family, {k: v for k, v in tensors.items() if k not in vision}, SPLIT_TYPE,
+                                     language, metadata))
+            written.append(gguf_twin(family, {k: tensors[k] for k in vision}, SPLIT_TYPE, projector))
     return written

@@ -41,7 +41,8 @@ if os.environ.get("H3_GGUF_MATRIX") == "full":
 def models(tiny_dir, tmp_path_factory):
     """A models folder holding the tiny fp32 sources, both VAEs and every GGUF twin (`tiny --twins gguf`)."""
     comfy = tiny_dir / "comfyui"
-    if all((comfy / tiny_gguf.gguf_path(*twin)).is_file() for twin in TWINS):
+    if all((comfy / tiny_gguf.gguf_path(*twin)).is_file() for twin in TWINS) and all(
+            (comfy / rel).is_file() for rel in tiny_gguf.split_paths()):
         return comfy
     out = tmp_path_factory.mktemp("gguf")
     for rel in {*tiny_gguf.SOURCES.values(), VAE, AUDIO_VAE, BF16_DIT}:
@@ -269,3 +270,20 @@ def test_bench_command_runs_as_documented(models, tmp_path):
     assert all(row.get("finite", True) for row in rows.values())
     assert rows["Q8_0"]["weight_error"] < rows["Q5_1"]["weight_error"] < rows["Q4_0"]["weight_error"] < 0.2
     assert rows["Q4_K"]["quantised_vs_bf16"] < 0.35 and rows["Q4_K"]["release_vs_bf16"] < 0.35
+
+
+def test_text_encoder_with_a_separate_vision_projector_file(models):
+    """A text-encoder GGUF without its tower takes the projector GGUF beside it (told by their tensors, not their
+    names): the pair loads and encodes (image included) exactly as the single file of the same type does."""
+    import weights_support as support
+
+    language, projector = (models / rel for rel in tiny_gguf.split_paths())
+    det = weights.detect(str(language))
+    assert det.component == "text_encoder" and set(det.files) == {str(language), str(projector)}
+    found = weights.scan(str(language.parent))  # the projector is part of the encoder, not a broken component
+    assert [d.path for d in found] == [str(language)]
+    with pytest.raises(weights.H3WeightsError):
+        weights.detect(str(projector))  # a projector alone is no component
+    split = weights.load_text_encoder(language)
+    single = weights.load_text_encoder(_path(models, "text_encoder", tiny_gguf.SPLIT_TYPE))
+    assert torch.equal(support.prompt_embeds(split), support.prompt_embeds(single))

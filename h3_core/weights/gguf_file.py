@@ -55,6 +55,42 @@ def _fields(reader) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     return shapes, metadata
 
 
+PROJECTOR_PREFIX = "visual."  # a vision-projector ("mmproj") file holds only the Comfy `visual.*` tensors
+
+
+def tensor_names(path: str) -> list[str]:
+    """The tensor names of a GGUF file (its directory only), with the loader's prefix stripped."""
+    from gguf import GGUFReader
+
+    try:
+        names = [t.name for t in GGUFReader(path, "r").tensors]
+    except (OSError, ValueError, KeyError) as exc:
+        raise H3WeightsError(f"{path}: not a readable GGUF file ({exc})") from None
+    strip = any(name.startswith(PREFIX) for name in names)
+    return [name[len(PREFIX):] if strip and name.startswith(PREFIX) else name for name in names]
+
+
+def is_projector(path: str) -> bool:
+    """A GGUF file holding only a vision projector (`visual.*`): part of a text encoder, not a component."""
+    names = tensor_names(path)
+    return bool(names) and all(name.startswith(PROJECTOR_PREFIX) for name in names)
+
+
+def projector_for(path: str) -> list[str]:
+    """The vision-projector GGUF beside a text-encoder GGUF that has none (llama.cpp ships the projector as a
+    separate `mmproj` file): [] when the file has its own tower or is no text encoder; told by contents."""
+    names = tensor_names(path)
+    if not any(n.startswith("model.layers.") for n in names) or any(n.startswith(PROJECTOR_PREFIX) for n in names):
+        return []
+    folder = os.path.dirname(path)
+    found = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".gguf")
+                   and os.path.join(folder, f) != path and is_projector(os.path.join(folder, f)))
+    if len(found) > 1:
+        raise H3WeightsError(f"{path}: several vision-projector GGUF files beside it "
+                             f"({[os.path.basename(f) for f in found]}); keep the one that belongs to it")
+    return found
+
+
 def read_file_header(path: str):
     """`({name: TensorInfo}, metadata)` of one GGUF file (see the module docstring)."""
     from gguf import GGUFReader

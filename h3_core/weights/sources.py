@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .components import HANDLERS
 from .errors import H3WeightsError, UnrecognisedCheckpointError
-from .gguf_file import is_gguf
+from .gguf_file import is_gguf, is_projector, projector_for
 from .safetensors_io import SHARD_INDEX_SUFFIX
 
 # Sub-folder names of pipeline roots (diffusers root, native partition), from the handlers.
@@ -102,7 +102,9 @@ def loose_files(folder: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if any(_SHARD_NAME.match(os.path.basename(f)) for f in files):
         return []
-    return sorted(files + [f for f in glob.glob(os.path.join(folder, "*.gguf")) if is_gguf(f)])
+    # A vision-projector GGUF is part of the text encoder beside it (`component_source`), not a component.
+    ggufs = [f for f in glob.glob(os.path.join(folder, "*.gguf")) if is_gguf(f) and not is_projector(f)]
+    return sorted(files + ggufs)
 
 
 def partition_roots(folder: str) -> list[str]:
@@ -175,7 +177,7 @@ def component_source(path: str) -> Source:
     path = os.path.abspath(path)
     if os.path.isfile(path):
         if is_gguf(path):  # told by its magic: GGUF files carry no config beside them
-            return Source(path=path, container="file", files=[path])
+            return Source(path=path, container="file", files=[path, *projector_for(path)])
         if not path.endswith((".safetensors", ".gguf")):  # a .gguf name on other bytes: the header parser decides
             raise UnrecognisedCheckpointError(
                 f"{path}: only .safetensors and GGUF checkpoints are read (never pickled .ckpt/.pt/.bin files)"
