@@ -287,3 +287,15 @@ def test_text_encoder_with_a_separate_vision_projector_file(models):
     split = weights.load_text_encoder(language)
     single = weights.load_text_encoder(_path(models, "text_encoder", tiny_gguf.SPLIT_TYPE))
     assert torch.equal(support.prompt_embeds(split), support.prompt_embeds(single))
+
+
+@pytest.mark.parametrize("kind", ggml.quantised_types())
+def test_every_accepted_type_dequantises_as_the_gguf_package_does(kind):
+    """Every GGML type read (diffusers' dequantisers) on random block bytes: the same float32 bits as the `gguf`
+    package's numpy dequantiser, NaN / inf positions included (random F16 scale bytes make some)."""
+    block, size = ggml.block_sizes(kind)
+    raw = np.random.default_rng(7).integers(0, 256, size=(4, 2 * size), dtype=np.uint8)
+    ours = ggml.dequantise(torch.from_numpy(raw), kind, (4, 2 * block), torch.float32)
+    reference = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32)
+    torch.testing.assert_close(ours, torch.from_numpy(reference.reshape(4, 2 * block)), rtol=0, atol=0,
+                               equal_nan=True)
