@@ -123,7 +123,7 @@ def dit():
 
 
 @pytest.mark.parametrize("marker, named", [
-    ({"format": "mxfp8"}, "'mxfp8' (known to ComfyUI, not implemented here"),
+    ({"format": "svdquant_w4a4"}, "'svdquant_w4a4' (known to ComfyUI, not implemented here"),
     ({"format": "convrot_w4a4"}, "'convrot_w4a4' (known to ComfyUI, not implemented here"),
     ({"format": "int3_magic"}, "'int3_magic' (unknown"),
 ])

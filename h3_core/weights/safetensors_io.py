@@ -87,6 +87,7 @@ _DTYPE_TAGS = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",  # quantised (fp8_scaled) weights and nvfp4 / w6a8 scales
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",  # mxfp8 block scales
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import H3WeightsError
-from .layouts import FP8, INT8, NVFP4, W6A8, is_power_of_4
+from .layouts import FP8, INT8, MXFP8, NVFP4, W6A8, is_power_of_4
 
 
 def _kitchen():
@@ -66,6 +66,10 @@ def dequantise(fmt: str, tensors: dict, shape: tuple[int, int], dtype: torch.dty
         dense = layouts.TensorCoreNVFP4Layout.dequantize(weight, params)
         # Kitchen returns the 16-padded storage shape; the layer is the logical one.
         return dense[: shape[0], : shape[1]]
+    if fmt == MXFP8:
+        params = layouts.TensorCoreMXFP8Layout.Params(
+            scale=tensors["weight_scale"].view(torch.float8_e8m0fnu), orig_dtype=dtype, orig_shape=tuple(shape))
+        return layouts.TensorCoreMXFP8Layout.dequantize(weight, params)
     raise H3WeightsError(f"no dequantisation for layer format {fmt!r}")
 
 
@@ -129,4 +133,9 @@ def quantise(fmt: str, weight: torch.Tensor, options: dict) -> tuple[dict, dict]
         qdata, params = layouts.TensorCoreNVFP4Layout.quantize(weight)
         stored.update(weight=qdata, weight_scale=params.block_scale, weight_scale_2=params.scale.reshape(()))
         return stored, {"format": NVFP4, "full_precision_matrix_mult": True}
+    if fmt == MXFP8:
+        if n % 32 or k % 32:
+            raise H3WeightsError(f"mxfp8 needs 32-aligned [N, K], got {[n, k]} (kitchen would pad the storage)")
+        qdata, params = layouts.TensorCoreMXFP8Layout.quantize(weight)
+        return {"weight": qdata, "weight_scale": params.scale}, {"format": MXFP8}
     raise H3WeightsError(f"cannot quantise to layer format {fmt!r}")

@@ -32,13 +32,14 @@ INT8 = "int8_tensorwise"
 FP8 = "float8_e4m3fn"
 W6A8 = "asym_w4a8_int8"
 NVFP4 = "nvfp4"
+MXFP8 = "mxfp8"
 GGUF = "gguf"  # a GGUF file's block-quantised layer (`ggml`); its marker is made by the loaders, not stored
-SUPPORTED_FORMATS = (INT8, FP8, W6A8, NVFP4, GGUF)
+SUPPORTED_FORMATS = (INT8, FP8, W6A8, NVFP4, MXFP8, GGUF)
 # Marker formats ComfyUI core knows but this package does not run (named in refusals).
-UNIMPLEMENTED_FORMATS = ("float8_e5m2", "mxfp8", "convrot_w4a4", "svdquant_w4a4", "awq_w4a16")
+UNIMPLEMENTED_FORMATS = ("float8_e5m2", "convrot_w4a4", "svdquant_w4a4", "awq_w4a16")
 SUPPORTED_TEXT = (
     "int8_tensorwise (with or without ConvRot; int8_convrot files), float8_e4m3fn (fp8_scaled files), "
-    "asym_w4a8_int8 at 6 bits (w6a8 files), nvfp4 (+ AWQ pre_quant_scale; nvfp4_awq files)"
+    "asym_w4a8_int8 at 6 bits (w6a8 files), nvfp4 (+ AWQ pre_quant_scale; nvfp4_awq files), mxfp8 (block 32)"
 )
 
 # Side tensors each format may carry besides `weight` (and a dense `bias`).
@@ -47,10 +48,12 @@ SIDE_TENSORS = {
     FP8: {"weight_scale", "input_scale"},
     W6A8: {"weight_s_rel", "weight_s_channel"},
     NVFP4: {"weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"},
+    MXFP8: {"weight_scale", "input_scale"},
     GGUF: set(),
 }
 REQUIRED_SIDE = {INT8: {"weight_scale"}, FP8: {"weight_scale"}, W6A8: {"weight_s_rel", "weight_s_channel"},
-                 NVFP4: {"weight_scale", "weight_scale_2"}, GGUF: set()}
+                 NVFP4: {"weight_scale", "weight_scale_2"}, MXFP8: {"weight_scale"},
+                 GGUF: set()}
 # Every side-tensor suffix any Comfy quantised file uses (a key ending in one belongs to a layer P).
 SIDE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_s_rel",
                  "weight_s_channel", "weight_codebook", "weight_correction", "comfy_quant")
@@ -93,6 +96,8 @@ class LayerSpec:
             return f"w6a8 (6-bit, group {self.group_size}, ConvRot {self.convrot_groupsize})"
         if self.format == GGUF:
             return f"GGUF {self.marker['ggml_type']}"
+        if self.format == MXFP8:
+            return "mxfp8 (e4m3, E8M0 scale per 32)"
         awq = ", AWQ pre-scale" if "pre_quant_scale" in self.tensors else ""
         return f"nvfp4 (block 16{awq})"
 
@@ -108,8 +113,8 @@ def row_aligned(fmt: str, suffix: str, shape) -> bool | None:
         return False
     if suffix == "weight":
         return True
-    if fmt == NVFP4 and suffix == "weight_scale":
-        return None
+    if fmt in (NVFP4, MXFP8) and suffix == "weight_scale":
+        return None  # swizzled 128x4 tiles: re-tiled by `route.follow_rows` (mxfp8) or refused (nvfp4)
     return tuple(shape) not in SCALAR
 
 
@@ -203,6 +208,18 @@ def _nvfp4(where: str, marker: dict, tensors: dict) -> LayerSpec:
     return LayerSpec(NVFP4, (n, k), marker, tensors, group_size=16, bits=4)
 
 
+def _mxfp8(where: str, marker: dict, tensors: dict) -> LayerSpec:
+    dtype, shape = tensors["weight"]
+    _want(dtype == "F8_E4M3" and len(shape) == 2 and shape[0] % 32 == 0 and shape[1] % 32 == 0, where,
+          f"mxfp8 weight must be F8_E4M3 [N, K] with N, K multiples of 32, got {dtype} {list(shape)}")
+    n, k = shape
+    s_dtype, s_shape = tensors["weight_scale"]
+    blocked = (roundup(n, 128), roundup(k // 32, 4))
+    _want(s_dtype in ("F8_E8M0", "U8") and tuple(s_shape) == blocked, where,
+          f"mxfp8 weight_scale must be F8_E8M0 {list(blocked)} (blocked layout), got {s_dtype} {list(s_shape)}")
+    return LayerSpec(MXFP8, (n, k), marker, tensors, group_size=32)
+
+
 def _gguf(where: str, marker: dict, tensors: dict) -> LayerSpec:
     from . import ggml
 
@@ -211,7 +228,7 @@ def _gguf(where: str, marker: dict, tensors: dict) -> LayerSpec:
     return LayerSpec(GGUF, ggml.dense_shape(marker, tuple(shape), where), marker, tensors)
 
 
-_DESCRIBE = {INT8: _int8, FP8: _fp8, W6A8: _w6a8, NVFP4: _nvfp4, GGUF: _gguf}
+_DESCRIBE = {INT8: _int8, FP8: _fp8, W6A8: _w6a8, NVFP4: _nvfp4, MXFP8: _mxfp8, GGUF: _gguf}
 
 
 def refuse_formats(where: str, formats: dict) -> None:
