@@ -56,8 +56,10 @@ def dequantise(fmt: str, tensors: dict, shape: tuple[int, int], dtype: torch.dty
         s_rel = tensors["weight_s_rel"]
         if s_rel.dtype == torch.uint8:  # core reads U8-stored group scales as e4m3 bytes
             s_rel = s_rel.view(torch.float8_e4m3fn)
+        codebook = tensors.get("weight_codebook")
         return layouts.dequantize_w4a8_int8_weight(
             weight, s_rel, tensors["weight_s_channel"], group_size=group_size,
+            codebook=None if codebook is None else codebook.to(torch.float32),
             convrot_groupsize=convrot_groupsize, output_dtype=dtype)
     if fmt == NVFP4:
         params = layouts.TensorCoreNVFP4Layout.Params(
@@ -118,9 +120,12 @@ def quantise(fmt: str, weight: torch.Tensor, options: dict) -> tuple[dict, dict]
     if fmt == W6A8:
         group = int(options.get("group_size", 16))
         rotation = int(options.get("convrot_groupsize") or default_rotation(k))
+        bits = int(options.get("bits", 6))
         qdata, params = layouts.AsymW4A8Int8Layout.quantize(
-            weight, group_size=group, convrot_groupsize=rotation, bits=6, codebook=False)
+            weight, group_size=group, convrot_groupsize=rotation, bits=bits, codebook=bits == 4)
         stored = {"weight": qdata, "weight_s_rel": params.scale, "weight_s_channel": params.s_channel}
+        if getattr(params, "codebook", None) is not None:
+            stored["weight_codebook"] = params.codebook
         return stored, {"format": W6A8, "group_size": group, "convrot_groupsize": rotation}
     if fmt == NVFP4:
         if n % 16 or k % 16:

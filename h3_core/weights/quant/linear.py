@@ -28,7 +28,7 @@ from .layouts import FP8, GGUF, INT8, NVFP4, W6A8, LayerSpec
 
 # Order in which stored tensors are registered (bias first, see `QuantLinear.__init__`).
 _STORED_ORDER = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_s_rel",
-                 "weight_s_channel")
+                 "weight_s_channel", "weight_codebook")
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -119,7 +119,9 @@ class QuantLinear(nn.Module):
             s_rel = stored["weight_s_rel"]
             if s_rel.dtype == torch.uint8:
                 s_rel = s_rel.view(torch.float8_e4m3fn)
+            codebook = stored.get("weight_codebook")
             return layouts.w4a8_int8_linear(x, stored["weight"], s_rel, stored["weight_s_channel"], bias=bias,
+                                            codebook=None if codebook is None else codebook.to(torch.float32),
                                             group_size=spec.group_size, convrot_groupsize=spec.convrot_groupsize,
                                             out_dtype=x.dtype)
         if self.fmt == FP8 and "input_scale" in stored and not spec.marker.get("full_precision_matrix_mult"):
