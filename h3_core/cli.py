@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from . import component_args, devices, facts, loadbar, plan_report, progress
 from .remote import engines
@@ -54,8 +55,16 @@ def _cmd_tiny(args) -> int:
     from . import tiny
 
     start = time.perf_counter()
-    out = tiny.build(args.out, seed=args.seed)
-    _log(f"built the tiny H3 (seed {args.seed}) in {time.perf_counter() - start:.1f} s")
+    if args.twins == "gguf" and (Path(args.out) / "tiny.json").is_file():
+        out = Path(args.out)  # an existing build: add the GGUF twins only
+    else:
+        out = tiny.build(args.out, seed=args.seed)
+        _log(f"built the tiny H3 (seed {args.seed}) in {time.perf_counter() - start:.1f} s")
+    if args.twins == "gguf":
+        from . import tiny_gguf
+
+        written = tiny_gguf.write_gguf_twins(out / "comfyui")
+        _log(f"wrote {len(written)} GGUF twins in {time.perf_counter() - start:.1f} s")
     print(out)
     return 0
 
@@ -211,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny", help="build the embedded tiny H3 (random weights: outputs are noise)")
     tiny.add_argument("--out", required=True, help="folder to write")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--twins", choices=("gguf",),
+                      help="also write the GGUF twins (into an existing build at --out, else after building it)")
     tiny.set_defaults(func=_cmd_tiny)
 
     def models_args(p):

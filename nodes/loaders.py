@@ -159,7 +159,7 @@ class TextEncoderLoader(_ComponentLoader):
         "~51 GB in bf16 at full size: the piece a remote encoder endpoint can take off this machine."
     )
     INPUT_ID, FOLDER, COMPONENT = "text_encoder", "text_encoders", "text_encoder"
-    FILE_HINT, OUTPUT = "qwen3vl_32b_minimax_h3_*.safetensors", TextEncoder
+    FILE_HINT, OUTPUT = "qwen3vl_32b_minimax_h3_*.safetensors, or a GGUF file", TextEncoder
     WEIGHT_DTYPES, STREAM = ["default", "bf16", "fp32"], True
 
     @staticmethod
@@ -209,7 +209,7 @@ class DiTLoader(io.ComfyNode):
                     "dit",
                     options=bridge.model_choices("diffusion_models"),
                     tooltip="A file in models/diffusion_models "
-                    "(Comfy-Org minimax_h3_{fl2va,ref2va}_bf16.safetensors), a "
+                    "(Comfy-Org minimax_h3_{fl2va,ref2va}_bf16.safetensors, or a GGUF file, also from models/unet), a "
                     "model folder in models/minimax_h3, or the embedded tiny H3.",
                 ),
                 io.Combo.Input(
