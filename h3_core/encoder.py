@@ -247,8 +247,9 @@ class EncoderStage:
         found = [self._lookup("video", f"video.{index}", lambda p=p: self._video_key(p))
                  for index, p in enumerate(pixels)]
         # One unit per temporal clip (a keyframe or an image is one): a long reference moves the bar as it encodes.
-        counter = progress.Counter("video_vae", sum(units(self.vae, int(p.shape[2]))
-                                                    for p, (_, cached) in zip(pixels, found) if cached is None))
+        # Only the parts to encode count; with every part cached there is no VAE phase at all.
+        clips = sum(units(self.vae, int(p.shape[2])) for p, (_, cached) in zip(pixels, found) if cached is None)
+        counter = progress.Counter("video_vae", clips) if clips else None
         latents = []
         for p, (address, cached) in zip(pixels, found):
             if cached is not None:
@@ -273,7 +274,8 @@ class EncoderStage:
         found = [self._lookup("audio", f"audio.{index}", lambda audio=audio: self._audio_key(audio))
                  for index, audio in enumerate(audios)]
         rows = []
-        counter = progress.Counter("audio_vae", sum(1 for _, cached in found if cached is None))
+        computed = sum(1 for _, cached in found if cached is None)
+        counter = progress.Counter("audio_vae", computed) if computed else None
         for audio, (address, cached) in zip(audios, found):
             if cached is not None:
                 rows.append(cached["rows"])
