@@ -165,7 +165,9 @@ class MemoryTier:
             if item is None:
                 return None
             self._items.move_to_end(key)
-            return item, self.tier
+        # Copies both ways: whoever holds an answer may change its tensors in place (ComfyUI graphs can) without
+        # changing the entry. A memcpy of latents is noise beside the encode it saves.
+        return {name: tensor.clone() for name, tensor in item.items()}, self.tier
 
     def put(self, key: str, tensors: Tensors) -> None:
         size = nbytes(tensors)
@@ -175,7 +177,7 @@ class MemoryTier:
             old = self._items.pop(key, None)
             if old is not None:
                 self.bytes -= nbytes(old)
-            self._items[key] = dict(tensors)
+            self._items[key] = {name: tensor.detach().clone() for name, tensor in tensors.items()}
             self.bytes += size
             while self.bytes > self.max_bytes:
                 _, evicted = self._items.popitem(last=False)
