@@ -320,9 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode media in the server process instead of the sandbox (debugging only: a decoder "
                        "crash then takes the server down)")
     engines.add_serve_arguments(serve)
-    from .remote.config import add_scheduling_args
+    from .remote.config import add_cache_args, add_scheduling_args
 
     add_scheduling_args(serve)
+    add_cache_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     plan_report.add_parser(sub)

@@ -335,6 +335,8 @@ class Handler:
             seconds = spec.deadline_s or service.config.default_deadline_s
             reply = await self.compute(key, spec, raw, parts, received + seconds, seconds, rid, incoming.gone,
                                        tracker, client=client)
+            if reply.status == 200 and reply.cache_state() == "miss":  # one count per computed answer, any engine
+                service.metrics.observe_components(reply.headers.get(protocol.H_CACHE_COMPONENTS))
             if tracker is not None and reply.status == 200:
                 tracker.own.enter("sending")
             return reply
@@ -382,6 +384,8 @@ class Handler:
         encode_s = job.finished - (job.started or job.finished)
         reply = conditioning_reply(job.future.result(), service, rid, "joined" if joined else "miss", queue_s,
                                    encode_s)
+        if job.components.outcomes:  # which encoder parts came from the component cache (docs/PROTOCOL.md)
+            reply.headers[protocol.H_CACHE_COMPONENTS] = job.components.header()
         if not joined:  # one report per job, as the service's own metrics count it
             reply.phases = tuple(metrics.job_phases(job))
         return reply

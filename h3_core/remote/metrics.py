@@ -29,6 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
+from ..component_cache import COMPONENTS, TIERS
+
 if TYPE_CHECKING:
     from .service import EncoderService, Job
 
@@ -86,6 +88,12 @@ class ServerMetrics:
         self.text_batch = Histogram(f"{PREFIX}_text_batch_size", "Requests per text-encoder forward in the "
                                     "server's batches of equal-length t2va prompts (1: encoded alone).",
                                     buckets=BATCH_BUCKETS, registry=self.registry)
+        self.component_hits = Counter(f"{PREFIX}_cache_component_hits", "Encoder parts of computed answers found in "
+                                      "the component cache, by component (text, video, audio) and tier (memory, "
+                                      "disk).", ["component", "tier"], registry=self.registry)
+        self.component_misses = Counter(f"{PREFIX}_cache_component_misses", "Encoder parts of computed answers "
+                                        "that were encoded (not in the component cache), by component.",
+                                        ["component"], registry=self.registry)
         self.registry.register(_StateCollector(service))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, open fds (Linux)
 
@@ -110,6 +118,19 @@ class ServerMetrics:
 
     def observe_text_batch(self, size: int) -> None:
         self.text_batch.observe(size)
+
+    def observe_components(self, header: str | None) -> None:
+        """Count a computed answer's encoder parts from its `X-H3-Cache-Components` header (`text=miss, video.0=disk,
+        ...`): the Ray ingress counts what its replicas found the same way."""
+        for item in (header or "").split(","):
+            label, _, outcome = item.strip().partition("=")
+            component = label.partition(".")[0]
+            if component not in COMPONENTS:
+                continue
+            if outcome == "miss":
+                self.component_misses.labels(component=component).inc()
+            elif outcome in TIERS:
+                self.component_hits.labels(component=component, tier=outcome).inc()
 
     # --- exposition ------------------------------------------------------------------------------
 
@@ -178,6 +199,7 @@ class _StateCollector:
             family = CounterMetricFamily(f"{PREFIX}_cache_{name}", help_text)
             family.add_metric([], value)
             yield family
+        yield from _component_tiers(service)
         events = CounterMetricFamily(f"{PREFIX}_events", "Server events by name (refusals: rejected_*, "
                                      "pushed_out; abandoned, deadline, client_gone, joined, computed, ...).",
                                      labels=["event"])
@@ -195,6 +217,29 @@ class _StateCollector:
             yield gauge("load_seconds", "Seconds from the start of loading to ready (every encoder and what surrounds "
                         "them).", service.load_seconds[TOTAL_LOAD])
         yield from _device_memory(service)
+
+
+def _component_tiers(service: "EncoderService") -> Iterable[Any]:
+    """Bytes, entries, evictions and faults of each tier of the encoder's component cache (none when it is off)."""
+    tiers = service.component_cache.stats() if getattr(service, "component_cache", None) is not None else {}
+    sizes = GaugeMetricFamily(f"{PREFIX}_cache_component_bytes", "Bytes of encoder parts in each tier of the "
+                              "component cache (disk: the whole shared directory, as of this process's last write).",
+                              labels=["tier"])
+    evictions = CounterMetricFamily(f"{PREFIX}_cache_component_evictions", "Component cache entries evicted to stay "
+                                    "within a tier's bytes (disk: by this process).", labels=["tier"])
+    faults = CounterMetricFamily(f"{PREFIX}_cache_component_faults", "Disk tier problems, each survived: "
+                                 "corrupt (an unreadable entry, deleted and recomputed), write_errors (full or "
+                                 "read-only disk).",
+                                 labels=["kind"])
+    for tier, stats in tiers.items():
+        sizes.add_metric([tier], stats["bytes"])
+        evictions.add_metric([tier], stats["evictions"])
+    if "disk" in tiers:
+        for kind in ("corrupt", "write_errors"):
+            faults.add_metric([kind], tiers["disk"][kind])
+    yield sizes
+    yield evictions
+    yield faults
 
 
 def _device_memory(service: "EncoderService") -> Iterable[Any]:

@@ -52,6 +52,7 @@ CONVERSION_ID = "h3_core.media.read_*/1"
 H_PROTOCOL = "X-H3-Protocol"
 H_MODEL = "X-H3-Model"
 H_CACHE = "X-H3-Cache"
+H_CACHE_COMPONENTS = "X-H3-Cache-Components"  # computed answers: each encoder part's tier or miss
 H_CHECKSUM = "X-H3-Checksum"  # the body's own checksum, repeated for logs and proxies
 H_FORMAT = "X-H3-Format"
 H_REQUEST_ID = "X-Request-Id"

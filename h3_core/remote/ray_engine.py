@@ -348,7 +348,9 @@ class H3Ingress:
         token = os.environ.get(settings.token_env) or None
         check_bind(settings.host, token, settings.token_env)  # refuse to start open beyond loopback
         self.encoder, self.settings = encoder, settings
-        self.config = replace(settings.config, token=token, track_progress=False)
+        # The replicas hold the component cache (their memory, and the shared --cache-dir); the ingress encodes nothing.
+        self.config = replace(settings.config, token=token, track_progress=False, component_cache_bytes=0,
+                              cache_dir=None)
         self._handler: asyncio.Task | None = None
 
     async def _build(self) -> RayHandler:
