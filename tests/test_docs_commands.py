@@ -68,6 +68,9 @@ BLOCKS = {
         "test_deploy_docs.py)",
         "# 2 replicas, one GPU each (starts a local Ray; loopback unless a token is set, as always)":
             "GPUs (--gpus-per-replica 1) and real weights; the README's Ray block runs --replicas 2 on CPU",
+        "# memory tier only (the default: 512 MiB per server process; 0 disables)": "real weights (/models/h3) and "
+        "/var/cache on the server machine; tests/test_component_cache_server.py runs the same flags (--cache-dir, "
+        "--cache-disk-bytes) on the tiny model, tests/test_remote_ray.py the Ray form",
         "# head node (also runs the HTTP proxy): the token in the environment of `ray start` — the ingress reads it "
         "there": "a Ray cluster over several hosts",
     },
