@@ -118,7 +118,8 @@ class Sampler(io.ComfyNode):
             lora=adapter,
             lora_strength=lora_strength,
             cache=cache,
-            on_cache=bridge.progress_text(cls.hidden.unique_id, "cache: {}"),
+            # the running block-pass count as the node's progress text (none for `off`: nothing is skipped)
+            on_cache=None if cache == step_cache.OFF else bridge.progress_text(cls.hidden.unique_id, "cache: {}"),
         )
         latents = bridge.run_interruptible(stage.sample, cond, options)
         return io.NodeOutput(bridge.av_latent(latents.video, latents.to_comfy_audio()))
