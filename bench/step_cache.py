@@ -119,3 +119,87 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- bench/gpu_check.py --cache: the presets at full size against the lossless run ----------------------------------
+
+PROMPT = "A red fox trots across fresh snow at dawn, its breath steaming; wind hisses through the pines."
+
+
+def ssim(a, b) -> float:
+    """Mean SSIM (Wang et al. 2004: 11x11 Gaussian window, sigma 1.5, K1 0.01, K2 0.03) of two float videos
+    [F, H, W, 3] in 0..1, per frame and channel."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = (t.permute(0, 3, 1, 2).reshape(-1, 1, t.shape[1], t.shape[2]).double() for t in (a, b))
+    g = torch.exp(-((torch.arange(11, dtype=torch.float64) - 5) ** 2) / (2 * 1.5**2))
+    window = (g[:, None] * g[None, :] / g.sum() ** 2)[None, None].to(x.device)
+    mean = lambda t: F.conv2d(t, window)
+    mx, my = mean(x), mean(y)
+    vx, vy, cov = mean(x * x) - mx**2, mean(y * y) - my**2, mean(x * y) - mx * my
+    c1, c2 = 0.01**2, 0.03**2
+    return float((((2 * mx * my + c1) * (2 * cov + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))).mean())
+
+
+def full_size(models, *, device, job: dict, steps: int, presets, cond_path=None, offload: str = "auto") -> dict:
+    """Each preset against `off` (the lossless run) on `models` at `job`'s size: wall ratio (synchronised), block
+    passes, latent rel. error, decoded-video PSNR and SSIM. Says when the folder holds only the tiny H3."""
+    import gc
+    import time
+
+    import torch
+
+    from h3_core import configs, dtypes, step_cache
+    from h3_core.contract import H3Conditioning
+    from h3_core.diffusion import DiffusionStage, SamplingOptions
+    from h3_core.encoder import EncoderStage
+    from h3_core.models import ModelSource
+    from h3_core.request import EncodeRequest
+
+    device = torch.device(device)
+    source = ModelSource.from_path(models)
+    if cond_path:
+        cond = H3Conditioning.load(cond_path)
+    else:
+        request = EncodeRequest.from_sources(PROMPT, task="t2va", width=job["width"], height=job["height"],
+                                             num_frames=job["frames"])
+        encoder = EncoderStage(source, components=("text",), device=device, offload=offload,
+                               dtype=dtypes.compute_dtype("text_encoder", device))
+        cond = encoder.encode(request)
+        del encoder
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    stage = DiffusionStage(source, dtype=dtypes.compute_dtype("transformer", device), device=device, offload=offload)
+    dit = stage.transformer(cond.task)
+    release_blocks = configs.get("transformer")["num_layers"]
+    tiny = len(dit.transformer_blocks) < release_blocks
+    note = (f"only the tiny H3 ({len(dit.transformer_blocks)} blocks, random weights) in this models folder: the wall "
+            f"ratios show the machinery, the quality figures say nothing about real weights; give --models a "
+            f"folder with the released DiT ({release_blocks} blocks) for those") if tiny else \
+        "real weights: quality against the lossless (off) run of the same seed"
+
+    def sample(preset):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        latents = stage.sample(cond, SamplingOptions(steps=steps, seed=0, cache=preset))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return latents, time.perf_counter() - start
+
+    sample(step_cache.OFF if steps <= 3 else "every:2")  # warm-up: kernels, allocator, the streamed prefetch order
+    off, off_s = sample(step_cache.OFF)
+    off_video = stage.decode(off, cond.task).video
+    rows = {step_cache.OFF: {"seconds": off_s, "wall_ratio": 1.0, "passes": str(off.passes)}}
+    for preset in presets:
+        if preset == step_cache.OFF:
+            continue
+        latents, seconds = sample(preset)
+        video = stage.decode(latents, cond.task).video
+        rows[preset] = {"seconds": seconds, "wall_ratio": seconds / off_s, "speedup": off_s / seconds,
+                        "passes": str(latents.passes), "latent_rel_err": rel_err(latents.video, off.video),
+                        "video_psnr_db": psnr(video, off_video), "video_ssim": ssim(video, off_video)}
+    return {"mode": "cache", "tiny_model": tiny, "note": note, "job": job, "steps": steps,
+            "cond": cond_path or f"encoded here: {PROMPT!r}", "presets": rows}

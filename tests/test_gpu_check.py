@@ -50,3 +50,18 @@ def test_release_files_are_sparse_and_planned_from_their_headers(tmp_path):
     assert os.stat(path).st_blocks * 512 < 1 << 20
     plan = planner.plan_file(path, width=1344, height=768, frames=124)
     assert plan.blocks == 50 and plan.streamed_peak < 10e9 < plan.resident_peak
+
+
+def test_gpu_check_cache_small_runs_on_cpu_and_says_tiny(tiny_dir, tmp_path, capsys):
+    """`--cache`: the step-cache presets against the lossless run (bench/step_cache.py), here on the tiny H3 on CPU;
+    the result says the folder only held the tiny model."""
+    out = tmp_path / "cache.json"
+    assert gpu_check.main(["--cache", "--small", "--models", str(tiny_dir), "--steps", "3", "--presets", "every:2",
+                           "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == result
+    assert result["tiny_model"] is True and result["note"].startswith("only the tiny H3 (2 blocks")
+    assert result["job"] == {"width": 64, "height": 64, "frames": 124} and result["device"] == "cpu"
+    off, every2 = result["presets"]["off"], result["presets"]["every:2"]
+    assert off["passes"] == "4/4 block passes computed" and every2["passes"] == "2/4 block passes computed"
+    assert every2["wall_ratio"] > 0 and 0 < every2["video_ssim"] <= 1 and every2["video_psnr_db"] > 20
