@@ -128,23 +128,30 @@ def test_fast_skips_blocks_on_a_20_step_run(stage, cond):
     assert _rel(fast.video, off.video) < 0.05
 
 
-def test_quantised_twin_streamed_skips_the_cached_blocks(tiny_dir, cond, onloads):
-    """int8 + ConvRot DiT, `--offload block`: a cached forward never onloads a skipped block; streamed equals
-    resident bit for bit under the same cache."""
+@pytest.mark.parametrize("preset", ["every:2", "fast"])
+def test_quantised_twin_streamed_skips_the_cached_blocks(tiny_dir, cond, onloads, preset):
+    """int8 + ConvRot DiT, `--offload block`: a block is onloaded exactly when it runs (never on a step that skips
+    it); streamed equals resident bit for bit under the same cache, and the hooked forward is given back."""
+    if preset == "fast":
+        pytest.importorskip("cache_dit")
     path = tiny_dir / "comfyui" / "diffusion_models" / "minimax_h3_tiny_fl2va_int8_convrot.safetensors"
     if not path.is_file():
         pytest.skip("this tiny build has no quantised twins")
     source = ModelSource.from_path(tiny_dir, layout="comfyui")
     source.paths["transformer"] = path
-    resident = _sample(DiffusionStage(source), cond, "every:2")
+    resident = _sample(DiffusionStage(source), cond, preset, steps=12)
     assert not onloads
     stage = DiffusionStage(source, offload="block")
-    streamed = _sample(stage, cond, "every:2")
-    assert torch.equal(streamed.video, resident.video) and torch.equal(streamed.audio, resident.audio)
     dit = stage.transformer("t2va")
+    hooked_forward = dit.forward  # group offloading's own forward (an instance attribute)
+    streamed = _sample(stage, cond, preset, steps=12)
+    assert torch.equal(streamed.video, resident.video) and torch.equal(streamed.audio, resident.audio)
+    assert streamed.passes.computed == resident.passes.computed < streamed.passes.total
     assert any(p.dtype == torch.int8 for p in dit.transformer_blocks[0].parameters())
-    for block in dit.transformer_blocks:  # onloaded on the 4 computed forwards of 8, never on a cached one
-        assert sum(module is block for module in onloads) == 4
+    runs = [sum(module is block for module in onloads) for block in dit.transformer_blocks]
+    assert sum(runs) == streamed.passes.computed
+    assert runs[0] == (6 if preset == "every:2" else 11)  # every:2: forwards 0, 2, .. 10; fast: block 0 always runs
+    assert dit.forward is hooked_forward
 
 
 def test_prefetch_links_into_skippable_blocks_are_cut(tiny_dir, cond, monkeypatch):
