@@ -173,7 +173,7 @@ def full_size(models, *, device, job: dict, steps: int, presets, cond_path=None,
             torch.cuda.empty_cache()
     stage = DiffusionStage(source, dtype=dtypes.compute_dtype("transformer", device), device=device, offload=offload)
     dit = stage.transformer(cond.task)
-    release_blocks = configs.get("transformer")["num_layers"]
+    release_blocks = configs.get("transformer", tiny=False)["num_layers"]
     tiny = len(dit.transformer_blocks) < release_blocks
     note = (f"only the tiny H3 ({len(dit.transformer_blocks)} blocks, random weights) in this models folder: the wall "
             f"ratios show the machinery, the quality figures say nothing about real weights; give --models a "
