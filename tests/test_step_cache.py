@@ -5,10 +5,12 @@ import pytest
 import torch
 from diffusers.hooks import group_offloading
 from h3_reference import monolithic
+from test_lora import _comfy_lora
 
 from h3_core import cli, step_cache
 from h3_core.diffusion import DiffusionStage, SamplingOptions
 from h3_core.encoder import EncoderStage
+from h3_core.lora import LoRA
 from h3_core.models import ModelSource
 from h3_core.rules import H3InputError
 from h3_core.testing import CASES
@@ -104,6 +106,19 @@ def test_every_2_computes_every_other_forward_and_is_reproducible(stage, cond):
     assert _rel(cached.video, off.video) < 0.05 and _rel(cached.audio, off.audio) < 0.05  # audio stays in step
     again = _sample(stage, cond, "every:2")
     assert torch.equal(again.video, cached.video) and torch.equal(again.audio, cached.audio)
+
+
+def test_every_2_with_a_lora_is_reproducible_and_leaves_nothing(stage, cond, tmp_path):
+    dit = stage.transformer("t2va")
+    _comfy_lora(tmp_path / "turbo.safetensors", dit)
+    lora = LoRA.load(tmp_path / "turbo.safetensors")
+    plain = _sample(stage, cond, "every:2")
+    first = _sample(stage, cond, "every:2", lora=lora)
+    second = _sample(stage, cond, "every:2", lora=lora)
+    assert torch.equal(first.video, second.video) and torch.equal(first.audio, second.audio)
+    assert not torch.equal(first.video, plain.video) and first.passes.computed == 4 * len(dit.transformer_blocks)
+    again = _sample(stage, cond, "every:2")
+    assert torch.equal(again.video, plain.video) and torch.equal(again.audio, plain.audio)
 
 
 @pytest.mark.parametrize("preset", ["quality", "fast"])
