@@ -5,6 +5,7 @@ streamed text-encoder forward, each measured peak next to the planner's predicti
     python bench/gpu_check.py --small --models DIR    # the tiny H3's twins on CPU, same code path (a test runs it)
     python bench/gpu_check.py --sp 1,2,4              # the DiT sequence-parallel on 1, 2, 4 GPUs: scaling
     python bench/gpu_check.py --small --models DIR --sp 1,2   # the same on CPU with gloo ranks (a test runs it)
+    python bench/gpu_check.py --cache --models DIR    # step-cache presets vs off at 1344x768x124 (bench/step_cache.py)
 
 Weights (`--weights release`, the default): the pruned int8 + ConvRot DiT and the int8 + ConvRot text
 encoder, as the synthetic release-size headers describe them (`weights.release_headers`), written as sparse
@@ -353,7 +354,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--sp", help="comma-separated sequence-parallel degrees, e.g. 1,2,4: the DiT's scaling only "
                         "(one process per GPU; gloo processes with --small)")
+    parser.add_argument("--cache", action="store_true",
+                        help="instead: step-cache presets vs off on --models (a ComfyUI models folder with real "
+                        "weights, or a tiny build, which the JSON then says) at 1344x768x124; wall ratio, PSNR / SSIM")
+    parser.add_argument("--cond", help="with --cache: a conditioning file (`python -m h3_core encode`); default: "
+                        "encode a fixed prompt with the folder's text encoder")
+    parser.add_argument("--steps", type=int, default=50, help="with --cache: sigma points (default 50)")
+    parser.add_argument("--presets", default="quality,balanced,fast,every:2,every:3",
+                        help="with --cache: comma-separated presets (h3_core/step_cache.py)")
     args = parser.parse_args(argv)
+    if args.cache:
+        return _cache_main(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu"))
     tiny = args.small
     release = args.weights == "release"
@@ -388,6 +399,24 @@ def main(argv=None) -> int:
             result["checks"] += records if isinstance(records, list) else [records]
     result["seconds_total"] = round(time.perf_counter() - started, 1)
     text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+    return 0
+
+
+def _cache_main(args) -> int:
+    from bench import step_cache
+
+    if not args.models:
+        raise SystemExit("--cache needs --models: a ComfyUI models folder (or a tiny build: python -m h3_core tiny)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu"))
+    job = {"width": 64, "height": 64, "frames": 124} if args.small else {"width": 1344, "height": 768, "frames": 124}
+    result = step_cache.full_size(args.models, device=device, job=job, steps=args.steps,
+                                  presets=[p for p in args.presets.split(",") if p], cond_path=args.cond)
+    result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    text = json.dumps(result, indent=2, default=float)
     print(text)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:

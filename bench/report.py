@@ -192,6 +192,16 @@ def targets(results: dict) -> list[dict[str, Any]]:
     else:
         add(name, None, 1.1, "<=", "")
     _component_targets(results.get("components"), add)
+
+    every2 = _get(results, "cache", "presets", "every:2")  # only when the step-cache section ran (bench/step_cache.py)
+    if every2:
+        ratio = every2["wall_ratio"]
+        add("step cache every:2 wall time <= 0.6 x off (tiny H3, 20 steps)", ratio["median_ratio"], 0.6, "<=",
+            f"95 % CI {ratio['ci95'][0]:.3f} .. {ratio['ci95'][1]:.3f}, all presets interleaved in one process",
+            why="the cached forwards still run the embedders, the token refiner, the output heads and the "
+                "scheduler, which the 2-block tiny DiT does not outweigh")
+        add("step cache every:2 block passes computed <= 0.55 of off", every2["passes_ratio"], 0.55, "<=",
+            f"{every2['passes_computed']}/{every2['passes_total']} block passes")
     return out
 
 
@@ -406,6 +416,12 @@ def markdown(results: dict) -> str:
     for note in meta.get("notes", []):
         L.append(f"- {note}")
     L.append("")
+    if results.get("cache"):
+        from bench import step_cache
+
+        L += ["", "## Step caching (`bench/step_cache.py`)", "",
+              f"Tiny H3, {results['cache']['case']}, {results['cache']['steps']} steps, same seed; quality against "
+              "`off`.", ""] + step_cache.table(results["cache"])
     return "\n".join(L)
 
 

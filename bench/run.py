@@ -7,7 +7,8 @@ Runs five sections on CPU with the embedded tiny H3 (built into a temporary fold
   4. the encoder server under 1 / 4 / 16 concurrent clients, and cache hits
   5. VAE peak memory and time vs canvas, frames and audio duration
   (also: the Ray Serve engine, fairness between clients, and the encoder's component cache: prompt edits and
-  restarts, bench/component_cache.py)
+  restarts, bench/component_cache.py; and step caching presets vs off on the tiny H3 at 20 steps,
+  bench/step_cache.py)
 writes results.md, results.json and PNG plots (bench/results/, or bench/results/quick/ for --quick), and ends with
 one line per target (its measured ratio) and `targets met: N/M`.
 """
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SECTIONS = ("split", "wire", "remote", "vae", "ray", "fairness", "components")
+SECTIONS = ("split", "wire", "remote", "vae", "ray", "fairness", "components", "cache")
 
 FULL = {
     "split": dict(pairs=20, steps=50, width=64, height=64, frames=124, load_rounds=3),
@@ -37,6 +38,7 @@ FULL = {
     "remote": dict(reps={"text": 30, "refs": 10}, plan={1: 50, 4: 12, 16: 4}, passes=4,
                    hits={"sequential": 400, "concurrent": 20, "under_load": 100, "busy_per_client": 15}),
     "components": dict(rounds=4, restarts=2),
+    "cache": dict(steps=20, pairs=3),
     "vae": dict(canvas=[256, 384, 512, 768, 1024], canvas_frames=22, frames=[22, 56, 124, 209], frames_canvas=384,
                 encode_canvas=[256, 384, 512, 768, 1024], encode_frames=[22, 39, 56, 73], encode_frames_canvas=128,
                 audio_seconds=[2.5, 5.0, 10.0, 15.0], reps=2, per_process=True),
@@ -47,6 +49,7 @@ QUICK = {
     "remote": dict(reps={"text": 8, "refs": 3}, plan={1: 16, 4: 4, 16: 2}, passes=2,
                    hits={"sequential": 150, "concurrent": 5, "under_load": 30, "busy_per_client": 5}),
     "components": dict(rounds=2, restarts=1),
+    "cache": dict(steps=20, pairs=1, presets=["every:2", "fast"]),
     "vae": dict(canvas=[256, 384, 512, 768], canvas_frames=22, frames=[22, 56, 124], frames_canvas=256,
                 encode_canvas=[256, 512], encode_frames=[22, 39], encode_frames_canvas=64,
                 audio_seconds=[2.5, 10.0], reps=1, per_process=False, compare_canvas=[192, 384], compare_rounds=2),
@@ -173,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                     results["vae"]["wide"] = vae_wide.run(str(models), threads=args.threads)
             elif section == "ray":  # Ray Serve engine (bench/ray_bench.py), its plan there
                 results["ray"] = __import__("bench.ray_bench").ray_bench.run(models, args.threads, args.quick)
+            elif section == "cache":  # step caching presets vs off (bench/step_cache.py)
+                from bench import step_cache
+
+                results["cache"] = step_cache.run(models, threads=args.threads, **plan["cache"])
             elif section == "fairness":  # writes fairness.md / fairness.json next to results.md
                 # In a fresh process: run after the wire section in this one, its 16 client threads measured a p99
                 # 2.4x higher (1.22 vs 0.50 of the fair share). The cause is Python's cyclic GC: the earlier

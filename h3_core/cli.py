@@ -144,12 +144,14 @@ def _generate(args, layout=None, rank: int = 0) -> None:
         progress=_progress("denoise") if lead else None,
         lora=LoRA.load(args.lora) if args.lora else None,
         lora_strength=args.lora_strength,
+        cache=args.cache,
     )
     if not lead:
         stage.sample(cond, options)
         return
     with progress.reporting(loadbar.wrap(_phase_printer())):
         latents = stage.sample(cond, options)
+        _log(f"cache: {latents.passes}")
         if not args.dump:  # streamed: each decoded clip goes to the mp4 encoder, the video is never held whole
             stage.decode_to_mp4(latents, args.out, cond.task)
         else:
@@ -284,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--sp-mode", choices=("ulysses", "ring"), default="ulysses",
                           help="attention exchange between ranks (ring: CUDA only; default %(default)s)")
+    generate.add_argument(
+        "--cache", default="off",
+        help="step caching of the DiT: off (default, exact), quality, balanced, fast (cache-dit's DBCache, "
+        "pip install cache-dit), every:K (the block stack every K-th step), or dbcache:fn=1,bn=1,warmup=4,"
+        "threshold=0.12,max_continuous=3,max_cached=-1,taylorseer=1 (docs/REAL_WEIGHTS.md, Step caching)",
+    )
     generate.set_defaults(func=_cmd_generate)
 
     check = sub.add_parser("check", help="identify a weights file/folder and check its keys (headers only)")

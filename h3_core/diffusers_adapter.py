@@ -188,3 +188,44 @@ def install_uneven_gather_for_gloo() -> None:
 
     all_gather_anything._h3_gloo_shim = True
     setattr(module, attribute, all_gather_anything)
+
+
+# --- step caching (h3_core/step_cache.py) ----------------------------------------------------------------------------
+# diffusers' block cache hooks (FirstBlockCache, MagCache, ...) and the pack's `every:K` hook read a block's
+# hidden-states argument and output through `TransformerBlockRegistry`, which does not list H3's block; the
+# per-run hook state lives in a `StateManager`, switched by the model's `cache_context`.
+PRIVATE_HELPERS.update({
+    "transformer_block_registry": (
+        "diffusers.hooks._helpers", "TransformerBlockRegistry.register", ("model_class", "metadata"),
+    ),
+    "transformer_block_metadata": (
+        "diffusers.hooks._helpers", "TransformerBlockMetadata",
+        ("return_hidden_states_index", "return_encoder_hidden_states_index", "hidden_states_argument_name"),
+    ),
+    "hook_state_manager": ("diffusers.hooks.hooks", "StateManager", ("state_cls", "init_args", "init_kwargs")),
+    "hook_base_state": ("diffusers.hooks.hooks", "BaseState", ()),
+    # Group offloading's per-group hook: its `next_group` is the prefetch link a cached step must not follow.
+    "group_offloading_hook": ("diffusers.hooks.group_offloading", "GroupOffloadingHook", ("group",)),
+})
+
+
+def register_h3_block() -> object:
+    """List H3's transformer block in diffusers' `TransformerBlockRegistry` (idempotent) and return its metadata:
+    the block takes `hidden_states` first and returns the new hidden states alone (one packed sequence, no
+    separate encoder stream)."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+
+    metadata = _helper("transformer_block_metadata")(return_hidden_states_index=None,
+                                                     return_encoder_hidden_states_index=None,
+                                                     hidden_states_argument_name="hidden_states")
+    _helper("transformer_block_registry")(model_class=MiniMaxH3TransformerBlock, metadata=metadata)
+    return metadata
+
+
+def hook_state_classes() -> tuple[type, type]:
+    """(BaseState, StateManager): diffusers' per-context state of a stateful hook."""
+    return _helper("hook_base_state"), _helper("hook_state_manager")
+
+
+def group_offloading_hook_class() -> type:
+    return _helper("group_offloading_hook")

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import configs, dtypes, previews, progress, rules, vae_stream
+from . import configs, dtypes, previews, progress, rules, step_cache, vae_stream
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning
 from .lora import LoRA
@@ -41,6 +41,7 @@ class AVLatents:
     video: torch.Tensor  # [1, 24, latent_t, H/16, W/16], normalised (diffusers' `latents`)
     audio: torch.Tensor  # [2, 32, audio_t]: stereo as the batch of the mono audio VAE
     num_frames: int
+    passes: step_cache.Passes | None = None  # block passes computed / total in the run that made these latents
 
     def to_comfy_audio(self) -> torch.Tensor:
         """ComfyUI core's audio latent layout [1, 32, 2, T] (a view change, lossless)."""
@@ -79,12 +80,17 @@ class SamplingOptions:
     # Called after every step with the clean-video estimate (h3_core/previews.py), instead of `progress`
     # for that step (it carries the same counts).
     preview: PreviewFn | None = None
+    # Step caching (h3_core/step_cache.py): off / quality / balanced / fast / every:K / dbcache:...; `on_cache` is
+    # called after every DiT forward with the running block-pass count.
+    cache: str = step_cache.OFF
+    on_cache: step_cache.PassesFn | None = None
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
             raise rules.H3InputError(
                 f"steps must be an integer >= 2 (sigma points incl. the final 0), got {self.steps!r}"
             )
+        step_cache.parse(self.cache)  # a bad cache string fails here, before any weights load
 
     def generator(self) -> torch.Generator:
         return torch.Generator("cpu").manual_seed(int(self.seed))
@@ -256,13 +262,15 @@ class DiffusionStage:
         ]
         lora = options.lora
         lora_context = contextlib.nullcontext() if lora is None else lora.applied(transformer, options.lora_strength)
+        caching = step_cache.applied(transformer, step_cache.parse(options.cache), options.steps - 1, options.on_cache)
         try:
-            with lora_context:
+            with lora_context, caching as passes:
                 state = run_blocks(pipe, **inputs)
         finally:
             for handle in handles:
                 handle.remove()
-        return AVLatents(video=state.get("latents"), audio=state.get("audio_latents"), num_frames=cond.num_frames)
+        return AVLatents(video=state.get("latents"), audio=state.get("audio_latents"), num_frames=cond.num_frames,
+                         passes=passes)
 
     # --- decoding --------------------------------------------------------------------------------
 

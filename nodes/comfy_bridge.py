@@ -172,6 +172,19 @@ def progress_callback(node_id: str | None):
     return report
 
 
+def progress_text(node_id: str | None, template: str):
+    """A callback showing `template.format(value)` as the node's progress text (ComfyUI's text channel, as core's
+    image-size node uses); nothing without a server or node id."""
+    from server import PromptServer
+
+    def show(value) -> None:
+        server = getattr(PromptServer, "instance", None)
+        if server is not None and node_id is not None:
+            server.send_progress_text(template.format(value), node_id)
+
+    return show
+
+
 def phase_progress(node_id: str | None):
     """A `progress.reporting` sink: every named phase h3_core reports inside a node drives that node's bar
     (one bar per phase, restarted when the phase changes: e.g. decode tiles, then the audio decode)."""

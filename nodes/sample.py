@@ -5,7 +5,7 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io
 
-from ..h3_core import assembly, configs
+from ..h3_core import assembly, configs, step_cache
 from ..h3_core.diffusion import DiffusionStage, SamplingOptions
 from ..h3_core.lora import LoRA
 from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
@@ -73,6 +73,16 @@ class Sampler(io.ComfyNode):
                     optional=True,
                     tooltip="Multiplier on the LoRA's update.",
                 ),
+                io.Combo.Input(
+                    "cache",
+                    options=list(step_cache.CHOICES),
+                    default=step_cache.OFF,
+                    optional=True,
+                    tooltip="Step caching of the DiT: skip the block stack on steps where it barely changes. off: "
+                    "exact. quality / balanced / fast: cache-dit's adaptive DBCache (needs `pip install cache-dit`), "
+                    "faster and further from off in that order. every:K: the stack every K-th step only (about 1/K "
+                    "of the block passes). The progress text shows block passes computed.",
+                ),
             ],
             outputs=[io.Latent.Output(tooltip="AV latent: video [1,24,T,H/16,W/16] + audio [1,32,2,Ta].")],
             hidden=[io.Hidden.unique_id],
@@ -80,7 +90,8 @@ class Sampler(io.ComfyNode):
 
     @classmethod
     def execute(
-        cls, dit, conditioning, seed, steps, video_shift, audio_shift, lora=NO_LORA, lora_strength=1.0
+        cls, dit, conditioning, seed, steps, video_shift, audio_shift, lora=NO_LORA, lora_strength=1.0,
+        cache=step_cache.OFF,
     ) -> io.NodeOutput:
         cond = assembly.conditioning_from_core(conditioning)  # complete + valid, before any heavy work
         needed = PARTITION_OF_TASK[cond.task]
@@ -106,6 +117,9 @@ class Sampler(io.ComfyNode):
             cancel=bridge.InterruptFlag(),
             lora=adapter,
             lora_strength=lora_strength,
+            cache=cache,
+            # the running block-pass count as the node's progress text (none for `off`: nothing is skipped)
+            on_cache=None if cache == step_cache.OFF else bridge.progress_text(cls.hidden.unique_id, "cache: {}"),
         )
         latents = bridge.run_interruptible(stage.sample, cond, options)
         return io.NodeOutput(bridge.av_latent(latents.video, latents.to_comfy_audio()))

@@ -3,7 +3,8 @@
 The real numbers come from `python bench/run.py` (bench/results/); here only the machinery is exercised: statistics
 and interleaving, the synthetic contracts in the wire form, one wire round over the real server code,
 the load driver and cache-hit probe against an in-process server, the streamed VAE decode's bit-exactness, one VAE
-memory worker, the stage-1-only folder, and the report (targets, markdown, JSON, plots) from a fabricated result.
+memory worker, the stage-1-only folder, the step-cache presets against off, and the report (targets, markdown,
+JSON, plots) from a fabricated result.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import pytest
 import torch
 
-from bench import common, remote, report, split, vae, wire
+from bench import common, remote, report, split, step_cache, vae, wire
 from bench.synth import raw_tensor_bytes, synth_conditioning
 
 
@@ -202,6 +203,17 @@ def test_component_cache_bench_request_and_vision_share(tiny_dir):
     assert request.ref_videos[0].frames.shape[0] == 120 and request.ref_videos[0].audio is not None
     share = component_cache.vision_share(str(tiny_dir), threads=1)
     assert 0 < share["vision_s"] < share["text_s"] and 0 < share["vision_share"] < 1
+
+
+def test_step_cache_bench_compares_presets_with_off(tiny_dir):
+    results = step_cache.run(tiny_dir, steps=5, pairs=1, presets=["every:2"])
+    off, every2 = results["presets"]["off"], results["presets"]["every:2"]
+    assert (off["passes_computed"], off["passes_total"]) == (8, 8) and off["latent_rel_err"] == 0
+    assert (every2["passes_computed"], every2["passes_total"]) == (4, 8) and every2["passes_ratio"] == 0.5
+    assert 0 < every2["latent_rel_err"] < 0.05 and 20 < every2["video_psnr_db"] < float("inf")
+    targets = report.targets({"meta": {}, "cache": results})
+    assert [t["met"] for t in targets if t["name"].startswith("step cache every:2 block passes")] == [True]
+    assert step_cache.table(results)[3].startswith("| every:2 | ")
 
 
 def test_report_targets_markdown_json_and_plots(tmp_path):

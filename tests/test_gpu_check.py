@@ -67,3 +67,18 @@ def test_gpu_check_sp_scaling_runs_on_cpu(tiny_dir, tmp_path, monkeypatch, capsy
     assert one["speedup"] == 1.0 and two["speedup"] > 0 and two["seconds_per_forward"] > 0
     assert two["weights_bytes"] == one["weights_bytes"]
     assert two["planned_activation_bytes"] == -(-one["planned_activation_bytes"] // 2)
+
+
+def test_gpu_check_cache_small_runs_on_cpu_and_says_tiny(tiny_dir, tmp_path, capsys):
+    """`--cache`: the step-cache presets against the lossless run (bench/step_cache.py), here on the tiny H3 on CPU;
+    the result says the folder only held the tiny model."""
+    out = tmp_path / "cache.json"
+    assert gpu_check.main(["--cache", "--small", "--models", str(tiny_dir), "--steps", "3", "--presets", "every:2",
+                           "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == result
+    assert result["tiny_model"] is True and result["note"].startswith("only the tiny H3 (2 blocks")
+    assert result["job"] == {"width": 64, "height": 64, "frames": 124} and result["device"] == "cpu"
+    off, every2 = result["presets"]["off"], result["presets"]["every:2"]
+    assert off["passes"] == "4/4 block passes computed" and every2["passes"] == "2/4 block passes computed"
+    assert every2["wall_ratio"] > 0 and 0 < every2["video_ssim"] <= 1 and every2["video_psnr_db"] > 20

@@ -286,6 +286,23 @@ def test_no_previews_unless_the_user_asks(server):
     assert any(m["node"] == decode and m["max"] > 1 for m in result.of_type("progress"))  # decode tiles
 
 
+def test_sampler_cache_widget_runs_and_shows_block_passes(server):
+    """The appended `cache` widget (h3_core/step_cache.py): every:2 on 4 DiT forwards of the 2-block tiny DiT runs the
+    stack on forwards 0 and 2, and the node's progress text (ComfyUI's binary text channel) says so."""
+    graph = api("t2va")
+    node_of(graph, "H3SplitSampler")["inputs"].update(seed=17, steps=5, cache="every:2")
+    sampler = id_of(graph, "H3SplitSampler")
+    result = server.run_prompt(graph, timeout=600)
+    assert result.status == "success"
+    texts = [frame for frame in result.binary if sampler.encode() in frame and b"block passes" in frame]
+    assert texts and texts[-1].endswith(b"cache: 4/8 block passes computed")
+    assert [(m["value"], m["max"]) for m in result.of_type("progress") if m["node"] == sampler][-1] == (4, 4)
+    bad = api("t2va")
+    node_of(bad, "H3SplitSampler")["inputs"]["cache"] = "every:1"
+    result = server.run_prompt(bad, timeout=600, check=False)
+    assert result.status == "error" and "every:K needs an integer K >= 2" in _error_text(result)
+
+
 def test_interrupt_stops_the_sampler_within_one_step(server):
     graph = api("t2va")
     node_of(graph, "H3SplitSampler")["inputs"].update(steps=200, seed=5)
