@@ -5,7 +5,7 @@ import pytest
 import torch
 from diffusers.hooks import group_offloading
 from h3_reference import monolithic
-from test_lora import _comfy_lora
+from lora_support import comfy_lora as _comfy_lora
 
 from h3_core import cli, step_cache
 from h3_core.diffusion import DiffusionStage, SamplingOptions
