@@ -13,9 +13,11 @@ CONDITIONING is the contract in core's form and nothing else (`H3Conditioning.to
 CONDITIONING holds, after whatever core's nodes did to it (`conditioning_from_core`, stage-1 side, runs no
 encoder code).
 
-The parts never hold normalised media: they keep the request (whose media are the media node's own arrays,
-which ComfyUI caches anyway) and what normalisation resolved; each encode node normalises again while it runs
-(`media()`, deterministic), so no cached CONDITIONING keeps a decoded copy of a reference alive.
+The request's normalised media (resized reference frames, resampled audio: at release size ~380 MB for one 5 s
+reference video) are made once per chain and shared by its parts (`_Normalised`) until the chain completes; then
+they are released, so no CONDITIONING in ComfyUI's cache keeps them alive. An encode node that runs again later
+from a cached, released chain normalises again from the request (deterministic; the request's media are the media
+node's own arrays, which ComfyUI caches anyway).
 """
 
 from __future__ import annotations
@@ -55,6 +57,15 @@ class Resolved:
                    prepared.needs_audio_vae)
 
 
+class _Normalised:
+    """The normalised media of one encode chain, shared by all its parts; emptied when the chain completes."""
+
+    __slots__ = ("prepared",)
+
+    def __init__(self, prepared: Prepared | None = None):
+        self.prepared = prepared
+
+
 @dataclass(frozen=True)
 class EncodingParts:
     request: EncodeRequest  # as the graph gave it: no copy of its media
@@ -65,12 +76,14 @@ class EncodingParts:
     condition_latents: tuple[torch.Tensor, ...] | None = None  # None: video VAE not run yet
     audio_condition_latents: tuple[torch.Tensor, ...] | None = None  # None: audio VAE not run yet
     metadata: dict = field(default_factory=dict)
-    # The normalised media, only while the node that normalised them runs: `to_core` drops them.
-    normalised: Prepared | None = field(default=None, compare=False, repr=False)
+    normalised: _Normalised = field(default_factory=lambda: _Normalised(), compare=False, repr=False)
 
     def media(self) -> Prepared:
-        """The request's media normalised as diffusers' `before_encode` does (again, if this node has not yet)."""
-        return self.normalised if self.normalised is not None else prepare(self.request, self.pipeline_config)
+        """The request's media normalised as diffusers' `before_encode` does: the chain's, or made again when the
+        chain already completed and released them."""
+        if self.normalised.prepared is None:
+            self.normalised.prepared = prepare(self.request, self.pipeline_config)
+        return self.normalised.prepared
 
     @property
     def missing(self) -> list[str]:
@@ -114,37 +127,34 @@ def start(request: EncodeRequest, pipeline_config: dict) -> EncodingParts:
     """Validate and normalise a request (no model needed); every encoder part starts from this."""
     prepared = prepare(request, pipeline_config)
     return EncodingParts(request=request, resolved=Resolved.of(prepared), pipeline_config=dict(pipeline_config),
-                         normalised=prepared)
+                         normalised=_Normalised(prepared))
 
 
 def add_text(parts: EncodingParts, stage: EncoderStage) -> EncodingParts:
-    prepared = parts.media()
-    prompt_embeds, tags = stage.encode_text(prepared)
+    prompt_embeds, tags = stage.encode_text(parts.media())
     metadata = {**parts.metadata, "text_model": stage.fingerprint} if stage.fingerprint else parts.metadata
-    return replace(parts, prompt_embeds=prompt_embeds, text_token_tags=tags, metadata=metadata, normalised=prepared)
+    return replace(parts, prompt_embeds=prompt_embeds, text_token_tags=tags, metadata=metadata)
 
 
 def add_video(parts: EncodingParts, stage: EncoderStage) -> EncodingParts:
-    prepared = parts.media()
-    return replace(parts, condition_latents=tuple(stage.encode_video(prepared)), normalised=prepared)
+    return replace(parts, condition_latents=tuple(stage.encode_video(parts.media())))
 
 
 def add_audio(parts: EncodingParts, stage: EncoderStage) -> EncodingParts:
-    prepared = parts.media()
-    return replace(parts, audio_condition_latents=tuple(stage.encode_audio(prepared)), normalised=prepared)
+    return replace(parts, audio_condition_latents=tuple(stage.encode_audio(parts.media())))
 
 
 # --- ComfyUI core CONDITIONING form (plain lists and dicts: no ComfyUI import) -------------------
 
 
 def to_core(parts: EncodingParts) -> list:
-    """Complete: the contract's core form, and nothing else. Incomplete: `[[cross_attn, extras]]` with the parts
-    (minus their normalised media) for the next encode node."""
+    """Complete: the contract's core form, and nothing else (the chain's normalised media are released).
+    Incomplete: `[[cross_attn, extras]]` with the parts for the next encode node."""
     if parts.prompt_embeds is None:
         raise IncompleteConditioning("the text encoder part comes first: a conditioning starts at H3 Text Encode")
     if parts.is_complete:
+        parts.normalised.prepared = None  # the chain is done: cached earlier outputs stop holding the media
         return parts.complete().to_comfy()
-    parts = replace(parts, normalised=None)
     return [[parts.prompt_embeds, {"minimax_token_tags": parts.text_token_tags, PARTS_KEY: parts}]]
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from h3_core import assembly
+from h3_core.contract import H3Conditioning
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.testing import CASES
@@ -43,8 +44,7 @@ def test_parts_equal_one_call(case, stages):
     parts = assembly.add_text(parts, text)
     core = assembly.to_core(parts)
     parts = assembly.from_core(core)
-    if parts is not None:  # the VAE nodes normalise the media again, from the request the parts keep
-        assert parts.normalised is None
+    if parts is not None:
         parts = assembly.add_audio(assembly.add_video(parts, video), audio)
         core = assembly.to_core(parts)
     _same(assembly.conditioning_from_core(core), full.encode(request))
@@ -83,11 +83,19 @@ def test_complete_conditioning_is_the_contract_alone(stages):
     parts = assembly.add_text(assembly.start(request, full.pipeline_config), text)
     incomplete = assembly.to_core(parts)
     assert set(incomplete[0][1]) == {"minimax_token_tags", assembly.PARTS_KEY}
-    assert assembly.from_core(incomplete).normalised is None  # no normalised media in a cached output
-    complete = assembly.to_core(assembly.add_audio(assembly.add_video(assembly.from_core(incomplete), video), audio))
+    held = assembly.from_core(incomplete).normalised
+    normalised = held.prepared
+    assert normalised is not None  # shared down the chain: the VAE nodes do not normalise again
+    with_video = assembly.add_video(assembly.from_core(incomplete), video)
+    assert with_video.media() is normalised
+    complete = assembly.to_core(assembly.add_audio(with_video, audio))
+    assert held.prepared is None  # released: the cached Text Encode output no longer holds the media
     cond = full.encode(request)
     assert set(complete[0][1]) == set(cond.to_comfy()[0][1])
     assert assembly.from_core(complete) is None
+    # a VAE node running again from the cached, released chain normalises again and gets the same result
+    again = assembly.to_core(assembly.add_audio(assembly.add_video(assembly.from_core(incomplete), video), audio))
+    assert H3Conditioning.from_comfy(again) == H3Conditioning.from_comfy(complete)
 
 
 def test_the_sampler_reads_what_the_conditioning_holds(stages):
