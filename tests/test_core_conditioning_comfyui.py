@@ -147,6 +147,22 @@ def test_averaging_conditionings_of_other_references_is_refused(server):
         error["exception_message"])
 
 
+def test_a_core_node_between_encode_nodes_is_refused_there(server):
+    """Encode parts travel only between the pack's encode nodes: an edit before they are complete is refused."""
+    graph = base(ref2va=True)
+    graph["5"] = {"class_type": "LoadImage", "inputs": {"image": "h3_example_reference_image.png"}}
+    graph["5r"] = {"class_type": "H3SplitReferences", "inputs": {"ref_image_1": ["5", 0]}}
+    graph["10"]["inputs"].update(task="ref2va", media=["5r", 0], prompt="<Picture 1> spins slowly.")
+    graph["20"] = {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["10", 0]}}
+    graph["21"] = {"class_type": "H3SplitVideoVAEEncode", "inputs": {"conditioning": ["20", 0], "vae": ["2", 0]}}
+    save(graph, "30", "21", "between")
+    del graph["11"]
+    error = refused(server, graph)
+    assert error["node_id"] == "21", error
+    assert "another node changed this conditioning before its encode parts were complete" in (
+        error["exception_message"])
+
+
 def test_an_edited_conditioning_is_what_samples(server, encoded):
     """ZeroOut -> Sampler equals sampling a contract whose only change is zero prompt embeddings, loaded from a
     file; the unedited conditioning samples something else."""
