@@ -107,6 +107,40 @@ def measure(pack: Path, models: Path, folder: Path, video: Path, canvas: tuple[i
             "held_by_cache": after_run - after_free, "run_s": round(seconds, 1)}
 
 
+def release_normalisation(width: int, height: int, seconds: float) -> dict:
+    """What one chain's normalised media cost at the release pipeline config (768 px canvas), in this process.
+
+    The tiny H3 normalises references onto its 64 px canvas, so in the ComfyUI run above the normalised copy is a
+    few MB beside the decoded input. At release size it is canvas-sized: `prepare` (no model needed) is run on the
+    same kind of request, and RSS is read with the result held (what the base ref's cached CONDITIONINGs kept:
+    their encode parts held this object) and after the chain released it (this tree, once the parts complete)."""
+    import gc
+
+    from h3_core import configs
+    from h3_core.encoder import prepare
+    from h3_core.request import EncodeRequest, VideoInput
+
+    frames = int(seconds * 24)
+    video = np.random.default_rng(0).integers(0, 255, (frames, height, width, 3), dtype=np.uint8)
+    tone = np.sin(np.arange(int(seconds * 32000)) / 32000 * 2 * np.pi * 220).astype(np.float32) * 0.2
+    request = EncodeRequest(prompt="<Video 1> in the rain.", task="ref2va", num_frames=124, ref_videos=[
+        VideoInput(frames=video, fps=24.0, audio=np.stack([tone, tone]), sample_rate=32000)])
+    common.trim_heap()
+    before = common.proc_status()["VmRSS"]
+    prepared = prepare(request, configs.RELEASE_PIPELINE_CONFIG)
+    gc.collect()
+    held = common.proc_status()["VmRSS"] - before
+    ref = prepared.references[0]
+    normalised = int(ref.frames.nbytes + ref.audio.numel() * ref.audio.element_size())
+    canvas = (prepared.width, prepared.height)
+    del prepared, ref
+    gc.collect()
+    common.trim_heap()
+    released = common.proc_status()["VmRSS"] - before
+    return {"canvas": canvas, "normalised_bytes": normalised, "rss_held_bytes": held,
+            "rss_after_release_bytes": released}
+
+
 def run(models: Path, *, base_ref: str = "main", small: bool = False, threads: int = 1) -> dict:
     sizes = SMALL if small else FULL
     width, height, seconds = sizes["video"]
@@ -130,6 +164,7 @@ def run(models: Path, *, base_ref: str = "main", small: bool = False, threads: i
                             "decoded_bytes": int(seconds * 24) * width * height * 3},
         "canvas": canvas, "normalised_media_bytes": normalised, "results": results,
         "held_saved_bytes": before - after, "held_ratio": after / before if before else None,
+        "release_size": release_normalisation(width, height, seconds),
         "loadavg": common.loadavg(),
     }
 

@@ -264,3 +264,14 @@ UI_WORKFLOW = {
          "properties": {}, "widgets_values": ["h3test_zeroed_directly.safetensors"]},
     ],
 }
+
+
+def test_graph_memory_bench_runs(tiny_dir):
+    """bench/graph_memory.py in its small size, so it cannot rot (the figures come from the full run)."""
+    from bench import graph_memory
+
+    result = graph_memory.run(tiny_dir, small=True)
+    assert set(result["results"]) == {"main", "this tree"}
+    for figures in result["results"].values():
+        assert figures["rss_after_run"] > 0 and figures["rss_after_free"] > 0
+    assert result["normalised_media_bytes"] == 124 * 256 * 128 * 3 + 2 * 96000 * 4
