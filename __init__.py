@@ -3,7 +3,12 @@
 Only `comfy_entrypoint` is exported: a `NODE_CLASS_MAPPINGS` here would make ComfyUI ignore the V3
 entry point. The import of ComfyUI's API is deferred to the call, so `h3_core` (the CLI, the
 encoder server) and the test-suite never import ComfyUI through this file.
+
+`WEB_DIRECTORY` serves web/ (the Save / Load Conditioning canvas helpers: the saved file's name, an upload
+button); it is a plain string, so importing this file still imports nothing from ComfyUI.
 """
+
+WEB_DIRECTORY = "./web"
 
 
 async def comfy_entrypoint():

@@ -14,11 +14,15 @@ from ..h3_core import assembly, safe_paths
 from ..h3_core.contract import H3Conditioning
 from .types import CATEGORY
 
+OUTPUT_FOLDER = "h3"  # output/h3/: where H3 Save Conditioning writes by default; listed read-only
+OUTPUT_MARK = " [output]"  # core's annotation of a file in output/ (folder_paths.annotated_filepath)
+EMPTY_CHOICE = ("(no conditioning file yet: H3 Save Conditioning writes them to output/h3/, or upload a "
+                ".safetensors conditioning into input/)")
 
-def _conditioning_files() -> list[str]:
-    """The node's choices: regular .safetensors files whose real path is inside input/ (a symlink out of it, a
-    FIFO or a device named *.safetensors is not listed)."""
-    root = Path(folder_paths.get_input_directory())
+
+def _listed(root: Path) -> list[str]:
+    """Regular .safetensors files whose real path is inside `root`, relative to it (a symlink out of it, a FIFO or
+    a device named *.safetensors is not listed)."""
     if not root.is_dir():
         return []
     names = []
@@ -32,20 +36,48 @@ def _conditioning_files() -> list[str]:
     return sorted(names)
 
 
+def _output_root() -> Path:
+    return Path(folder_paths.get_output_directory()) / OUTPUT_FOLDER
+
+
+def _conditioning_files() -> list[str]:
+    """The node's choices: input/'s files by their name, then output/h3/'s as `h3/NAME [output]`."""
+    return _listed(Path(folder_paths.get_input_directory())) + [
+        f"{OUTPUT_FOLDER}/{name}{OUTPUT_MARK}" for name in _listed(_output_root())
+    ]
+
+
+def _choices() -> list[str]:
+    return _conditioning_files() or [EMPTY_CHOICE]
+
+
 def resolve_conditioning(name: str) -> Path:
     """A workflow's file name -> its real path, only if it is one of the node's own choices.
 
     ComfyUI 0.3.75 does not hold V3 combo values to their options, so a workflow can name anything
     (`/etc/passwd`, `../../x`, a FIFO, `/dev/zero`). Only `stat` runs before this returns: nothing is opened.
     """
+    if name == EMPTY_CHOICE:
+        raise safe_paths.UnsafePathError(f"conditioning_file: no file chosen {EMPTY_CHOICE}")
     if not isinstance(name, str) or name not in _conditioning_files():
         shown = name if isinstance(name, str) and len(name) <= 200 else f"{str(name)[:200]}..."
         raise safe_paths.UnsafePathError(
-            f"conditioning_file {shown!r} is not one of the .safetensors files in ComfyUI's input folder "
-            "(names are relative to input/; absolute paths, '..', symlinks out of input/, FIFOs and devices "
-            "are refused)")
+            f"conditioning_file {shown!r} is not one of the .safetensors files in ComfyUI's input folder or in "
+            f"output/{OUTPUT_FOLDER}/ (names are relative to input/, or 'h3/NAME [output]'; absolute paths, '..', "
+            "symlinks out of those folders, FIFOs and devices are refused)")
+    if name.endswith(OUTPUT_MARK):
+        return safe_paths.resolve_file(_output_root(), name[len(OUTPUT_FOLDER) + 1:-len(OUTPUT_MARK)],
+                                       what="conditioning_file", folder_label=f"ComfyUI's output/{OUTPUT_FOLDER}")
     return safe_paths.resolve_file(folder_paths.get_input_directory(), name, what="conditioning_file",
                                    folder_label="ComfyUI's input folder")
+
+
+def listed_name(path: Path) -> str | None:
+    """How H3 Load Conditioning lists a file Save just wrote, or None when it is outside the listed folders."""
+    try:
+        return f"{OUTPUT_FOLDER}/{Path(path).resolve().relative_to(_output_root().resolve()).as_posix()}{OUTPUT_MARK}"
+    except ValueError:
+        return None
 
 
 class SaveConditioning(io.ComfyNode):
@@ -55,11 +87,14 @@ class SaveConditioning(io.ComfyNode):
             node_id="H3SplitSaveConditioning",
             display_name="H3 Save Conditioning",
             category=f"{CATEGORY}/io",
-            description="Writes the complete H3 conditioning to output/ as .safetensors (tensors + a versioned JSON "
-            "header; no pickle). Copy it to another machine's input/ and use H3 Load Conditioning there.",
+            description="Writes the complete H3 conditioning, as core conditioning nodes left it, to output/ as "
+            ".safetensors (tensors + a versioned JSON header; no pickle). H3 Load Conditioning lists output/h3/ on "
+            "this machine; on another one, upload the file (or copy it into input/).",
             inputs=[
                 io.Conditioning.Input("conditioning"),
-                io.String.Input("filename_prefix", default="h3/conditioning"),
+                io.String.Input("filename_prefix", default=f"{OUTPUT_FOLDER}/conditioning",
+                                tooltip="Path under output/, then _NNNNN_.safetensors. Under h3/ the file is listed "
+                                "by H3 Load Conditioning."),
             ],
             outputs=[],
             is_output_node=True,
@@ -67,14 +102,19 @@ class SaveConditioning(io.ComfyNode):
 
     @classmethod
     def execute(cls, conditioning, filename_prefix) -> io.NodeOutput:
-        cond = assembly.conditioning_from_core(conditioning)
+        cond = assembly.conditioning_from_core(conditioning)  # edits by core nodes are what is saved
         folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory()
         )
         filename = f"{name}_{counter:05}_.safetensors"
-        cond.save(os.path.join(folder, filename))
-        return io.NodeOutput(ui=ui.PreviewText(f"{cond.task} {cond.width}x{cond.height} {cond.num_frames} frames -> "
-                                               f"{os.path.join(subfolder, filename)}"))
+        path = os.path.join(folder, filename)
+        cond.save(path)
+        listed = listed_name(Path(path))
+        where = (f"H3 Load Conditioning lists it as {listed!r}" if listed else
+                 f"outside output/{OUTPUT_FOLDER}/: copy it into input/ (or upload it) for H3 Load Conditioning")
+        return io.NodeOutput(ui=ui.PreviewText(
+            f"saved {os.path.join(subfolder, filename)} ({cond.task} {cond.width}x{cond.height}, "
+            f"{cond.num_frames} frames); {where}"))
 
 
 class LoadConditioning(io.ComfyNode):
@@ -84,10 +124,12 @@ class LoadConditioning(io.ComfyNode):
             node_id="H3SplitLoadConditioning",
             display_name="H3 Load Conditioning",
             category=f"{CATEGORY}/io",
-            description="Reads an H3 conditioning .safetensors from input/ (written by H3 Save Conditioning, "
-            "`python -m h3_core encode` or the encoder server) and validates it before use.",
-            inputs=[io.Combo.Input("conditioning_file", options=_conditioning_files(),
-                                   tooltip="A .safetensors conditioning file in ComfyUI's input folder.")],
+            description="Reads an H3 conditioning .safetensors from input/ or, read-only, from output/h3/ (written "
+            "by H3 Save Conditioning, `python -m h3_core encode` or the encoder server) and validates it before use. "
+            "Upload puts a file into input/.",
+            inputs=[io.Combo.Input("conditioning_file", options=_choices(), upload=io.UploadType.model,
+                                   tooltip="A .safetensors conditioning file in input/, or 'h3/NAME [output]' for "
+                                   "one H3 Save Conditioning wrote to output/h3/.")],
             outputs=[io.Conditioning.Output()],
         )
 

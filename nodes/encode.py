@@ -5,7 +5,8 @@
 
 Each node calls the same h3_core functions the encoder stage runs (`h3_core.assembly`), so the
 graph's conditioning is bit-identical to `python -m h3_core encode` on the same inputs. A VAE node
-whose part the request does not need passes the conditioning through untouched.
+whose part the request does not need, or that gets a complete conditioning, passes it through untouched.
+Once the last part is added, the CONDITIONING is the contract in core's form only (no encode parts ride on).
 """
 
 from __future__ import annotations
@@ -77,11 +78,27 @@ def request_from(media, prompt, task, width, height, length):
     )
 
 
-def parts_of(conditioning, node: str) -> assembly.EncodingParts:
+def parts_of(conditioning, node: str) -> assembly.EncodingParts | None:
+    """The parts a VAE encode node adds to; None when the conditioning is already complete (it passes through)."""
     parts = assembly.from_core(conditioning)
     if parts is None:
+        if _is_h3(conditioning):
+            return None
         raise ValueError(f"{node} adds to a conditioning started by H3 Text Encode; connect that node's output here")
+    if not assembly.is_untouched(conditioning, parts):
+        raise ValueError(
+            f"{node}: another node changed this conditioning before its encode parts were complete; connect the H3 "
+            "encode nodes directly to each other and put core conditioning nodes after the last one, right before "
+            "the H3 Sampler"
+        )
     return parts
+
+
+def _is_h3(conditioning) -> bool:
+    try:
+        return isinstance(conditioning[0][1], dict) and "minimax_token_tags" in conditioning[0][1]
+    except (TypeError, IndexError, KeyError):
+        return False
 
 
 class TextEncode(io.ComfyNode):
@@ -126,7 +143,7 @@ class TextEncode(io.ComfyNode):
         request = request_from(media, prompt, task, width, height, length)
         parts = assembly.start(request, text_encoder.pipeline_config)  # all rules checked before the model moves
         needed = memory.text_encoding_bytes(
-            parts.prepared, text_encoder.extra["tokenizer"], text_encoder.module, text_encoder.dtype
+            parts.media(), text_encoder.extra["tokenizer"], text_encoder.module, text_encoder.dtype
         )
         device = bridge.use(text_encoder.patcher, memory_required=needed)  # layers that do not fit stream
         stage = EncoderStage(
@@ -162,7 +179,7 @@ class _VAEEncode(io.ComfyNode):
     @classmethod
     def execute(cls, conditioning, **models) -> io.NodeOutput:
         parts = parts_of(conditioning, cls.DISPLAY_NAME)
-        if not getattr(parts.prepared, cls.NEEDED):
+        if parts is None or not getattr(parts.resolved, cls.NEEDED):
             return io.NodeOutput(conditioning)
         model = models[cls.MODEL_INPUT]
         device = bridge.use(model.patcher)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from h3_core import assembly
+from h3_core.contract import H3Conditioning
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.testing import CASES
@@ -43,8 +44,10 @@ def test_parts_equal_one_call(case, stages):
     parts = assembly.add_text(parts, text)
     core = assembly.to_core(parts)
     parts = assembly.from_core(core)
-    parts = assembly.add_audio(assembly.add_video(parts, video), audio)
-    _same(assembly.conditioning_from_core(assembly.to_core(parts)), full.encode(request))
+    if parts is not None:
+        parts = assembly.add_audio(assembly.add_video(parts, video), audio)
+        core = assembly.to_core(parts)
+    _same(assembly.conditioning_from_core(core), full.encode(request))
 
 
 def test_missing_encoder_is_named(stages):
@@ -71,3 +74,35 @@ def test_complete_core_form_carries_core_keys(stages):
     parts = assembly.add_video(assembly.add_text(assembly.start(request, full.pipeline_config), text), video)
     extras = assembly.to_core(parts)[0][1]
     assert len(extras["minimax_keyframes"]) == 2 and extras["minimax_keyframes"][1]["resolved_frame_index"] == 123
+
+
+def test_complete_conditioning_is_the_contract_alone(stages):
+    """Once complete, the CONDITIONING is the contract's core form: no encode parts, no media ride on."""
+    full, text, video, audio = stages
+    request = CASES["ref2va-image-video-audio-seed2"][0]
+    parts = assembly.add_text(assembly.start(request, full.pipeline_config), text)
+    incomplete = assembly.to_core(parts)
+    assert set(incomplete[0][1]) == {"minimax_token_tags", assembly.PARTS_KEY}
+    held = assembly.from_core(incomplete).normalised
+    normalised = held.prepared
+    assert normalised is not None  # shared down the chain: the VAE nodes do not normalise again
+    with_video = assembly.add_video(assembly.from_core(incomplete), video)
+    assert with_video.media() is normalised
+    complete = assembly.to_core(assembly.add_audio(with_video, audio))
+    assert held.prepared is None  # released: the cached Text Encode output no longer holds the media
+    cond = full.encode(request)
+    assert set(complete[0][1]) == set(cond.to_comfy()[0][1])
+    assert assembly.from_core(complete) is None
+    # a VAE node running again from the cached, released chain normalises again and gets the same result
+    again = assembly.to_core(assembly.add_audio(assembly.add_video(assembly.from_core(incomplete), video), audio))
+    assert H3Conditioning.from_comfy(again) == H3Conditioning.from_comfy(complete)
+
+
+def test_the_sampler_reads_what_the_conditioning_holds(stages):
+    """An edit to the core keys is what the contract holds (no rebuild from encode parts)."""
+    full, text, *_ = stages
+    request = CASES["t2va-64x64-seed0"][0]
+    core = assembly.to_core(assembly.add_text(assembly.start(request, full.pipeline_config), text))
+    edited = [[torch.zeros_like(core[0][0]), dict(core[0][1])]]
+    assert torch.count_nonzero(assembly.conditioning_from_core(edited).prompt_embeds) == 0
+    assert torch.equal(assembly.conditioning_from_core(core).prompt_embeds, core[0][0])

@@ -49,7 +49,7 @@ def test_comfy_form_matches_core():
     kf = make("fl2va_both").to_comfy()[0][1]["minimax_keyframes"]
     assert [k["resolved_frame_index"] for k in kf] == [0, 123]
     assert make("fl2va_last").to_comfy()[0][1]["minimax_keyframes"][0]["resolved_frame_index"] == 123
-    assert set(make("t2va").to_comfy()[0][1]) == {"minimax_token_tags", hc.COMFY_PACK_KEY}
+    assert set(make("t2va").to_comfy()[0][1]) == {"minimax_token_tags", hc.COMFY_PACK_KEY, "pooled_output"}
 
 
 def _core_native_fl2va():

@@ -8,6 +8,7 @@ Its outside forms live one per module, each an adapter to a format that changes 
     wire.py          encode/to_bytes/from_buffer/from_bytes/fingerprint: safetensors bytes, never pickle
     files.py         save/load: those bytes in a file, memory-mapped when loaded
     comfy.py         to_comfy/from_comfy: ComfyUI core's H3 CONDITIONING
+    comfy_edits.py   read_comfy: that CONDITIONING after core's conditioning nodes, honoured or refused by name
     vllm.py          to_vllm/from_vllm: vLLM-Omni's unified stage-0 payload
 
 The class keeps one-line delegate methods (`cond.to_vllm()`, `H3Conditioning.load(path)`), so callers
@@ -16,6 +17,7 @@ import only from `h3_core.contract`. Nothing here imports ComfyUI, diffusers or 
 
 from . import layout
 from .comfy import COMFY_PACK_KEY
+from .comfy_edits import RefusedEdit
 from .conditioning import (
     KEYFRAME_ANCHOR_SETS,
     PROMPT_EMBED_DTYPES,
@@ -47,5 +49,6 @@ __all__ = [
     "ContractError",
     "H3Conditioning",
     "H3Reference",
+    "RefusedEdit",
     *layout.__all__,
 ]

@@ -14,12 +14,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import xxhash
 
 from .errors import check_tensor, fail, is_int, shape
 from .layout import audio_latent_to_rows, audio_rows_to_latent
 from .wire import FORMAT_ID, FORMAT_VERSION, identity_fields
 
 COMFY_PACK_KEY = "minimax_h3_pack"  # our extra key in the cond dict; core's extra_conds never reads it
+# Core's ConditioningAverage and ConditioningZeroOut transform `pooled_output` exactly as they transform the prompt
+# and core's H3 model never reads it (MiniMaxH3 has no ADM input), so the pack keeps there a signature of the
+# condition media: the only value of `conditioning_from` that survives an average (`comfy_edits.py`).
+MEDIA_SIGNATURE_KEY = "pooled_output"
 CORE_REF_KINDS = ("image", "video", "video_audio", "audio")
 _UNREPRESENTABLE_KEYS = ("minimax_visual_cond_noise_aug", "minimax_audio_cond_noise_aug")
 
@@ -50,6 +55,9 @@ def encode(cond) -> list:
       normalised values core's VAEs produce, so no statistics are involved.
     * `extras["minimax_h3_pack"]` = `{"format", "version", "task", "height", "width", "num_frames",
       "metadata"}`: what core does not carry. Core's extra_conds never reads it.
+    * `extras["pooled_output"]` = `media_signature(cond)` `[1, 16]`: lets the Sampler see that core's
+      ConditioningAverage mixed in a conditioning made from other media (`comfy_edits.py`). Core's H3 model has
+      no pooled input, and core's own H3 nodes leave it None.
 
     Tensors are shared, not copied (except the audio latents, which change layout).
     """
@@ -84,7 +92,20 @@ def encode(cond) -> list:
                              "audio_latent": audio_latent})
         extras["minimax_refs"] = refs
     extras[COMFY_PACK_KEY] = {**identity_fields(cond), "metadata": dict(cond.metadata)}
+    extras[MEDIA_SIGNATURE_KEY] = media_signature(cond)
     return [[cond.prompt_embeds, extras]]
+
+
+def media_signature(cond) -> torch.Tensor:
+    """`[1, 16]` float32 in 1..256: the xxh3-128 of what the conditioning's media made (condition latents, audio
+    rows, keyframe anchors, reference kinds), one value per digest byte, never 0. Two conditionings encoded from
+    the same media have the same signature; a weighted average of two different ones is no multiple of either."""
+    hasher = xxhash.xxh3_128()
+    hasher.update(repr((cond.keyframe_anchors, [(r.kind, r.has_audio) for r in cond.references])).encode())
+    for tensor in (*cond.condition_latents, *cond.audio_condition_latents):
+        hasher.update(repr((str(tensor.dtype), tuple(tensor.shape))).encode())
+        hasher.update(memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()))
+    return torch.tensor([list(hasher.digest())], dtype=torch.float32) + 1.0
 
 
 def decode(cls, conditioning: Sequence, *, task: str | None = None, height: int | None = None,

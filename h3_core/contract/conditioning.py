@@ -41,7 +41,7 @@ from ..facts import (
     audio_latents,
     video_latent_frames,
 )
-from . import comfy, files, vllm, wire
+from . import comfy, comfy_edits, files, vllm, wire
 from .errors import check_tensor, fail, is_int, shape
 
 TASKS = ("t2va", "fl2va", "ref2va")
@@ -373,6 +373,12 @@ class H3Conditioning:
     def from_comfy(cls, conditioning: Sequence, **kw: Any) -> H3Conditioning:
         """Read ComfyUI core's H3 CONDITIONING (keywords: task, height, width, num_frames, metadata)."""
         return comfy.decode(cls, conditioning, **kw)
+
+    @classmethod
+    def read_comfy(cls, conditioning: Sequence) -> H3Conditioning:
+        """What an H3 CONDITIONING holds after core's conditioning nodes edited it: their edits honoured, or
+        `RefusedEdit` naming the node (see `h3_core.contract.comfy_edits`)."""
+        return comfy_edits.read(cls, conditioning)
 
     def to_vllm(self, **kw: Any) -> dict[str, Any]:
         """vLLM-Omni's unified stage-0 payload (see `h3_core.contract.vllm`)."""

@@ -8,6 +8,7 @@
 // Prints one JSON line on stdout:
 //   { ok, node_count, expected_node_count, missing_types: [type], missing_nodes: [{id, type}],
 //     dangling_links: [{id, why}], error_nodes: [{id, type}], prompt: <graphToPrompt().output>,
+//     widgets: {node id: [{name, type}]},
 //     prompt_node_count, run: null | {prompt_id, status_str, completed, outputs, messages, error},
 //     console_errors: [..], alerts, toasts, dialogs, page_errors, failed_requests, problems: [..],
 //     boot_console_errors, boot_failed_requests,
@@ -178,7 +179,8 @@ async function main() {
       } catch (e) {
         promptError = String(e?.stack || e);
       }
-      return { node_count: nodes.length, missing, dangling, errors, prompt, promptError };
+      const widgets = Object.fromEntries(nodes.map((n) => [n.id, (n.widgets || []).map((w) => ({ name: w.name, type: w.type }))]));
+      return { node_count: nodes.length, missing, dangling, errors, prompt, promptError, widgets };
     }, { wf: workflow, name: opt.template ? opt.template.split("/")[1] : basename(opt.workflow), template: !!opt.template });
     report.timings.loaded_s = since();
     await page.waitForTimeout(500); // toasts and dialogs render on the next frames
@@ -193,6 +195,7 @@ async function main() {
     report.dangling_links = [...fileLinkProblems(workflow), ...loaded.dangling];
     report.error_nodes = loaded.errors;
     report.prompt = loaded.prompt;
+    report.widgets = loaded.widgets;
     report.prompt_node_count = loaded.prompt ? Object.keys(loaded.prompt).length : 0;
     if (loaded.promptError) report.prompt_error = loaded.promptError;
 
