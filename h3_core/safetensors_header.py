@@ -160,7 +160,7 @@ def loads_bounded(raw: bytes | bytearray | memoryview | str, what: str = "header
 
 
 def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _shown(name: str, limit: int = 60) -> str:
@@ -196,9 +196,10 @@ def parse_header(raw: bytes | bytearray | memoryview, header_len: int | None = N
                 and offsets[0] <= offsets[1]):
             raise HeaderError(f"corrupted tensor table entry for {_shown(name)}")
         begin, end = offsets
-        if math.prod(s for s in shape if s) * 8 > MAX_COUNT:  # torch and numpy multiply every dim, even beside a 0
-            raise HeaderError(f"corrupted: tensor {_shown(name)} has shape {_shown(str(shape))}, more elements "
-                              f"than an int64 can count")
+        # torch and numpy count in int64 and multiply every dimension, even beside a 0: [1, 0, 2**64] is corrupt
+        if end > MAX_COUNT or math.prod(s for s in shape if s) * 8 > MAX_COUNT:
+            raise HeaderError(f"corrupted: tensor {_shown(name)} has shape {_shown(str(shape))} or offsets beyond "
+                              f"what an int64 can count")
         dtype = DTYPES.get(tag)
         if dtype is not None:
             nbytes = math.prod(shape) * dtype.itemsize
