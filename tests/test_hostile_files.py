@@ -298,3 +298,10 @@ def test_finite_check_is_one_pass_in_bounded_pieces():
         wire.check_finite("x", t)
     st.save({"x": t})  # (a plain tensor stays writable: the check never copies or changes it)
     assert math.isinf(float(t[-1]))
+
+
+def test_plan_refuses_a_canvas_beyond_the_trained_range(capsys):
+    from h3_core import cli
+
+    assert cli.main(["plan", "--table", "--width", "8192", "--height", "8192"]) != 0
+    assert "larger than H3's trained range" in capsys.readouterr().err
