@@ -111,7 +111,7 @@ def canvas_size_error(width: int, height: int) -> str | None:
     """Why a canvas is larger than H3 was trained for (`facts.MAX_CANVAS_EDGE`, `MAX_CANVAS_PIXELS`), or None."""
     if max(width, height) > MAX_CANVAS_EDGE or width * height > MAX_CANVAS_PIXELS:
         return (f"canvas {width}x{height} is larger than H3's trained range (at most {MAX_CANVAS_EDGE} px a side "
-                f"and {MAX_CANVAS_PIXELS} pixels, e.g. 1344x768 or 2048x512)")
+                f"and {MAX_CANVAS_PIXELS} pixels, e.g. 1344x768, 1856x576 or 2016x512)")
     return None
 
 

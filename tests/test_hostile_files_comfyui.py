@@ -91,7 +91,7 @@ def test_encode_widgets_stop_at_the_trained_range(comfy):  # noqa: F811
     assert widgets["length"][1]["max"] == facts.MAX_FRAMES
     graph = copy.deepcopy(_graph(2))
     graph["1"] = {"class_type": "H3SplitTextEncode", "inputs": {"text_encoder": ["9", 0], "prompt": "A fox.",
-                                                                 "width": 2048, "height": 2048, "length": 124,
+                                                                 "width": 2016, "height": 2016, "length": 124,
                                                                  "task": "t2va"}}
     graph["9"] = {"class_type": "H3SplitTextEncoderLoader", "inputs": {"text_encoder": TINY}}
     status, body = comfy.post_prompt_expect_error(graph)
