@@ -305,3 +305,32 @@ def test_plan_refuses_a_canvas_beyond_the_trained_range(capsys):
 
     assert cli.main(["plan", "--table", "--width", "8192", "--height", "8192"]) != 0
     assert "larger than H3's trained range" in capsys.readouterr().err
+
+
+# --- 1b. model weights replaced under a running process ------------------------------------------------------
+
+
+def test_a_weight_file_rewritten_in_place_is_refused_before_the_next_run(tiny_dir, tmp_path):
+    """Weights stay memory-mapped on the CPU: a file changed in place (same inode) is refused by name before the
+    next sample, instead of computing with changed weights or dying of SIGBUS; a file replaced by a rename (the
+    safe way, documented) is not an error: the loaded weights keep the old inode."""
+    import shutil
+
+    from h3_core import weights
+    from h3_core.diffusion import DiffusionStage, SamplingOptions
+
+    path = tmp_path / "minimax_h3_fl2va_fp32.safetensors"
+    shutil.copy(tiny_dir / "comfyui" / "diffusion_models" / "minimax_h3_tiny_fl2va_fp32.safetensors", path)
+    dit = weights.load_transformer(str(path))
+    stage = DiffusionStage(modules={"transformer": dit}, pipeline_config={})
+    weights.file_identity.check_unchanged(dit, "DiT")
+    replacement = tmp_path / "new.safetensors"
+    shutil.copy(path, replacement)
+    os.replace(replacement, path)  # a rename: the mapping keeps the old inode
+    weights.file_identity.check_unchanged(dit, "DiT")
+    dit = weights.load_transformer(str(path))
+    stage = DiffusionStage(modules={"transformer": dit}, pipeline_config={})
+    with open(path, "ab") as f:  # in place (growing it keeps this test process safe from SIGBUS)
+        f.write(b"\0" * 4096)
+    with pytest.raises(H3WeightsError, match="rewritten in place after it was loaded"):
+        stage.sample(make("t2va"), SamplingOptions(steps=2))
