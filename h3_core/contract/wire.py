@@ -376,6 +376,7 @@ class Receiving:
         self._hasher = None
         self._done = 0
         self._stopped = False
+        self.refusal: Exception | None = None  # a defect of the header: no later byte can make the payload valid
 
     def advance(self, end: int) -> None:
         if self._stopped:
@@ -397,8 +398,8 @@ class Receiving:
             if end > self._done:
                 self._hasher.update(self._view[self._done:end])
                 self._done = end
-        except (st.HeaderError, ContractError):
-            self._stopped = True
+        except (st.HeaderError, ContractError) as error:
+            self._stopped, self.refusal = True, error
 
     def checked_plan(self) -> Plan | None:
         """The plan, once every data byte has been hashed and the checksum matched (`ChecksumError` if it did not);
