@@ -40,13 +40,15 @@ def serve(data):
         while b"\r\n\r\n" not in head:
             head += conn.recv(65536)
         first, _, rest = head.partition(b"\r\n\r\n")
-        length = next((int(l.split(b":")[1]) for l in first.split(b"\r\n") if l.lower().startswith(b"content-length")), 0)
+        lines = first.split(b"\r\n")
+        length = next((int(x.split(b":")[1]) for x in lines if x.lower().startswith(b"content-length")), 0)
         while len(rest) < length:
             rest += conn.recv(1 << 20)
         body = caps if b"capabilities" in first.split(b"\r\n")[0] else data
         try:
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/%s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-                         % (b"json" if body is caps else b"octet-stream", len(body)))
+            kind = b"json" if body is caps else b"octet-stream"
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/%s\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n" % (kind, len(body)))
             conn.sendall(body)  # not joined: the server's copy must not count as the client's memory
         except OSError:
             pass

@@ -151,7 +151,8 @@ def test_messages_do_not_echo_payload_bytes():
     assert "xff" not in str(err).lower()
     prefix = (2**40 + 0x41).to_bytes(8, "little")
     err = _bytes_error(prefix + b"{}", "exceeds")
-    assert str(err) == f"payload: corrupted: header length {2**40 + 0x41} exceeds the {wire.MAX_HEADER_BYTES}-byte limit"
+    cap = wire.MAX_HEADER_BYTES
+    assert str(err) == f"payload: corrupted: header length {2**40 + 0x41} exceeds the {cap}-byte limit"
 
 
 # --- deep JSON nesting is a ContractError, not a RecursionError ---------------------------------------

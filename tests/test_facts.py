@@ -47,7 +47,8 @@ def test_canvas_bound_is_the_largest_canvas_of_diffusers_rule():
                                                                   defaults["canvas_max_pixels"])
     assert (configs.RELEASE_PIPELINE_CONFIG["canvas_short_edge"], configs.RELEASE_PIPELINE_CONFIG["canvas_max_pixels"]) == \
         (facts.CANVAS_SHORT_EDGE, facts.CANVAS_MAX_PIXELS)
-    canvases = {mp.resolve_canvas_size(w, h, facts.CANVAS_MULTIPLE, facts.CANVAS_SHORT_EDGE, facts.CANVAS_MAX_PIXELS)
+    rule = (facts.CANVAS_MULTIPLE, facts.CANVAS_SHORT_EDGE, facts.CANVAS_MAX_PIXELS)
+    canvases = {mp.resolve_canvas_size(w, h, *rule)
                 for w in range(1, 121) for h in range(1, 121) if facts.MIN_ASPECT <= w / h <= facts.MAX_ASPECT}
     assert max(height * width for height, width in canvases) == facts.MAX_CANVAS_PIXELS
     assert max(max(canvas) for canvas in canvases) == facts.MAX_CANVAS_EDGE

@@ -22,7 +22,7 @@ import torch
 from contract_cases import _retamper, make
 from test_hostile_client import CAPS, REQUEST, HostileServer
 
-from h3_core import facts, rules, safetensors_header
+from h3_core import rules, safetensors_header
 from h3_core.contract import ContractError, H3Conditioning, wire
 from h3_core.remote.client import EncoderClient, RemoteEncodeError
 from h3_core.weights.errors import H3WeightsError
