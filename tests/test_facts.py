@@ -45,8 +45,9 @@ def test_canvas_bound_is_the_largest_canvas_of_diffusers_rule():
     defaults = {spec.name: spec.default for spec in step().expected_configs}
     assert (facts.CANVAS_SHORT_EDGE, facts.CANVAS_MAX_PIXELS) == (defaults["canvas_short_edge"],
                                                                   defaults["canvas_max_pixels"])
-    assert (configs.RELEASE_PIPELINE_CONFIG["canvas_short_edge"], configs.RELEASE_PIPELINE_CONFIG["canvas_max_pixels"]) == \
-        (facts.CANVAS_SHORT_EDGE, facts.CANVAS_MAX_PIXELS)
+    release = configs.RELEASE_PIPELINE_CONFIG
+    assert (release["canvas_short_edge"], release["canvas_max_pixels"]) == (facts.CANVAS_SHORT_EDGE,
+                                                                          facts.CANVAS_MAX_PIXELS)
     rule = (facts.CANVAS_MULTIPLE, facts.CANVAS_SHORT_EDGE, facts.CANVAS_MAX_PIXELS)
     canvases = {mp.resolve_canvas_size(w, h, *rule)
                 for w in range(1, 121) for h in range(1, 121) if facts.MIN_ASPECT <= w / h <= facts.MAX_ASPECT}
