@@ -59,6 +59,9 @@ H_QUEUE_S = "X-H3-Queue-Seconds"
 H_ENCODE_S = "X-H3-Encode-Seconds"
 
 MiB = 1024 * 1024
+# All request header lines together (names, values, separators). aiohttp's parser refuses a field over 8190 bytes
+# by itself; Ray Serve's proxy buffers headers of any size, so the one request handling refuses them too (431).
+MAX_REQUEST_HEADER_BYTES = 16 * 1024
 
 
 # --------------------------------------------------------------------------------------------------------------
