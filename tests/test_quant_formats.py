@@ -235,3 +235,14 @@ def test_non_finite_weight_scales_are_reported_by_layer(tmp_path, dit, value):
     with pytest.raises(weights.H3WeightsError, match=f"{layer}.weight_scale"):
         weights.load_transformer(path)
     assert weights.check(str(_dit_file(tmp_path, dit, lambda t: None))).ok
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16,
+                                   torch.float32])
+def test_scale_finiteness_by_dtype(dtype):
+    """fp8 block scales are tested on their bits (fast at release size); the result equals torch.isfinite's."""
+    from h3_core.weights.check import _finite
+
+    for values in ([1.0, 2.0, 0.5, -3.0], [1.0, float("nan"), 0.5], [1.0, float("inf"), 0.5]):
+        t = torch.tensor(values).to(dtype)
+        assert _finite(t.view(torch.uint8).numpy().tobytes(), dtype) == bool(torch.isfinite(t.float()).all())
