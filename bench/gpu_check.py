@@ -3,6 +3,8 @@ streamed text-encoder forward, each measured peak next to the planner's predicti
 
     python bench/gpu_check.py                         # wherever torch sees CUDA (H200: a few minutes)
     python bench/gpu_check.py --small --models DIR    # the tiny H3's twins on CPU, same code path (a test runs it)
+    python bench/gpu_check.py --sp 1,2,4              # the DiT sequence-parallel on 1, 2, 4 GPUs: scaling
+    python bench/gpu_check.py --small --models DIR --sp 1,2   # the same on CPU with gloo ranks (a test runs it)
 
 Weights (`--weights release`, the default): the pruned int8 + ConvRot DiT and the int8 + ConvRot text
 encoder, as the synthetic release-size headers describe them (`weights.release_headers`), written as sparse
@@ -286,6 +288,58 @@ def check_text_encoder(device, dtype, job, *, tiny: bool, path: str | None) -> d
     return record
 
 
+# --- sequence-parallel scaling (--sp) -------------------------------------------------------------------------------
+
+
+def _sp_rank(rank: int, layout, port: int, path: str | None, job: dict, tiny: bool, out: str) -> None:
+    """One rank of the scaling check: the DiT (the same random weights on every rank), resident on this rank's
+    device, sequence-parallel over the layout, timed over one forward after a warm-up. Only the DiT: the text
+    encoder is never on the sequence-parallel GPUs. Rank 0 writes its record to `out` (JSON)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3_core import sequence_parallel
+
+    if layout.base_device.type == "cpu":
+        torch.set_num_threads(sequence_parallel.worker_threads(layout))
+    device = sequence_parallel.init_rank(layout, rank, port)
+    try:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        if path is not None:
+            model = load_release("transformer", path, dtype, device)
+        else:
+            model = materialise(_meta_dit(tiny), dtype, MiniMaxH3Transformer3DModel._keep_in_fp32_modules,
+                                make_on=device, place_on=torch.device("cpu"))
+        plan = _dit_plan(model, path, device, dtype, job).per_rank(layout.degree)
+        offload.place(model, "transformer", device, "none")
+        if layout.degree > 1:
+            sequence_parallel.parallelize(model, layout)
+        inputs, _ = dit_inputs(model.config, device=device, dtype=dtype, **job)
+        seconds, peak = timed_forward(lambda: model(**inputs), device)
+        if rank == 0:
+            record = _record(f"dit_sp{layout.degree}", plan, "none", seconds, peak, 0, None)
+            record.update(ranks=layout.degree, tokens=planner.dit_tokens(**job))
+            with open(out, "w", encoding="utf-8") as handle:
+                json.dump(record, handle)
+    finally:
+        sequence_parallel.shutdown()
+
+
+def check_sequence_parallel(degrees: list[int], device, job, *, tiny: bool, path: str | None, workdir: str) -> list:
+    """Seconds per DiT forward on 1, 2, 4... ranks side by side, each degree's speed-up over the first."""
+    from h3_core import sequence_parallel
+
+    records = []
+    for degree in degrees:
+        layout = sequence_parallel.check(degree, "ulysses", device)
+        out = os.path.join(workdir, f"sp{degree}.json")
+        sequence_parallel.launch(_sp_rank, layout, path, job, tiny, out)
+        with open(out, encoding="utf-8") as handle:
+            records.append(json.load(handle))
+    for record in records:  # > 1: faster than the first degree listed (1 rank); < 1 on shared CPU cores
+        record["speedup"] = round(records[0]["seconds_per_forward"] / record["seconds_per_forward"], 3)
+    return records
+
+
 def main(argv=None) -> int:
     import tempfile
 
@@ -297,6 +351,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="default: cuda if torch sees it, else cpu")
     parser.add_argument("--workdir", help="where the sparse release-size files go (default: a temporary folder)")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--sp", help="comma-separated sequence-parallel degrees, e.g. 1,2,4: the DiT's scaling only "
+                        "(one process per GPU; gloo processes with --small)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu"))
     tiny = args.small
@@ -318,7 +374,11 @@ def main(argv=None) -> int:
             else {c: None for c in RELEASE_FILES}
         result["weights"] = {c: os.path.basename(p) if p else f"random, {'tiny' if tiny else 'release'} bf16 shapes"
                              for c, p in paths.items()}
-        for name, check in (("text_encoder", check_text_encoder), ("transformer", check_dits)):
+        if args.sp:
+            degrees = [int(part) for part in args.sp.split(",") if part]
+            result["checks"] = check_sequence_parallel(degrees, device, job, tiny=tiny, path=paths["transformer"],
+                                                       workdir=workdir)
+        for name, check in () if args.sp else (("text_encoder", check_text_encoder), ("transformer", check_dits)):
             try:
                 records = check(device, dtype, job, tiny=tiny, path=paths[name])
             except torch.OutOfMemoryError as error:  # a plan that was wrong is a result too: report, go on

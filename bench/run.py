@@ -6,6 +6,8 @@ Runs five sections on CPU with the embedded tiny H3 (built into a temporary fold
   3. remote vs local encode on loopback (text-only, with references)
   4. the encoder server under 1 / 4 / 16 concurrent clients, and cache hits
   5. VAE peak memory and time vs canvas, frames and audio duration
+  (also: the Ray Serve engine, fairness between clients, and the encoder's component cache: prompt edits and
+  restarts, bench/component_cache.py)
 writes results.md, results.json and PNG plots (bench/results/, or bench/results/quick/ for --quick), and ends with
 one line per target (its measured ratio) and `targets met: N/M`.
 """
@@ -27,13 +29,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SECTIONS = ("split", "wire", "remote", "vae", "ray", "fairness")
+SECTIONS = ("split", "wire", "remote", "vae", "ray", "fairness", "components")
 
 FULL = {
     "split": dict(pairs=20, steps=50, width=64, height=64, frames=124, load_rounds=3),
     "wire": dict(reps={"0.2MB": 30, "10MB": 30, "70MB": 60}),  # the target's size: the most rounds (interval)
     "remote": dict(reps={"text": 30, "refs": 10}, plan={1: 50, 4: 12, 16: 4}, passes=4,
                    hits={"sequential": 400, "concurrent": 20, "under_load": 100, "busy_per_client": 15}),
+    "components": dict(rounds=4, restarts=2),
     "vae": dict(canvas=[256, 384, 512, 768, 1024], canvas_frames=22, frames=[22, 56, 124, 209], frames_canvas=384,
                 encode_canvas=[256, 384, 512, 768, 1024], encode_frames=[22, 39, 56, 73], encode_frames_canvas=128,
                 audio_seconds=[2.5, 5.0, 10.0, 15.0], reps=2, per_process=True),
@@ -43,6 +46,7 @@ QUICK = {
     "wire": dict(reps={"0.2MB": 10, "10MB": 6, "70MB": 4}),
     "remote": dict(reps={"text": 8, "refs": 3}, plan={1: 16, 4: 4, 16: 2}, passes=2,
                    hits={"sequential": 150, "concurrent": 5, "under_load": 30, "busy_per_client": 5}),
+    "components": dict(rounds=2, restarts=1),
     "vae": dict(canvas=[256, 384, 512, 768], canvas_frames=22, frames=[22, 56, 124], frames_canvas=256,
                 encode_canvas=[256, 512], encode_frames=[22, 39], encode_frames_canvas=64,
                 audio_seconds=[2.5, 10.0], reps=1, per_process=False, compare_canvas=[192, 384], compare_rounds=2),
@@ -180,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                        "--threads", str(args.threads), *(["--quick"] if args.quick else [])]
                 subprocess.run(cmd, cwd=REPO, env=common.worker_env(args.threads), check=True)
                 results["fairness"] = json.loads((out / "fairness.json").read_text())
+            elif section == "components":  # the encoder's component cache: prompt edits, restarts (its own server)
+                from bench import component_cache
+
+                results["components"] = component_cache.run(str(models), threads=args.threads,
+                                                            **plan["components"])
             results["meta"].setdefault("section_s", {})[section] = time.perf_counter() - t0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

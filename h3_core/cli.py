@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from . import component_args, devices, facts, loadbar, plan_report, progress
 from .remote import engines
@@ -54,8 +55,16 @@ def _cmd_tiny(args) -> int:
     from . import tiny
 
     start = time.perf_counter()
-    out = tiny.build(args.out, seed=args.seed)
-    _log(f"built the tiny H3 (seed {args.seed}) in {time.perf_counter() - start:.1f} s")
+    if args.twins == "gguf" and (Path(args.out) / "tiny.json").is_file():
+        out = Path(args.out)  # an existing build: add the GGUF twins only
+    else:
+        out = tiny.build(args.out, seed=args.seed)
+        _log(f"built the tiny H3 (seed {args.seed}) in {time.perf_counter() - start:.1f} s")
+    if args.twins == "gguf":
+        from . import tiny_gguf
+
+        written = tiny_gguf.write_gguf_twins(out / "comfyui")
+        _log(f"wrote {len(written)} GGUF twins in {time.perf_counter() - start:.1f} s")
     print(out)
     return 0
 
@@ -105,23 +114,40 @@ def _cmd_encode(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    if args.sp != 1:
+        _generate_parallel(args)
+    else:
+        _generate(args)
+    print(args.out)
+    return 0
+
+
+def _generate(args, layout=None, rank: int = 0) -> None:
+    """Sample and (on rank 0) decode and write; with a sequence-parallel `layout`, this is one rank of it."""
     from . import media
     from .contract import H3Conditioning
     from .diffusion import DiffusionStage, SamplingOptions
     from .lora import LoRA
 
     cond = H3Conditioning.load(args.cond)
-    stage = DiffusionStage(component_args.model_source(args, cond.task), **devices.stage_kwargs(args, "transformer"))
+    placement = devices.stage_kwargs(args, "transformer")
+    if layout is not None:
+        placement["device"] = layout.device_of(rank)
+    stage = DiffusionStage(component_args.model_source(args, cond.task), parallel=layout, **placement)
     start = time.perf_counter()
+    lead = rank == 0  # only rank 0 reports, decodes and writes: every rank ends the loop with the same latents
     options = SamplingOptions(
         steps=args.steps,
         seed=args.seed,
         video_shift=args.video_shift,
         audio_shift=args.audio_shift,
-        progress=_progress("denoise"),
+        progress=_progress("denoise") if lead else None,
         lora=LoRA.load(args.lora) if args.lora else None,
         lora_strength=args.lora_strength,
     )
+    if not lead:
+        stage.sample(cond, options)
+        return
     with progress.reporting(loadbar.wrap(_phase_printer())):
         latents = stage.sample(cond, options)
         if not args.dump:  # streamed: each decoded clip goes to the mp4 encoder, the video is never held whole
@@ -141,9 +167,36 @@ def _cmd_generate(args) -> int:
             },
             args.dump,
         )
-    _log(f"generated {cond.num_frames} frames in {time.perf_counter() - start:.2f} s")
-    print(args.out)
-    return 0
+    ranks = f" on {layout.degree} sequence-parallel ranks" if layout is not None else ""
+    _log(f"generated {cond.num_frames} frames in {time.perf_counter() - start:.2f} s{ranks}")
+
+
+def _generate_parallel(args) -> None:
+    """`generate --sp N`: check the request against the machine and the DiT, then start the N ranks and wait."""
+    from . import sequence_parallel
+    from .contract import H3Conditioning
+    from .models import PARTITION_OF_TASK
+
+    task = H3Conditioning.load(args.cond).task
+    dit = component_args.model_source(args, task).paths.get(PARTITION_OF_TASK[task])
+    heads = sequence_parallel.dit_heads(dit) if dit is not None else None
+    layout = sequence_parallel.check(args.sp, args.sp_mode, devices.parse_device(args.device), heads)
+    _log(f"starting {layout.degree} sequence-parallel ranks ({layout.mode}, {layout.backend})")
+    sequence_parallel.launch(_generate_rank, layout, args)
+
+
+def _generate_rank(rank: int, layout, port: int, args) -> None:
+    """One rank of `generate --sp N` (a torch.multiprocessing worker)."""
+    import torch
+
+    from . import sequence_parallel
+
+    torch.set_num_threads(sequence_parallel.worker_threads(layout))
+    sequence_parallel.init_rank(layout, rank, port)
+    try:
+        _generate(args, layout, rank)
+    finally:
+        sequence_parallel.shutdown()
 
 
 def _cmd_check(args) -> int:
@@ -167,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny", help="build the embedded tiny H3 (random weights: outputs are noise)")
     tiny.add_argument("--out", required=True, help="folder to write")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--twins", choices=("gguf",),
+                      help="also write the GGUF twins (into an existing build at --out, else after building it)")
     tiny.set_defaults(func=_cmd_tiny)
 
     def models_args(p):
@@ -222,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--lora-strength", type=float, default=1.0, help="multiplier on the LoRA (default 1)")
     generate.add_argument("--dump", help="also write video/audio/latents tensors to this .safetensors")
+    generate.add_argument(
+        "--sp", type=int, default=1,
+        help="sequence-parallel ranks for the DiT (default 1): one process per GPU from --device cuda:K on "
+        "(cuda:K..K+N-1), or N gloo processes on the CPU; the DiT's heads must divide by N",
+    )
+    generate.add_argument("--sp-mode", choices=("ulysses", "ring"), default="ulysses",
+                          help="attention exchange between ranks (ring: CUDA only; default %(default)s)")
     generate.set_defaults(func=_cmd_generate)
 
     check = sub.add_parser("check", help="identify a weights file/folder and check its keys (headers only)")
@@ -258,9 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode media in the server process instead of the sandbox (debugging only: a decoder "
                        "crash then takes the server down)")
     engines.add_serve_arguments(serve)
-    from .remote.config import add_scheduling_args
+    from .remote.config import add_cache_args, add_scheduling_args
 
     add_scheduling_args(serve)
+    add_cache_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     plan_report.add_parser(sub)

@@ -43,6 +43,12 @@ def parse_device(spec) -> torch.device:
     return torch.device("cuda", index)
 
 
+def visible_devices() -> list[str]:
+    """The devices torch sees here, as `parse_device` spells them: cpu, then cuda:0, cuda:1, ..."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu", *(f"cuda:{index}" for index in range(count))]
+
+
 def device_memory(device) -> tuple[int, int]:
     """(free, total) bytes on `device`; for the CPU, host RAM (available, total)."""
     device = torch.device(device)

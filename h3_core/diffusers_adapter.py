@@ -56,6 +56,10 @@ PRIVATE_HELPERS = {
         "diffusers.models.transformers.transformer_minimax_h3", "MiniMaxH3AdaLayerNormOut",
         ("hidden_size", "time_embed_dim", "eps"),
     ),
+    # `ulysses_anything`'s gather of unequal sequence shards, wrapped for gloo groups (h3_core/sequence_parallel.py).
+    "cp_all_gather_anything": (
+        "diffusers.hooks.context_parallel", "_all_gather_anything", ("tensor", "dim", "group"),
+    ),
 }
 
 
@@ -114,3 +118,73 @@ def adaln_modulation_class():
 def adaln_out_class():
     """diffusers' final AdaLN norm-and-modulation module (a class to subclass)."""
     return _helper("adaln_out")
+
+
+# --- context parallelism on the CPU (h3_core/sequence_parallel.py) -------------------------------------------------
+#
+# diffusers' context-parallel code is written for accelerators. Two spots fail on a CPU-only process group (gloo),
+# which the tests use to run the very code path NCCL takes on CUDA:
+#   (a) `ModelMixin._resolve_parallel_config` picks the rank's device as `rank % torch.accelerator.device_count()`,
+#       which divides by zero where torch sees no accelerator;
+#   (b) `ulysses_anything`'s gather of unequal shards (`hooks.context_parallel._all_gather_anything`) calls
+#       `dist.all_gather` with tensors of different lengths, which NCCL accepts and gloo refuses.
+# Both shims act only where the failing case arises; on CUDA with NCCL diffusers' own code runs untouched.
+
+def cpu_accelerator_count():
+    """A context in which `torch.accelerator.device_count()` says 1 when torch sees no accelerator (shim (a)): the
+    device diffusers derives from it is then `cpu:0`, i.e. the CPU, which is where a gloo rank computes."""
+    import contextlib
+
+    import torch
+
+    @contextlib.contextmanager
+    def patched():
+        if torch.accelerator.device_count() > 0:
+            yield
+            return
+        original = torch.accelerator.device_count
+        torch.accelerator.device_count = lambda: 1
+        try:
+            yield
+        finally:
+            torch.accelerator.device_count = original
+
+    return patched()
+
+
+def install_uneven_gather_for_gloo() -> None:
+    """Route diffusers' gather of unequal sequence shards through a padded gather on gloo groups (shim (b)).
+
+    Each rank pads its shard to the longest one, gathers equal-size tensors (what gloo can), and keeps each rank's
+    real rows: the gathered values are the same rows diffusers' own gather gives. Idempotent; NCCL groups keep
+    diffusers' function."""
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    module_name, attribute, _ = PRIVATE_HELPERS["cp_all_gather_anything"]
+    module = importlib.import_module(module_name)
+    original = getattr(module, attribute)
+    if getattr(original, "_h3_gloo_shim", False):
+        return
+
+    def all_gather_anything(tensor, dim, group):
+        backend = str(dist.get_backend(group))
+        if "gloo" not in backend or ("nccl" in backend and tensor.is_cuda):
+            return original(tensor, dim, group)
+        world = dist.get_world_size(group)
+        tensor = tensor.contiguous()
+        length = torch.tensor([tensor.shape[dim]], dtype=torch.int64)
+        lengths = [torch.empty_like(length) for _ in range(world)]
+        dist.all_gather(lengths, length, group=group)
+        lengths = [int(n) for n in lengths]
+        pad_shape = list(tensor.shape)
+        pad_shape[dim] = max(lengths) - tensor.shape[dim]
+        padded = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded, group=group)
+        return torch.cat([part.narrow(dim, 0, n) for part, n in zip(gathered, lengths)], dim=dim)
+
+    all_gather_anything._h3_gloo_shim = True
+    setattr(module, attribute, all_gather_anything)

@@ -137,15 +137,20 @@ class DiffusionStage:
         offload: str = "none",
         modules: dict | None = None,
         pipeline_config: dict | None = None,
+        parallel=None,
     ):
         """Load components from `source` on first use, or adopt already-loaded `modules` (keys
-        transformer / transformer_ref / vae / audio_vae: the ComfyUI nodes' loaders own the weights)."""
+        transformer / transformer_ref / vae / audio_vae: the ComfyUI nodes' loaders own the weights).
+
+        `parallel` (a `sequence_parallel.Layout` of N > 1 ranks, inside its process group): the DiT runs
+        sequence-parallel, each rank holding 1/N of its activations (h3_core/sequence_parallel.py)."""
         if source is None and modules is None:
             raise ValueError("DiffusionStage needs a model source or loaded modules")
         self.source = source
         self.dtype = dtype
         self.device = torch.device(device)
         self.offload = offload  # DiT placement: none / block / auto (h3_core.offload)
+        self.parallel = parallel if parallel is not None and parallel.degree > 1 else None
         self.streaming: dict[str, Streaming] = {}
         self._job = {"width": 0, "height": 0, "frames": rules.MIN_FRAMES, "text_tokens": 0}
         self.pipeline_config = dict(pipeline_config if pipeline_config is not None else source.pipeline_config)
@@ -161,7 +166,8 @@ class DiffusionStage:
             raise ModelSourceError(f"this diffusion stage was given no {name}, which the request needs")
         module = self.source.load(name, **kwargs)
         dtype = kwargs.get("dtype", torch.float32)
-        activations = activation_estimate(name, module, dtype, **self._job) if name in STREAMABLE else 0
+        ranks = self.parallel.degree if self.parallel is not None and name in PARTITION_OF_TASK.values() else 1
+        activations = activation_estimate(name, module, dtype, ranks=ranks, **self._job) if name in STREAMABLE else 0
         self.streaming[name] = place(module, name, self.device, self.offload, activation_bytes=activations)
         return module
 
@@ -171,6 +177,10 @@ class DiffusionStage:
         name = PARTITION_OF_TASK[task]  # FL2VA for t2va/fl2va, Ref2VA for ref2va
         if name not in self._transformers:
             self._transformers[name] = self._load(name, dtype=self.dtype)
+        if self.parallel is not None:
+            from . import sequence_parallel
+
+            sequence_parallel.parallelize(self._transformers[name], self.parallel)  # once per module
         return self._transformers[name]
 
     @property

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import facts, media, progress, rules
+from . import component_cache, facts, media, progress, rules
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning, H3Reference
 from .models import ModelSource
@@ -166,6 +166,8 @@ class EncoderStage:
             )
             self.pipeline_config = dict(pipeline_config or {})
             self.fingerprint = fingerprint or ""
+            # Adopted modules: the one identity the caller gave covers each of them (none: never cached).
+            self.identities = {name: self.fingerprint for name in self.components}
             return
         unknown = set(components) - set(ENCODER_COMPONENTS)
         if unknown:
@@ -173,6 +175,8 @@ class EncoderStage:
         self.components = tuple(components)
         self.pipeline_config = dict(source.pipeline_config)
         self.fingerprint = source.fingerprint()  # identity of the weights, for caches and handshakes
+        # Per encoder, for the component cache: new VAE weights leave the cached text entries valid.
+        self.identities = {name: source.component_fingerprint(name) for name in self.components}
         self.text_encoder = self.tokenizer = self.processor = self.vae = self.audio_vae = None
         self.load_seconds: dict[str, float] = {}  # per component, for the server's metrics
         if "text" in components:
@@ -204,6 +208,9 @@ class EncoderStage:
     def encode_text(self, prepared: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3-VL presentation -> (prompt_embeds [1, L, D] in the encoder's dtype, tags int64 [L])."""
         self._require("text", "every request")
+        address, cached = self._lookup("text", "text", lambda: self._text_key(prepared))
+        if cached is not None:
+            return cached["prompt_embeds"], cached["text_token_tags"]
         blocks = workflow_blocks(prepared.task, ("text_encoder",))
         pipe = pipeline_for(
             blocks,
@@ -217,7 +224,9 @@ class EncoderStage:
             inputs["normalized_references"] = prepared.references
         with _LayerCounter(self.text_encoder, "text"):
             state = run_blocks(pipe, **inputs)
-        return state.get("prompt_embeds").cpu(), state.get("text_token_tags").cpu()
+        prompt_embeds, tags = state.get("prompt_embeds").cpu(), state.get("text_token_tags").cpu()
+        component_cache.store(address, {"prompt_embeds": prompt_embeds, "text_token_tags": tags})
+        return prompt_embeds, tags
 
     @torch.no_grad()
     def encode_video(self, prepared: Prepared) -> list[torch.Tensor]:
@@ -235,13 +244,21 @@ class EncoderStage:
                 # Snap *down* to 17k+5 so the VAE encodes without padding (diffusers' reference step).
                 count = rules.snap_frames_down(ref.frames.shape[0])
                 pixels.append(torch.from_numpy(np.ascontiguousarray(ref.frames[:count])).permute(3, 0, 1, 2)[None])
+        found = [self._lookup("video", f"video.{index}", lambda p=p: self._video_key(p))
+                 for index, p in enumerate(pixels)]
         # One unit per temporal clip (a keyframe or an image is one): a long reference moves the bar as it encodes.
-        counter = progress.Counter("video_vae", sum(units(self.vae, int(p.shape[2])) for p in pixels))
+        # Only the parts to encode count; with every part cached there is no VAE phase at all.
+        clips = sum(units(self.vae, int(p.shape[2])) for p, (_, cached) in zip(pixels, found) if cached is None)
+        counter = progress.Counter("video_vae", clips) if clips else None
         latents = []
-        for p in pixels:
+        for p, (address, cached) in zip(pixels, found):
+            if cached is not None:
+                latents.append(cached["latents"])
+                continue
             # Clip by clip from the uint8 frames: no float copy of a whole reference video (h3_core/vae_encode.py).
             latents.append(encode_condition(self.vae, p.to(self.device), facts.PIXEL_MEAN, facts.PIXEL_STD,
                                             encode_seed=facts.KEYFRAME_ENCODE_SEED, on_clip=counter.advance))
+            component_cache.store(address, {"latents": latents[-1]})
         return latents
 
     @torch.no_grad()
@@ -253,17 +270,56 @@ class EncoderStage:
         config = self.audio_vae.config
         mean = torch.tensor(config.latents_mean).view(1, 1, -1)
         std = torch.tensor(config.latents_std).view(1, 1, -1)
+        audios = [ref.audio for ref in prepared.references if ref.has_audio]
+        found = [self._lookup("audio", f"audio.{index}", lambda audio=audio: self._audio_key(audio))
+                 for index, audio in enumerate(audios)]
         rows = []
-        counter = progress.Counter("audio_vae", sum(1 for ref in prepared.references if ref.has_audio))
-        for ref in prepared.references:
-            if not ref.has_audio:
+        computed = sum(1 for _, cached in found if cached is None)
+        counter = progress.Counter("audio_vae", computed) if computed else None
+        for audio, (address, cached) in zip(audios, found):
+            if cached is not None:
+                rows.append(cached["rows"])
                 continue
             # Stereo channels are the batch of the mono audio VAE; references use the posterior mean.
-            posterior = self.audio_vae.encode(ref.audio.to(self.device)[:, None], return_dict=False)[0]
+            posterior = self.audio_vae.encode(audio.to(self.device)[:, None], return_dict=False)[0]
             latents = posterior.mode().float().cpu().transpose(1, 2)
             rows.append(((latents - mean) / std).reshape(-1, config.latent_channels))
+            component_cache.store(address, {"rows": rows[-1]})
             counter.advance()
         return rows
+
+    # --- the component cache's keys (h3_core/component_cache.py) ------------------------------------
+
+    def _lookup(self, component: str, label: str, entry_key):
+        """(key, cached tensors or None) for one part; nothing is hashed unless a cache is installed, and a
+        stage whose weights have no identity (adopted modules without a fingerprint) is never cached."""
+        if not self.identities.get(component):
+            return None, None
+        return component_cache.lookup(label, entry_key)
+
+    def _identity(self, component: str, module: torch.nn.Module) -> dict:
+        first = next(module.parameters(), None)  # where the weights are, not the stage's default (sharded stages)
+        dtype, device = (torch.float32, self.device) if first is None else (first.dtype, first.device)
+        return component_cache.execution_identity(self.identities[component], dtype, device)
+
+    def _text_key(self, prepared: Prepared) -> str:
+        """The prompt, the canvas and every vision input the presentation shows (keyframes, references)."""
+        vision = [component_cache.digest(image) for image in prepared.keyframes]
+        vision += [_reference_digest(ref) for ref in prepared.references]
+        params = {"task": prepared.task, "prompt": prepared.prompt, "width": prepared.width,
+                  "height": prepared.height, "num_frames": prepared.num_frames,
+                  "anchors": list(prepared.keyframe_anchors), "pipeline": self.pipeline_config}
+        return component_cache.key("text", self._identity("text", self.text_encoder), params,
+                                   component_cache.digest(*vision))
+
+    def _video_key(self, pixels: torch.Tensor) -> str:
+        params = {"seed": facts.KEYFRAME_ENCODE_SEED, "pixel_mean": facts.PIXEL_MEAN, "pixel_std": facts.PIXEL_STD}
+        return component_cache.key("video", self._identity("video", self.vae), params,
+                                   component_cache.digest(pixels))
+
+    def _audio_key(self, audio: torch.Tensor) -> str:
+        return component_cache.key("audio", self._identity("audio", self.audio_vae), {"posterior": "mode"},
+                                   component_cache.digest(audio))
 
     # --- whole requests --------------------------------------------------------------------------
 
@@ -329,6 +385,18 @@ class _LayerCounter:
         if exc[0] is None and getattr(self, "counter", None) is not None:
             self.counter.finish()
         return False
+
+
+def _reference_digest(ref) -> str:
+    """A normalised reference's content: kind, media bytes, rates (what the text step's presentation reads)."""
+    items = [ref.kind, bool(ref.has_audio)]
+    for name in ("image", "frames", "fps", "audio", "sample_rate"):
+        value = getattr(ref, name, None)
+        if isinstance(value, list):
+            items += [name, len(value), *value]
+        elif value is not None:
+            items += [name, value if not isinstance(value, (int, float)) else float(value)]
+    return component_cache.digest(*items)
 
 
 def _pixels(image) -> torch.Tensor:

@@ -49,7 +49,7 @@ import numpy as np
 
 from . import media
 
-__all__ = ["decode_isolated", "DECODERS", "default_memory_cap", "BASE_BYTES"]
+__all__ = ["decode_isolated", "DECODERS", "DecoderStopped", "default_memory_cap", "BASE_BYTES"]
 
 DECODERS = ("read_image", "read_video", "read_audio", "probe")
 """The media functions a worker may run. ``selftest_*`` (crash, hang, allocate) exist to test the sandbox."""
@@ -198,6 +198,16 @@ def _decode_kwargs(encoded: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class DecoderStopped(RuntimeError):
+    """The decode was stopped from outside, not by its media: the worker got a service manager's stop signal (a
+    `systemctl stop` that signals the whole control group) or the decoder host died. Not the request's fault: the
+    server answers 503 and the client retries (a MediaError would be a final 422)."""
+
+
+# Signals the sandbox never sends (it kills with SIGKILL) and a decoder never raises on itself: someone stopping us.
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
 def _collect(workdir: str, exitcode: int, memory_cap: int, what: str) -> Any:
     """The worker's result, or the :class:`media.MediaError` its exit stands for."""
     meta_path = os.path.join(workdir, "result.json")
@@ -212,6 +222,8 @@ def _collect(workdir: str, exitcode: int, memory_cap: int, what: str) -> Any:
         if meta["error"] == "MediaError":
             raise media.MediaError(meta["message"])
         raise media.MediaError(f"the media decoder failed {what}: {meta['error']}: {meta['message']}")
+    if -exitcode in _STOP_SIGNALS:
+        raise DecoderStopped(f"the media decoder was stopped by signal {-exitcode} {what}")
     if exitcode < 0:
         number = -exitcode
         try:
@@ -256,9 +268,7 @@ class _Host:
 
     def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path and os.path.isdir(path))
-        env.setdefault("MALLOC_ARENA_MAX", "2")  # see _limit_memory
+        env = _spawn_environment()
         directory = os.path.dirname(os.path.abspath(__file__))
         self.process = subprocess.Popen(
             [sys.executable, "-c", _BOOT, directory, str(child.fileno())],
@@ -303,7 +313,7 @@ class _Host:
                     continue
                 chunk = os.read(read_end, 256)
                 if not chunk:  # the waiter vanished without a status (the host was killed)
-                    raise media.MediaError("the media decoder host died during the call")
+                    raise DecoderStopped("the media decoder host died during the call")
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
@@ -316,6 +326,21 @@ class _Host:
                         return None if timed_out else int(value)
         finally:
             os.close(read_end)
+
+
+# What the decoder host (and every worker it forks) inherits of the parent's environment: what an interpreter,
+# FFmpeg and the tests' crash hook need, nothing else. The workers parse untrusted bytes: never hand them the
+# server's bearer token (H3_ENCODER_TOKEN), cloud credentials or anything else the parent was given.
+_ENV_KEPT = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "SYSTEMROOT", "MALLOC_ARENA_MAX")
+
+
+def _spawn_environment() -> dict[str, str]:
+    """The decoder host's environment: the kept variables, `LC_*`, this interpreter's import path, the test hook."""
+    env = {key: value for key, value in os.environ.items()
+           if key in _ENV_KEPT or key.startswith("LC_") or key == TEST_CRASH_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path and os.path.isdir(path))
+    env.setdefault("MALLOC_ARENA_MAX", "2")  # see _limit_memory
+    return env
 
 
 def _kill(pid: int) -> None:

@@ -160,6 +160,14 @@ class ModelSource:
         named = {**self.paths, "tokenizer": self.tokenizer, "processor": self.processor}
         return weights.sources.identity(self.layout, {name: path for name, path in named.items() if path is not None})
 
+    def component_fingerprint(self, component: str) -> str:
+        """Identity of one encoder's weights ("text": text encoder + tokenizer + processor, "video", "audio")."""
+        slots = {"text": ("text_encoder", "tokenizer", "processor"), "video": ("vae",), "audio": ("audio_vae",)}
+        named = {**self.paths, "tokenizer": self.tokenizer, "processor": self.processor}
+        chosen = {name: named.get(name) for name in slots[component]}
+        return weights.sources.identity(f"{self.layout}/{component}",
+                                        {name: path for name, path in chosen.items() if path is not None})
+
 
 def _pipeline_config(root: Path) -> dict:
     """The release pipeline settings, overridden by what a diffusers root's modular index states."""

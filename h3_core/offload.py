@@ -174,10 +174,14 @@ def place(module: torch.nn.Module, component: str, device, offload: str = "none"
 
 
 def activation_estimate(component: str, module: torch.nn.Module, dtype, *, width: int, height: int, frames: int,
-                        text_tokens: int = planner.DEFAULT_TEXT_TOKENS) -> int:
-    """The planner's activation bytes for `module`'s own widths (release or tiny)."""
+                        text_tokens: int = planner.DEFAULT_TEXT_TOKENS, ranks: int = 1) -> int:
+    """The planner's activation bytes for `module`'s own widths (release or tiny), per rank of a DiT that runs
+    sequence-parallel over `ranks` (each holds 1/N of the packed sequence: `planner.ComponentPlan.per_rank`)."""
+    if ranks > 1 and component not in planner.DIT_COMPONENTS:
+        raise ValueError(f"only the DiT runs sequence-parallel, not the {component}")
     config = getattr(module, "config", None)
     if component == "text_encoder" and config is not None:
         config = config.to_dict()
-    return planner.activation_bytes(width=width, height=height, frames=frames, text_tokens=text_tokens,
+    full = planner.activation_bytes(width=width, height=height, frames=frames, text_tokens=text_tokens,
                                     dtype=dtype, component=component, config=dict(config) if config else None)
+    return -(-full // ranks)

@@ -8,6 +8,9 @@ streaming, or the text encoder on a remote encoder server):
   forward while a resident DiT stays loaded (a streamed one has left the device by then);
 * a local encoder holds the text encoder and both VAEs at once (the stage loads them together).
 
+With `--sp N` the DiT verdicts are per GPU of N sequence-parallel ranks (weights replicated, activations / N; rank 0
+also decodes), and each DiT verdict names the smallest N, up to `MAX_RANKS`, at which the DiT fits resident.
+
 `--table` prints the machines x files x offload table of docs/REAL_WEIGHTS.md from release-size
 tensor tables built on the meta device (no file needed).
 """
@@ -16,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import planner, rules
 
 GB = 1e9
+
+# The largest sequence-parallel degree the planner suggests (one 8-GPU node).
+MAX_RANKS = 8
 
 # Published Comfy-Org files (bytes; docs/REAL_WEIGHTS.md): the alternatives a refusal suggests.
 PUBLISHED = {
@@ -47,6 +53,8 @@ class Verdict:
     peak: int
     host: int
     advice: str
+    ranks: int = 1  # sequence-parallel ranks the peak is per GPU of
+    resident_from: int | None = None  # DiT: smallest sequence-parallel degree that fits resident (None: none <= 8)
 
     @property
     def label(self) -> str:
@@ -99,9 +107,21 @@ def _decide(role: str, plan: planner.ComponentPlan, extra_for, vram: int, ram: i
     return Verdict(role, None, peak, host, "; ".join(a for a in advice if a) or "no published file fits")
 
 
-def verdicts(plans: list[planner.ComponentPlan], vram: int, ram: int | None) -> list[Verdict]:
-    """One verdict per DiT file (the diffusion machine) and per text-encoder file (a local encoder), with the
-    first video / audio VAE given sharing the device."""
+def smallest_resident_ranks(plan: planner.ComponentPlan, extra_for, vram: int, ram: int | None) -> int | None:
+    """The fewest sequence-parallel ranks (dividing the DiT's heads, up to MAX_RANKS) at which `plan` fits resident on
+    each GPU, with `extra_for` what shares rank 0's GPU; None when no degree does (the decode phase, or the weights
+    alone, exceed the GPU: SP splits activations only)."""
+    for ranks in range(1, MAX_RANKS + 1):
+        if not plan.divides(ranks):
+            continue
+        if _decide("", plan.per_rank(ranks), extra_for, vram, ram).offload == "none":
+            return ranks
+    return None
+
+
+def verdicts(plans: list[planner.ComponentPlan], vram: int, ram: int | None, ranks: int = 1) -> list[Verdict]:
+    """One verdict per DiT file (the diffusion machine, per GPU of `ranks` sequence-parallel ranks) and per
+    text-encoder file (a local encoder), with the first video / audio VAE given sharing the device."""
     vae = next((p for p in plans if p.component == "vae"), None)
     audio = next((p for p in plans if p.component == "audio_vae"), None)
     decoders = sum(p.device_bytes for p in (vae, audio) if p is not None)
@@ -109,11 +129,18 @@ def verdicts(plans: list[planner.ComponentPlan], vram: int, ram: int | None) -> 
     out = []
     for plan in plans:
         if plan.component in planner.DIT_COMPONENTS:
-            def decode_phase(offload, dit=plan):  # a resident DiT stays loaded while the VAEs decode
+            if not plan.divides(ranks):
+                raise ValueError(f"--sp {ranks}: the DiT's {plan.heads} attention heads do not divide into {ranks} "
+                                 f"ranks; use a divisor of {plan.heads}")
+
+            def decode_phase(offload, dit=plan):  # a resident DiT stays loaded while rank 0's VAEs decode
                 kept = dit.device_bytes if offload == "none" else 0
                 return kept + decoders + decode_work + planner.RESERVE_BYTES
 
-            out.append(_decide(f"diffusion ({plan.name})", plan, decode_phase, vram, ram))
+            role = f"diffusion ({plan.name})" + (f" per GPU of {ranks}" if ranks > 1 else "")
+            verdict = _decide(role, plan.per_rank(ranks), decode_phase, vram, ram)
+            out.append(replace(verdict, ranks=ranks,
+                               resident_from=smallest_resident_ranks(plan, decode_phase, vram, ram)))
         elif plan.component == "text_encoder":
             # the VAEs' weights share the device with the text encoder (their work comes after it)
             out.append(_decide(f"local encoder ({plan.name})", plan,
@@ -149,9 +176,11 @@ def run(args) -> int:
         return 0
     if args.vram is None:
         raise ValueError("plan needs --vram GB (the GPU's memory)")
+    if args.sp < 1:
+        raise ValueError(f"--sp must be an integer >= 1 (GPUs), got {args.sp}")
     plans = _plans_from_args(args)
     vram, ram = int(args.vram * GB), None if args.ram is None else int(args.ram * GB)
-    results = verdicts(plans, vram, ram)
+    results = verdicts(plans, vram, ram, args.sp)
     if args.json:
         print(json.dumps({
             "components": [{
@@ -160,20 +189,28 @@ def run(args) -> int:
                 "host_resident": p.host_bytes("none"), "host_streamed": p.host_bytes("block"), "dtype": str(p.dtype),
             } for p in plans],
             "verdicts": [{"role": v.role, "verdict": v.label, "offload": v.offload, "peak": v.peak, "host": v.host,
-                          "advice": v.advice} for v in results],
+                          "advice": v.advice, "ranks": v.ranks, "resident_from_ranks": v.resident_from}
+                         for v in results],
         }, indent=2))
         return 0
     print(f"job {args.width}x{args.height}x{args.frames}, {args.text_tokens} text tokens; "
           f"GPU {args.vram:g} GB, RAM {'?' if args.ram is None else f'{args.ram:g}'} GB (GB = 1e9 bytes)")
     print(f"{'component':<16}{'file':<48}{'stored':>8}{'resident':>10}{'streamed':>10}{'activ.':>8}{'host(str.)':>11}")
+    if args.sp > 1:
+        print(f"DiT rows per GPU of {args.sp} sequence-parallel ranks (weights replicated, activations / {args.sp})")
     for p in plans:
+        p = p.per_rank(args.sp) if p.component in planner.DIT_COMPONENTS else p
         streamed = _gb(p.streamed_peak) if p.streamable else "-"
         print(f"{p.component:<16}{p.name[:47]:<48}{_gb(p.stored_bytes):>8}{_gb(p.resident_peak):>10}"
               f"{streamed:>10}{_gb(p.activation):>8}{_gb(p.host_bytes('block')):>11}")
     for v in results:
         how = f" (--offload {v.offload})" if v.offload else ""
+        sp = ""
+        if v.role.startswith("diffusion"):
+            sp = (f"; resident from --sp {v.resident_from}" if v.resident_from
+                  else f"; no --sp up to {MAX_RANKS} fits it resident")
         print(f"{v.role}: {v.label}{how}, peak {_gb(v.peak)} GB, host RAM {_gb(v.host)} GB"
-              + (f"; {v.advice}" if v.advice else ""))
+              + (f"; {v.advice}" if v.advice else "") + sp)
     return 0 if all(v.offload is not None for v in results) else 3
 
 
@@ -192,6 +229,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--frames", type=int, default=124)
     plan.add_argument("--text-tokens", type=int, default=planner.DEFAULT_TEXT_TOKENS)
     plan.add_argument("--dtype", choices=dtypes.CHOICES, default="auto", help="compute dtype (auto: the GPU rule)")
+    plan.add_argument("--sp", type=int, default=1,
+                      help="sequence-parallel GPUs the DiT runs on (generate --sp): peaks per GPU (default 1)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--table", action="store_true", help="print the machines x published files table")
     plan.set_defaults(func=run)

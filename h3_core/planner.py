@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -199,6 +199,23 @@ class ComponentPlan:
     blocks: int
     activation: int
     dtype: torch.dtype
+    heads: int = 0  # the DiT's attention heads (0: not a DiT, or unknown): sequence-parallel degrees divide them
+    ranks: int = 1  # sequence-parallel ranks this plan is per GPU of (`per_rank`)
+
+    def per_rank(self, ranks: int) -> "ComponentPlan":
+        """This DiT's plan on each GPU of `ranks` sequence-parallel ranks (h3_core/sequence_parallel.py): the weights
+        are replicated on every rank, the activations split (each rank holds 1/N of the packed sequence; Ulysses'
+        attention holds the whole sequence for 1/N of the heads, the same bytes)."""
+        if ranks == self.ranks:
+            return self
+        if self.component not in DIT_COMPONENTS:
+            raise ValueError(f"only the DiT runs sequence-parallel, not the {self.component}")
+        full = self.activation * self.ranks
+        return replace(self, activation=-(-full // ranks), ranks=ranks)
+
+    def divides(self, ranks: int) -> bool:
+        """Whether `ranks` sequence-parallel ranks can share this DiT's heads (unknown heads: assumed yes)."""
+        return not self.heads or self.heads % ranks == 0
 
     @property
     def streamable(self) -> bool:
@@ -277,6 +294,7 @@ def plan_component(component: str, tensors: Mapping, *, name: str = "", width: i
         blocks=len(per_block),
         activation=activation,
         dtype=compute,
+        heads=int((config or configs.RELEASE_TRANSFORMER)["num_attention_heads"]) if component in DIT_COMPONENTS else 0,
     )
 
 

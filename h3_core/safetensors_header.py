@@ -55,6 +55,7 @@ DTYPES = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # mxfp8 block scales (power-of-two exponents)
 }
 DTYPE_TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
 

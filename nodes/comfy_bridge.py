@@ -59,7 +59,33 @@ def model_choices(folder: str) -> list[str]:
         if base_path.is_dir():
             roots += sorted(f"{PACK_FOLDER}/{p.name}" for p in base_path.iterdir() if p.is_dir() and p.name != "tiny")
     files = [name for name in folder_paths.get_filename_list(folder) if name.endswith(".safetensors")]
-    return choices + roots + files
+    return choices + roots + files + gguf_files(folder)
+
+
+# ComfyUI core does not list .gguf files; ComfyUI-GGUF, when installed, registers these keys for its own loaders.
+GGUF_KEYS = {"diffusion_models": "unet_gguf", "text_encoders": "clip_gguf"}
+
+
+def _gguf_roots(folder: str) -> list[str]:
+    keys = [folder]
+    if GGUF_KEYS.get(folder) in folder_paths.folder_names_and_paths:
+        keys.append(GGUF_KEYS[folder])
+    roots = []
+    for key in keys:
+        roots += [base for base in folder_paths.get_folder_paths(key) if base not in roots]
+    return roots
+
+
+def gguf_files(folder: str) -> list[str]:
+    """GGUF files (DiT, text encoder) in a model folder and its legacy / ComfyUI-GGUF aliases (unet, clip)."""
+    if folder not in GGUF_KEYS:
+        return []
+    names = set()
+    for base in _gguf_roots(folder):
+        root = Path(base)
+        if root.is_dir():
+            names.update(path.relative_to(root).as_posix() for path in root.rglob("*.gguf") if path.is_file())
+    return sorted(names)
 
 
 def resolve_model_path(folder: str, choice: str) -> tuple[Path, bool]:
@@ -78,6 +104,13 @@ def resolve_model_path(folder: str, choice: str) -> tuple[Path, bool]:
         path = safe_paths.resolve_child_dir(folder_paths.get_folder_paths(PACK_FOLDER), choice.split("/", 1)[1],
                                             what="model folder", folder_label=f"models/{PACK_FOLDER}/")
         return path, True
+    if choice.lower().endswith(".gguf") and folder in GGUF_KEYS:
+        if choice not in gguf_files(folder):  # only a listed file: never a path a workflow makes up
+            raise ValueError(f"{str(choice)[:200]!r} is not a .gguf file in models/{folder}/")
+        for base in _gguf_roots(folder):
+            path = Path(base) / choice
+            if path.is_file():
+                return path, False
     if not choice.lower().endswith(".safetensors"):  # the listed choices; never a pickle a workflow names
         raise ValueError(f"{str(choice)[:200]!r} is not a .safetensors file in models/{folder}/")
     return Path(folder_paths.get_full_path_or_raise(folder, choice)), False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..h3_core import assembly, rules
+from ..h3_core import assembly, component_cache, rules
 from ..h3_core.encoder import EncoderStage
 from . import comfy_bridge as bridge
 from . import memory
@@ -21,6 +21,10 @@ from .media import MediaBundle
 from .types import CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
 
 TASKS = ["auto", "t2va", "fl2va", "ref2va"]
+# ComfyUI re-runs a VAE encode node whenever its input conditioning changes, and a new prompt changes it: without
+# this, every prompt edit re-encodes unchanged reference videos. Parts are keyed by content and VAE identity
+# (h3_core/component_cache.py), so an entry is only reused for the very pixels and weights that produced it.
+VAE_PARTS = component_cache.MemoryTier(512 << 20)
 
 
 def check_numbers(width: int, height: int, length: int) -> bool | str:
@@ -165,9 +169,10 @@ class _VAEEncode(io.ComfyNode):
         model = models[cls.MODEL_INPUT]
         device = bridge.use(model.patcher)
         stage = EncoderStage(
-            modules={cls.STAGE_KEY: model.module}, pipeline_config=parts.pipeline_config, device=device
+            modules={cls.STAGE_KEY: model.module}, pipeline_config=parts.pipeline_config, device=device,
+            fingerprint=model.fingerprint,
         )
-        with bridge.phase_progress(None):
+        with bridge.phase_progress(None), component_cache.using(VAE_PARTS):
             return io.NodeOutput(assembly.to_core(cls.ADD(parts, stage)))
 
 

@@ -19,7 +19,7 @@ import comfy.model_management as mm
 import torch
 from comfy_api.latest import io
 
-from ..h3_core import dtypes
+from ..h3_core import devices, dtypes
 from ..h3_core.models import ModelSource
 from . import comfy_bridge as bridge
 from .types import CATEGORY, AudioVAE, DiT, TextEncoder, VideoVAE
@@ -62,6 +62,30 @@ def _weight_dtype_input(options: list[str], what: str):
     )
 
 
+DEFAULT_DEVICE = "default"
+
+
+def _device_input(what: str):
+    return io.Combo.Input(
+        "device",
+        options=[DEFAULT_DEVICE, *devices.visible_devices()],
+        default=DEFAULT_DEVICE,
+        optional=True,
+        tooltip=f"Device the {what} computes on. default: ComfyUI's choice for it. cpu / cuda:N: that device, e.g. the "
+        "text encoder on cuda:1 while the DiT samples on cuda:0; ComfyUI's memory management still loads, offloads "
+        "and streams it there.",
+    )
+
+
+def _placed(choice: str | None, load_device, offload_device):
+    """(load device, offload device) for the `device` widget: ComfyUI's pair for `default`, else the named device
+    (a CPU-placed model has nowhere to offload to but the CPU)."""
+    if choice in (None, DEFAULT_DEVICE):
+        return load_device, offload_device
+    device = devices.parse_device(choice)  # a device this machine no longer has is refused by name
+    return device, device if device.type == "cpu" else offload_device
+
+
 def _load(source: ModelSource, component: str, dtype: torch.dtype, load_device, offload_device, stream: bool):
     with bridge.phase_progress(None):  # bytes read, on the running loader node's bar
         module = source.load(component, dtype=dtype)
@@ -101,20 +125,24 @@ class _ComponentLoader(io.ComfyNode):
                     "models/minimax_h3, or the embedded tiny H3.",
                 ),
                 _weight_dtype_input(cls.WEIGHT_DTYPES, cls.DISPLAY_NAME.removeprefix("H3 ").removesuffix(" Loader")),
+                _device_input(cls.DISPLAY_NAME.removeprefix("H3 ").removesuffix(" Loader")),
             ],
             outputs=[cls.OUTPUT.Output()],
         )
 
     @classmethod
     def fingerprint_inputs(cls, **inputs):
-        return f"{_fingerprint_file(cls.FOLDER, inputs[cls.INPUT_ID])}|{inputs.get('weight_dtype', 'default')}"
+        return (f"{_fingerprint_file(cls.FOLDER, inputs[cls.INPUT_ID])}|{inputs.get('weight_dtype', 'default')}"
+                f"|{inputs.get('device', DEFAULT_DEVICE)}")
 
     @classmethod
-    def execute(cls, weight_dtype: str = "default", **inputs) -> io.NodeOutput:
-        load_device, offload_device = cls.devices()
+    def execute(cls, weight_dtype: str = "default", device: str = DEFAULT_DEVICE, **inputs) -> io.NodeOutput:
+        load_device, offload_device = _placed(device, *cls.devices())
         # The rule is the machine's (its compute device), not the load device's: under --lowvram / --novram ComfyUI
-        # runs text encoders on the CPU, where float32 would make the 32B encoder 4x its bf16 file in RAM.
-        dtype = dtypes.compute_dtype(cls.COMPONENT, mm.get_torch_device(), weight_dtype)
+        # runs text encoders on the CPU, where float32 would make the 32B encoder 4x its bf16 file in RAM. A device
+        # the user names is the rule's device.
+        rule_device = mm.get_torch_device() if device in (None, DEFAULT_DEVICE) else load_device
+        dtype = dtypes.compute_dtype(cls.COMPONENT, rule_device, weight_dtype)
         source = _source(cls.FOLDER, inputs[cls.INPUT_ID], cls.COMPONENT)
         patcher = _load(source, cls.COMPONENT, dtype, load_device, offload_device, cls.STREAM)
         return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), cls.extra(source), dtype))
@@ -131,7 +159,7 @@ class TextEncoderLoader(_ComponentLoader):
         "~51 GB in bf16 at full size: the piece a remote encoder endpoint can take off this machine."
     )
     INPUT_ID, FOLDER, COMPONENT = "text_encoder", "text_encoders", "text_encoder"
-    FILE_HINT, OUTPUT = "qwen3vl_32b_minimax_h3_*.safetensors", TextEncoder
+    FILE_HINT, OUTPUT = "qwen3vl_32b_minimax_h3_*.safetensors, or a GGUF file", TextEncoder
     WEIGHT_DTYPES, STREAM = ["default", "bf16", "fp32"], True
 
     @staticmethod
@@ -181,7 +209,7 @@ class DiTLoader(io.ComfyNode):
                     "dit",
                     options=bridge.model_choices("diffusion_models"),
                     tooltip="A file in models/diffusion_models "
-                    "(Comfy-Org minimax_h3_{fl2va,ref2va}_bf16.safetensors), a "
+                    "(Comfy-Org minimax_h3_{fl2va,ref2va}_bf16.safetensors, or a GGUF file, also from models/unet), a "
                     "model folder in models/minimax_h3, or the embedded tiny H3.",
                 ),
                 io.Combo.Input(
@@ -197,18 +225,19 @@ class DiTLoader(io.ComfyNode):
                     tooltip="Dtype the DiT is loaded and runs in. default: bf16 on a GPU, fp32 on CPU (the pack's one "
                     "rule).",
                 ),
+                _device_input("DiT"),
             ],
             outputs=[DiT.Output()],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, dit, partition, weight_dtype="default"):
-        return f"{_fingerprint_file('diffusion_models', dit)}|{partition}|{weight_dtype}"
+    def fingerprint_inputs(cls, dit, partition, weight_dtype="default", device=DEFAULT_DEVICE):
+        return f"{_fingerprint_file('diffusion_models', dit)}|{partition}|{weight_dtype}|{device}"
 
     @classmethod
-    def execute(cls, dit, partition, weight_dtype="default") -> io.NodeOutput:
+    def execute(cls, dit, partition, weight_dtype="default", device=DEFAULT_DEVICE) -> io.NodeOutput:
         component = PARTITIONS[partition]
-        load_device, offload_device = mm.get_torch_device(), mm.unet_offload_device()
+        load_device, offload_device = _placed(device, mm.get_torch_device(), mm.unet_offload_device())
         dtype = dtypes.compute_dtype(component, load_device, weight_dtype)
         source = _source("diffusion_models", dit, component)  # a single file of the other partition is refused here
         patcher = _load(source, component, dtype, load_device, offload_device, stream=True)

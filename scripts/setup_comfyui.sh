@@ -7,7 +7,9 @@
 #   2. a copy of the vendored tree in $REPO/.comfyui (ignored by git) without horde's
 #      extra_model_paths.yaml, which points custom_nodes at a missing folder and crashes startup;
 #   3. Debian chromium (only as root; otherwise the UI tests skip and say why);
-#   4. `npm ci` in tests/ui (playwright-core, pinned by the committed package-lock.json).
+#   4. `npm ci` in tests/ui (playwright-core, pinned by the committed package-lock.json);
+#   5. Debian's prometheus (promtool) and systemd (systemd-analyze) for tests/test_deploy_docs.py (only as root;
+#      otherwise those checks skip and say why).
 # torch/torchvision are never (re)installed here: they stay pinned on every pip command line so
 # nothing swaps them. Idempotent and fast when set up: each step has its own stamp.
 # Env: H3_VENV (as setup_env.sh), H3_COMFY_DIR (default $REPO/.comfyui), H3_SKIP_UI_SETUP=1
@@ -90,6 +92,20 @@ if [ "${H3_SKIP_UI_SETUP:-0}" != 1 ]; then
     else
       log "npm is missing: the UI tests will skip"
     fi
+  fi
+fi
+# 5. The deployment docs' tools: promtool parses the documented PromQL, systemd-analyze verifies and scores the unit.
+missing=()
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing Debian ${missing[*]} (promtool / systemd-analyze for the deployment docs' tests)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >/dev/null
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    log "${missing[*]} missing and this is not root: the deployment docs' promtool/systemd-analyze checks will skip"
   fi
 fi
 [ "$SECONDS" -lt 2 ] || log "done"

@@ -186,14 +186,29 @@ def _fake_results() -> dict:
         "vae": dict(decode_canvas=canvas, decode_frames=frames, encode_canvas=canvas[:2], encode_frames=frames,
                     audio_decode=audio, audio_encode=audio, pixel_ratios=vae.pixel_ratios(canvas),
                     compare=_fake_compare()),
+        "components": dict(rounds=3, restarts=1, target=0.35, cold_s=summ(10.0), prompt_s=summ(2.0),
+                           restart_s=summ(2.2), prompt_ratio=common.paired([10.0, 10.1, 9.9], [2.0, 2.1, 1.9]),
+                           restart_ratio=dict(ratios=[0.22], median_ratio=0.22, ci95=[0.22, 0.22]),
+                           vision=dict(text_s=0.3, vision_s=0.06, vision_share=0.2)),
     }
+
+
+def test_component_cache_bench_request_and_vision_share(tiny_dir):
+    """bench/component_cache.py's request has the three references; the vision tower's share is measured."""
+    from bench import component_cache
+
+    request = component_cache.request(3, "probe")
+    assert len(request.ref_images) == len(request.ref_videos) == len(request.ref_audios) == 1
+    assert request.ref_videos[0].frames.shape[0] == 120 and request.ref_videos[0].audio is not None
+    share = component_cache.vision_share(str(tiny_dir), threads=1)
+    assert 0 < share["vision_s"] < share["text_s"] and 0 < share["vision_share"] < 1
 
 
 def test_report_targets_markdown_json_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     results = _fake_results()
     names = [t["name"] for t in report.targets(results)]
-    assert len(names) == 9
+    assert len(names) == 11 and "component cache" in names[9]
     written = report.write(results, tmp_path)
     md = (tmp_path / "results.md").read_text()
     assert "## Targets: " in md and "**missed**" in md and "What reaches the target" in md
@@ -201,7 +216,7 @@ def test_report_targets_markdown_json_and_plots(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["targets"][0]["name"] == names[0]
     assert set(written["plots"]) == {"split.png", "wire.png", "remote.png", "vae.png"}
     lines = report.status_lines(results)
-    assert lines[-1].startswith("targets met: ") and lines[-1].endswith("/9") and len(lines) == 10
+    assert lines[-1].startswith("targets met: ") and lines[-1].endswith("/11") and len(lines) == 12
     # a partial run reports the sections it skipped as not measured
     partial = report.status_lines({"meta": results["meta"], "wire": results["wire"]})
-    assert partial[-1] == "targets met: 1/9" and "not measured" in partial[0]
+    assert partial[-1] == "targets met: 1/11" and "not measured" in partial[0]

@@ -50,3 +50,20 @@ def test_release_files_are_sparse_and_planned_from_their_headers(tmp_path):
     assert os.stat(path).st_blocks * 512 < 1 << 20
     plan = planner.plan_file(path, width=1344, height=768, frames=124)
     assert plan.blocks == 50 and plan.streamed_peak < 10e9 < plan.resident_peak
+
+
+def test_gpu_check_sp_scaling_runs_on_cpu(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`--sp 1,2 --small`: the scaling check's code path (one process per rank, the DiT sequence-parallel, rank 0's
+    record) on two gloo ranks; per rank the planned activations halve and the weights stay."""
+    if not (tiny_dir / gpu_check.TINY_TWINS["transformer"]).is_file():
+        pytest.skip("needs the tiny build's quantised twins")
+    monkeypatch.setenv("H3_THREADS", "1")  # each rank one thread: two ranks on the shared cores
+    out = tmp_path / "sp.json"
+    assert gpu_check.main(["--small", "--models", str(tiny_dir), "--sp", "1,2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    capsys.readouterr()
+    one, two = result["checks"]
+    assert (one["check"], one["ranks"], two["check"], two["ranks"]) == ("dit_sp1", 1, "dit_sp2", 2)
+    assert one["speedup"] == 1.0 and two["speedup"] > 0 and two["seconds_per_forward"] > 0
+    assert two["weights_bytes"] == one["weights_bytes"]
+    assert two["planned_activation_bytes"] == -(-one["planned_activation_bytes"] // 2)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from comfy_harness import PACK_NAME, comfy, free_port  # noqa: F401  (session fixture)
+from comfy_harness import PACK_NAME, ComfyError, comfy, free_port  # noqa: F401  (session fixture)
 
 from h3_core import media
 from h3_core.contract import H3Conditioning
@@ -127,6 +127,34 @@ def test_object_info_declares_every_node(server):
     assert [k for k in refs if k.startswith("ref_image_")] == [f"ref_image_{i}" for i in range(1, 10)]
     assert refs["ref_video_1"][0] == "VIDEO" and refs["ref_audio_3"][0] == "AUDIO"
     assert "tooltip" in info["H3SplitTextEncode"]["input"]["required"]["length"][1]
+
+
+LOADERS = ("H3SplitTextEncoderLoader", "H3SplitVideoVAELoader", "H3SplitAudioVAELoader", "H3SplitDiTLoader")
+
+
+def test_every_loader_places_its_model_on_a_device_the_user_picks(server):
+    """The appended `device` widget lists the devices torch sees ("default" first: ComfyUI's choice), every template
+    loader carries it, and a graph placing every model explicitly runs (on this CPU machine: all on cpu)."""
+    info = server.object_info()
+    for loader in LOADERS:
+        kind, options = info[loader]["input"]["optional"]["device"]
+        choices = options.get("options", kind)  # V3 combos: ["COMBO", {"options": [...]}]
+        assert choices[:2] == ["default", "cpu"] and options["default"] == "default", loader
+        assert info[loader]["input_order"]["optional"][-1] == "device", loader  # appended, never inserted
+    for name in NAMES:
+        template = json.loads((TEMPLATES / f"{name}.json").read_text())
+        loaders = [node for node in template["nodes"] if node["type"] in LOADERS]
+        assert loaders and all(node["widgets_values"][-1] == "default" for node in loaders), name
+    graph = api("t2va")
+    for node in graph.values():
+        if node["class_type"] in LOADERS:
+            node["inputs"]["device"] = "cpu"
+    result = server.run_prompt(graph, timeout=600)
+    assert result.status == "success", result.types()
+    bad = api("t2va")
+    node_of(bad, "H3SplitDiTLoader")["inputs"]["device"] = "cuda:7"
+    with pytest.raises(ComfyError, match="device"):  # a device this machine does not have: refused by name
+        server.run_prompt(bad, timeout=120)
 
 
 def test_workflows_are_generated_from_one_source(server):
@@ -394,6 +422,38 @@ def test_conditioning_file_round_trip_through_nodes(server, tmp_path):
     node_of(loaded, "H3SplitSampler")["inputs"]["conditioning"] = ["80", 0]
     result = server.run_prompt(loaded, timeout=600)
     assert result.status == "success" and any(p.suffix == ".mp4" for p in result.files)
+
+
+def test_a_prompt_edit_does_not_re_encode_unchanged_references(server):
+    """ComfyUI re-runs the VAE encode nodes after a prompt edit (their input conditioning changed); the nodes then
+    find every reference's part in the pack's component cache: no VAE clip is encoded, the latents are the same."""
+    graph = api("ref2va")
+    encoders = ("H3SplitTextEncoderLoader", "H3SplitVideoVAELoader", "H3SplitAudioVAELoader", "LoadImage",
+                "LoadVideo", "LoadAudio", "H3SplitReferences", "H3SplitTextEncode", "H3SplitVideoVAEEncode",
+                "H3SplitAudioVAEEncode")
+    graph = {key: node for key, node in graph.items() if node["class_type"] in encoders}
+    video, audio = id_of(graph, "H3SplitVideoVAEEncode"), id_of(graph, "H3SplitAudioVAEEncode")
+    image = f"h3test_prompt_edit_{uuid.uuid4().hex}.png"  # pixels no earlier test encoded: the first run must
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(7).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(
+        server.input_dir / image)
+    node_of(graph, "LoadImage")["inputs"]["image"] = image
+    graph["90"] = {"class_type": "H3SplitSaveConditioning",
+                   "inputs": {"conditioning": [audio, 0], "filename_prefix": "h3test/prompt_edit"}}
+    saved, progress = [], []
+    for prompt in (f"<Picture 1> first {uuid.uuid4().hex}", f"<Picture 1> edited {uuid.uuid4().hex}"):
+        node_of(graph, "H3SplitTextEncode")["inputs"]["prompt"] = prompt
+        result = server.run_prompt(graph, timeout=600)
+        saved.append(H3Conditioning.load(sorted((server.output_dir / "h3test").glob("prompt_edit*.safetensors"))[-1]))
+        assert {video, audio} <= set(result.executed_nodes())  # ComfyUI's own cache re-runs them after the edit ...
+        progress.append([d for d in result.of_type("progress") if d.get("node") == video])
+    assert progress[0] and not progress[1]  # ... but the edit encodes no VAE clip (the first run did: the new image)
+    first, edited = saved
+    assert not torch.equal(first.prompt_embeds, edited.prompt_embeds)
+    assert all(torch.equal(a, b) for a, b in zip(first.condition_latents, edited.condition_latents))
+    assert all(torch.equal(a, b) for a, b in zip(first.audio_condition_latents, edited.audio_condition_latents))
+    assert len(first.condition_latents) == 2 and len(first.audio_condition_latents) == 2
 
 
 # --- bad input fails early, names the constraint, and the server keeps serving -------------------

@@ -87,3 +87,62 @@ def test_plan_command_on_the_tiny_files(tiny_dir, capsys):
     code = cli.main(["plan", str(_tiny_files(tiny_dir)[0]), "--vram", "0.5"])
     assert code == 3  # does not fit: exit code says so
     assert "does not fit" in capsys.readouterr().out
+
+
+def test_sequence_parallel_plan_is_per_gpu():
+    """--sp N: weights replicated on every GPU, activations split N ways; the smallest N that fits resident."""
+    plan = planner.plan_component("transformer", plan_tables.dit_table("pruned_bf16"), name="minimax_h3_fl2va_pruned",
+                                  width=1344, height=768, frames=345)
+    assert plan.heads == 56 and plan.ranks == 1
+    two = plan.per_rank(2)
+    assert two.device_bytes == plan.device_bytes and two.largest_block == plan.largest_block
+    assert two.activation == -(-plan.activation // 2)
+    assert plan.resident_peak - two.resident_peak == plan.activation - two.activation
+    assert two.per_rank(1).activation == plan.activation  # back to one GPU
+    assert plan.per_rank(7).activation < plan.per_rank(4).activation < two.activation
+    with pytest.raises(ValueError, match="only the DiT"):
+        planner.plan_component("vae", plan_tables.vae_table("vae"), width=64, height=64, frames=124).per_rank(2)
+
+    # 48 GB GPUs at 345 frames: 40.3 GB of weights + 11.2 GB of activations stream on one GPU, fit resident on two
+    one_gpu, two_gpus = (plan_report.verdicts([plan], vram=int(48 * GB), ram=None, ranks=n)[0] for n in (1, 2))
+    assert one_gpu.offload == "block" and two_gpus.offload == "none"
+    assert two_gpus.peak == two.resident_peak and two_gpus.ranks == 2
+    assert one_gpu.resident_from == two_gpus.resident_from == 2
+    # the weights alone exceed a 40 GB GPU: splitting activations never makes them resident
+    assert plan_report.verdicts([plan], vram=int(40 * GB), ram=None)[0].resident_from is None
+    with pytest.raises(ValueError, match="56 attention heads do not divide into 3"):
+        plan_report.verdicts([plan], vram=int(48 * GB), ram=None, ranks=3)
+
+
+def test_offload_auto_counts_one_rank_of_the_sequence():
+    """`--offload auto` on a sequence-parallel rank decides from that rank's share of the activations."""
+    from h3_core import offload
+    from h3_core.configs import get as model_config
+
+    class Dit(torch.nn.Module):
+        config = model_config("transformer", tiny=False)
+
+    job = {"width": 1344, "height": 768, "frames": 345}
+    full = offload.activation_estimate("transformer", Dit(), torch.bfloat16, **job)
+    half = offload.activation_estimate("transformer", Dit(), torch.bfloat16, ranks=2, **job)
+    assert full == planner.activation_bytes(**job) and half == -(-full // 2)
+    weights = int(40.3 * GB)
+    free = int(48 * GB)
+    assert offload.choose(weights, full, "cuda", free_bytes=free) == "block"
+    assert offload.choose(weights, half, "cuda", free_bytes=free) == "none"
+    with pytest.raises(ValueError, match="only the DiT"):
+        offload.activation_estimate("text_encoder", Dit(), torch.bfloat16, ranks=2, **job)
+
+
+def test_plan_command_with_sp(tiny_dir, capsys):
+    base = ["plan", "--models", str(tiny_dir), "--layout", "comfyui", "--vram", "24", "--width", "64", "--height",
+            "64"]
+    assert cli.main([*base, "--sp", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    dits = [v for v in report["verdicts"] if v["role"].startswith("diffusion")]
+    assert dits and all(v["ranks"] == 2 and v["resident_from_ranks"] == 1 for v in dits)
+    assert cli.main([*base, "--sp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU of 2" in out and "resident from --sp 1" in out
+    assert cli.main([*base, "--sp", "4"]) == 1  # the tiny DiT has 2 heads
+    assert "2 attention heads do not divide into 4" in capsys.readouterr().err

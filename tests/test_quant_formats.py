@@ -123,7 +123,7 @@ def dit():
 
 
 @pytest.mark.parametrize("marker, named", [
-    ({"format": "mxfp8"}, "'mxfp8' (known to ComfyUI, not implemented here"),
+    ({"format": "svdquant_w4a4"}, "'svdquant_w4a4' (known to ComfyUI, not implemented here"),
     ({"format": "convrot_w4a4"}, "'convrot_w4a4' (known to ComfyUI, not implemented here"),
     ({"format": "int3_magic"}, "'int3_magic' (unknown"),
 ])
@@ -171,16 +171,19 @@ def test_malformed_quantised_layers_are_refused(tmp_path, dit, edit, match):
         weights.detect(path)
 
 
-def test_four_bit_w4a8_is_refused_by_name(tmp_path, dit):
+def test_w4a8_correction_tensors_are_refused_by_name(tmp_path, dit):
+    """4-bit W4A8 layers load (tests/test_community_formats.py); a variant with tensors this package does not read
+    (`weight_correction`) is refused naming them."""
     def edit(tensors):
         tensors["blocks.0.mlp.fc2.weight"] = torch.zeros(64, 64, dtype=torch.int8)  # K/2 bytes: 4-bit codes
         tensors["blocks.0.mlp.fc2.weight_s_rel"] = torch.zeros(64, 8, dtype=torch.float8_e4m3fn)
         tensors["blocks.0.mlp.fc2.weight_s_channel"] = torch.ones(64)
+        tensors["blocks.0.mlp.fc2.weight_correction"] = torch.ones(64)
         del tensors["blocks.0.mlp.fc2.weight_scale"]
         tensors["blocks.0.mlp.fc2.comfy_quant"] = markers.encode({"format": "asym_w4a8_int8", "group_size": 16,
                                                                   "convrot_groupsize": 64})
 
-    with pytest.raises(weights.UnsupportedCheckpointError, match="4 bits .* not implemented"):
+    with pytest.raises(weights.H3WeightsError, match="unexpected tensors .*weight_correction"):
         weights.detect(_dit_file(tmp_path, dit, edit))
 
 

@@ -44,11 +44,11 @@ def _env(**extra):
 
 
 class ServerProcess:
-    def __init__(self, tiny_dir, port=0, args=(), env=None):
+    def __init__(self, tiny_dir, port=0, args=(), env=None, preexec_fn=None):
         self.log = tempfile.NamedTemporaryFile(prefix="h3-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--port", str(port), *args],
-            cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=self.log,
+            cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=self.log, preexec_fn=preexec_fn,
         )
         self.url = None
 

@@ -117,4 +117,24 @@ def test_health_tells_loading_from_ready(stage):
         status, _, _ = _call(server, "POST", protocol.ENCODE_PATH, _encode_body("Now ready."))
         assert status == 200
         samples = _samples(_call(server, "GET", "/metrics")[2].decode())
-        assert samples[("h3_encoder_model_load_seconds", (("component", "total"),))] == 1.5
+        assert samples[("h3_encoder_load_seconds", ())] == 1.5  # the whole load: its own gauge, so that
+        assert ("h3_encoder_model_load_seconds", (("component", "total"),)) not in samples  # sum() is not doubled
+
+
+def test_top_latency_bucket_reaches_the_longest_deadline_and_promtool_accepts_the_exposition(stage, tmp_path):
+    import shutil
+    import subprocess
+
+    for deadline, top in ((300.0, 900.0), (1800.0, 1800.0)):
+        config = ServerConfig(threads=SERVER_THREADS, default_deadline_s=deadline, max_deadline_s=deadline)
+        with ServerThread(stage, config) as server:
+            assert _call(server, "POST", protocol.ENCODE_PATH, _encode_body("A fox."), token=None)[0] == 200
+            text = _call(server, "GET", "/metrics", token=None)[2].decode()
+        bounds = [float(dict(labels)["le"]) for (name, labels), _ in _samples(text).items()
+                  if name == "h3_encoder_request_seconds_bucket"]
+        assert max(b for b in bounds if b != float("inf")) == top >= deadline
+        assert "that misse." not in text and "Cache lookups answered from the cache." in text
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool (Debian's prometheus package) is not installed: the lint was not run")
+    checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

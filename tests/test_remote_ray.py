@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -64,12 +65,19 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_url(tiny_dir):
+def ray_cache_dir(tmp_path_factory):
+    """The component cache's disk tier every encoder replica shares (`serve --engine ray --cache-dir DIR`)."""
+    return tmp_path_factory.mktemp("ray-components")
+
+
+@pytest.fixture(scope="module")
+def ray_url(tiny_dir, ray_cache_dir):
     from h3_core.remote import ray_engine, ray_run
 
     os.environ[TOKEN_ENV] = TOKEN  # before Ray starts: its workers inherit this environment (the only secret path)
     started = time.perf_counter()
-    settings = ray_engine.RaySettings(models=str(tiny_dir), replicas=2, threads=SERVER_THREADS, config=CONFIG,
+    config = replace(CONFIG, cache_dir=str(ray_cache_dir), cache_disk_bytes=64 * MiB)
+    settings = ray_engine.RaySettings(models=str(tiny_dir), replicas=2, threads=SERVER_THREADS, config=config,
                                       token_env=TOKEN_ENV, max_ongoing_requests=2, max_queued_requests=16,
                                       stage_wrapper="h3_core.testing:PromptPaced")
     url = ray_run.start(settings, _free_port(), num_cpus=2)
@@ -148,6 +156,43 @@ def test_a_repeat_is_a_hit_whichever_replica_computed_it(stage, ray_url):
                                       {"Content-Type": content_type, **AUTH})
         assert status == 200 and headers[protocol.H_CACHE] == "hit" and again == data
     assert _health(ray_url)["load"]["served_by"] == {name: before.get(name, 0) + n for name, n in served.items()}
+
+
+def test_a_part_one_replica_computed_is_a_hit_on_the_other(stage, ray_url, ray_cache_dir):
+    """Both replicas share the disk tier: a reference encoded by one is read by the other (its memory never saw it),
+    and each answer is bitwise the local encode."""
+    base = CASES["ref2va"]  # its image and audio (small bodies: CONFIG caps a client's bytes in flight at 4 MiB)
+    requests = [base.__class__(**{**base.__dict__, "ref_videos": [],
+                                  "prompt": f"[wait 0.4] <Picture 1> shared parts {i}."}) for i in range(7)]
+    before = _health(ray_url)["load"]["served_by"]
+
+    def post(request):
+        content_type, body = _wire(request)
+        status, headers, data = _raw(ray_url, "POST", protocol.ENCODE_PATH, body,
+                                     {"Content-Type": content_type, **AUTH}, timeout=120)
+        assert status == 200, data[:300]
+        return headers, data
+
+    first_headers, first = post(requests[0])  # every part computed by one replica, written to the shared DIR
+    assert set(_components(first_headers).values()) == {"miss"}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # paced: both replicas take some
+        answers = list(pool.map(post, requests[1:]))
+    served = {name: n - before.get(name, 0) for name, n in _health(ray_url)["load"]["served_by"].items()}
+    assert sum(1 for n in served.values() if n) == 2, served
+    tiers = [_components(headers) for headers, _ in answers]
+    for parts in tiers:  # a new prompt each time: the text is computed, every reference found
+        assert parts["text"] == "miss" and {parts[label] for label in parts if label != "text"} <= {"memory", "disk"}
+    assert any(set(parts.values()) == {"miss", "disk"} for parts in tiers), tiers  # the other replica, from disk
+    for request, (_, data) in zip(requests[1:], answers):
+        assert data == stage.encode(request).to_bytes()
+    samples = _metric_samples(ray_url)  # the ingress counts what the replicas found, from their answers' headers
+    assert samples[("h3_encoder_cache_component_hits_total", (("component", "video"), ("tier", "disk")))] >= 1
+    assert list(ray_cache_dir.rglob("*.part")) == []
+
+
+def _components(headers) -> dict[str, str]:
+    text = headers.get(protocol.H_CACHE_COMPONENTS, "")
+    return dict(item.strip().split("=") for item in text.split(",") if item.strip())
 
 
 def _metric_samples(url: str) -> dict[tuple[str, tuple], float]:

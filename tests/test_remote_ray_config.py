@@ -66,3 +66,24 @@ def test_ray_flags_need_the_ray_engine(capsys):
     with pytest.raises(SystemExit):  # one way to size the replicas
         build_parser().parse_args(["serve", "--engine", "ray", "--replicas", "2", "--autoscale", "1:2"])
     assert isinstance(build_parser().parse_args(["serve", "--engine", "ray"]), argparse.Namespace)
+
+
+def test_readme_words_without_dtype_load_a_replica_by_the_dtype_rule(tiny_dir, monkeypatch):
+    """`serve --engine ray --models DIR --replicas 2` (README), no --dtype: "auto" is the dtype rule's (float32 on
+    CPU), as for the single server; it used to crash every replica with KeyError 'auto'. The replicas' thread count
+    is the command's own (H3_THREADS, else torch's default), fixed in the driver."""
+    import torch
+
+    monkeypatch.setenv("H3_THREADS", "3")
+    args = build_parser().parse_args(["serve", "--engine", "ray", "--models", str(tiny_dir), "--replicas", "2"])
+    settings = ray_run.settings_from_args(args, "127.0.0.1")
+    assert settings.dtype == "auto" and settings.threads == 3 and settings.cpus_needed() == 6
+    monkeypatch.delenv("H3_THREADS")
+    assert ray_run.settings_from_args(args, "127.0.0.1").threads == torch.get_num_threads()  # the CLI's default
+    stage, info = ray_engine.load_stage(settings)
+    assert info["dtype"] == "float32" and info["device"] == "cpu" and "threads" in info
+    assert next(stage.text_encoder.parameters()).dtype == torch.float32
+    bad = build_parser().parse_args(["serve", "--engine", "ray", "--models", str(tiny_dir)])
+    bad.dtype = "float8"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ray_run.settings_from_args(bad, "127.0.0.1")

@@ -181,7 +181,8 @@ def test_capabilities_and_health(server, stage):
     caps = client.capabilities()
     assert caps["protocol"]["version"] == protocol.PROTOCOL_VERSION
     assert caps["model"] == {"fingerprint": stage.fingerprint, "layout": "diffusers", "tiny": True,
-                             "dtype": "float32", "device": "cpu", "components": ["text", "video", "audio"]}
+                             "dtype": "float32", "device": "cpu", "threads": THREADS,
+                             "components": ["text", "video", "audio"]}
     assert caps["limits"]["max_body_bytes"] > 0 and caps["limits"]["max_ref_images"] == 9
     assert client.model == stage.fingerprint
     health = client.health()

@@ -79,7 +79,7 @@ def test_dense_files_report_their_format(tmp_path, models):
     det = weights.detect(path)
     assert (det.component, det.slot, det.format) == ("vae", "vae", "dense")
     assert "dense weights" in det.summary()
-    assert sorted(fmt.name for fmt in weights.FORMATS if fmt.supported) == ["dense", "quantised"]
+    assert sorted(fmt.name for fmt in weights.FORMATS if fmt.supported) == ["dense", "gguf", "quantised"]
 
 
 def test_an_unknown_weight_format_is_refused_by_name_before_any_read(tmp_path, models, monkeypatch):

@@ -152,7 +152,7 @@ def encode(cond) -> Encoded:
     """The wire form of `cond`: header bytes plus the tensors' storages as they are (no copy). Deterministic for
     equal contents (canonical JSON, fixed order). Costs one checksum pass over the data."""
     tensors = _wire_tensors(cond)
-    # Widest dtypes first (stable: name order within a width), so every tensor starts aligned for its dtype.
+    # Widest dtypes first (stable: the contract's field order within a width), so every tensor starts aligned.
     order = sorted(tensors, key=lambda name: -tensors[name].element_size())
     entries, views, offset = [], [], 0
     for name in order:

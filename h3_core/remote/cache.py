@@ -1,4 +1,5 @@
-"""The conditioning cache: answers by content address (request numbers, prompt, media digests, model)."""
+"""The server's caches: whole answers by content address (request numbers, prompt, media digests, model), and
+the encoder's per-component results in two tiers (memory, and an optional directory on disk)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,52 @@ class ConditioningCache:
 
     def stats(self) -> dict[str, int]:
         return {"entries": len(self._items), "bytes": self.bytes, "hits": self.hits, "misses": self.misses}
+
+
+class ComponentTiers:
+    """The encoder's per-component cache (h3_core/component_cache.py): this process's memory LRU, then the optional
+    disk tier shared by every server process using the same directory (`disk_cache.DiskTier`). A disk hit is
+    copied into memory; a computed part goes to both. Thread-safe (the model thread uses it)."""
+
+    def __init__(self, memory_bytes: int, cache_dir: str | None = None, disk_bytes: int = 0):
+        from ..component_cache import MemoryTier
+
+        self.memory = MemoryTier(memory_bytes) if memory_bytes > 0 else None
+        self.disk = None
+        if cache_dir is not None and disk_bytes > 0:
+            from .disk_cache import DiskTier
+
+            self.disk = DiskTier(cache_dir, disk_bytes)
+
+    @classmethod
+    def from_config(cls, config) -> "ComponentTiers | None":
+        tiers = cls(config.component_cache_bytes, config.cache_dir, config.cache_disk_bytes)
+        return tiers if tiers.memory is not None or tiers.disk is not None else None
+
+    def get(self, key: str):
+        if self.memory is not None:
+            found = self.memory.get(key)
+            if found is not None:
+                return found
+        if self.disk is not None:
+            found = self.disk.get(key)
+            if found is not None:
+                if self.memory is not None:
+                    self.memory.put(key, found[0])
+                return found
+        return None
+
+    def put(self, key: str, tensors) -> None:
+        if self.memory is not None:
+            self.memory.put(key, tensors)
+        if self.disk is not None:
+            self.disk.put(key, tensors)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """tier -> bytes, evictions (entries, corrupt, write_errors where the tier has them)."""
+        out = {}
+        if self.memory is not None:
+            out["memory"] = self.memory.stats()
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        return out

@@ -23,8 +23,10 @@ class ServerConfigError(ValueError):
 class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     queue_size: int = 32  # requests waiting for, or in, the model thread
+    # The most a client may ask for is the default unless the operator raises it (`serve --deadline`): a unit's
+    # TimeoutStopSec (docs/DEPLOY.md) is sized on it, so a drain never outlasts the service manager's patience.
     default_deadline_s: float = 300.0
-    max_deadline_s: float = 1800.0
+    max_deadline_s: float = 300.0
     upload_timeout_s: float = 300.0  # to receive a whole request body
     # Request bytes held in memory, counted as they arrive (not as declared, so slow uploads reserve nothing).
     max_buffered_bytes: int = 2048 * protocol.MiB  # all clients together
@@ -38,6 +40,11 @@ class ServerConfig:
     keepalive_timeout_s: float = 15.0
     cache_bytes: int = 512 * protocol.MiB
     cache_entries: int = 4096
+    # The encoder's per-component cache (h3_core/component_cache.py): text, each reference's latents, in memory
+    # (0 disables), and on disk when cache_dir is set, bounded by cache_disk_bytes (remote/disk_cache.py).
+    component_cache_bytes: int = 512 * protocol.MiB
+    cache_dir: str | None = None
+    cache_disk_bytes: int = 10 * 1024 * protocol.MiB
     token: str | None = None
     threads: int | None = None  # torch threads in the model thread (None: the creating thread's count)
     drain_timeout_s: float | None = None  # graceful shutdown; None: max_deadline_s + 5
@@ -70,6 +77,9 @@ class ServerConfig:
             raise ServerConfigError(f"share_window_s must be a finite number >= 0, got {self.share_window_s}")
         if not 0 <= self.anticipate_s <= 1:
             raise ServerConfigError(f"anticipate_s must be between 0 and 1 second, got {self.anticipate_s}")
+        if self.cache_dir is not None and self.cache_disk_bytes < 1:
+            raise ServerConfigError(f"cache_disk_bytes must be at least 1 with a cache directory, got "
+                                    f"{self.cache_disk_bytes}")
         if not 0 < self.default_deadline_s <= self.max_deadline_s:
             raise ServerConfigError("default_deadline_s must be positive and at most max_deadline_s")
         if self.token is not None:
@@ -104,3 +114,16 @@ def add_scheduling_args(serve) -> None:
     serve.add_argument("--text-batch", type=int, default=None,
                        help="most t2va requests of equal token count encoded in one text forward, where bitwise "
                        "equal to encoding each alone (default 8; 1 disables)")
+
+
+def add_cache_args(serve) -> None:
+    """`serve` flags of the per-component cache (read back by `server.config_from_args`)."""
+    serve.add_argument("--component-cache-mb", type=float, default=None,
+                       help="in-memory cache of encoder parts (text, each reference's latents) in MiB (default "
+                       "512; 0 disables)")
+    serve.add_argument("--cache-dir", default=None,
+                       help="directory of the on-disk tier of the encoder parts' cache, kept across restarts and "
+                       "shared by every server process that names it (created 0700; nothing outside it is touched)")
+    serve.add_argument("--cache-disk-bytes", type=int, default=None,
+                       help="most bytes the --cache-dir tier holds, least recently used entries deleted first "
+                       "(default 10737418240 = 10 GiB)")

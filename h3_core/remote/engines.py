@@ -11,7 +11,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (docs/DEPLOY.md, section Ray Serve)")
     group.add_argument("--engine", choices=ENGINES, default="aiohttp",
                        help="aiohttp: one process, one model (default); ray: Ray Serve, several model replicas "
-                       "behind one endpoint (pip install 'comfyui-minimax-h3-split[ray]')")
+                       "behind one endpoint (pip install '.[ray]' in the pack's folder: the minimax-h3-split[ray] "
+                       "distribution)")
     scale = group.add_mutually_exclusive_group()
     scale.add_argument("--replicas", type=int, help="--engine ray: encoder replicas, one model each (default 1)")
     scale.add_argument("--autoscale", metavar="MIN:MAX", help="--engine ray: scale the encoder replicas with load")
@@ -29,7 +30,8 @@ def main(args) -> int:
         except ImportError as error:
             import sys
 
-            print(f"error: --engine ray needs Ray Serve ({error}); pip install 'ray[serve]>=2.60'", file=sys.stderr)
+            print(f"error: --engine ray needs Ray Serve ({error}); in the pack's folder: pip install '.[ray]' "
+                  "(or pip install 'ray[serve]>=2.60')", file=sys.stderr)
             return 2
         return ray_main(args)
     for flag in ("replicas", "autoscale", "gpus_per_replica", "address"):

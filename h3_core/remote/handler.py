@@ -103,6 +103,8 @@ def capabilities(service: EncoderService) -> dict[str, Any]:
             "tiny": bool(service.model_info.get("tiny", False)),
             "dtype": service.model_info.get("dtype", "float32"),
             "device": service.model_info.get("device", "cpu"),
+            # torch's thread count: CPU results are bitwise those of another run only at the same count
+            "threads": int(service.model_info.get("threads") or service.threads),
             "components": list(service.components),
         },
         "conditioning": {"format": FORMAT_ID, "version": WIRE_VERSION,
@@ -337,6 +339,8 @@ class Handler:
             seconds = spec.deadline_s or service.config.default_deadline_s
             reply = await self.compute(key, spec, raw, parts, received + seconds, seconds, rid, incoming.gone,
                                        tracker, client=client)
+            if reply.status == 200 and reply.cache_state() == "miss":  # one count per computed answer, any engine
+                service.metrics.observe_components(reply.headers.get(protocol.H_CACHE_COMPONENTS))
             if tracker is not None and reply.status == 200:
                 tracker.own.enter("sending")
             return reply
@@ -384,6 +388,8 @@ class Handler:
         encode_s = job.finished - (job.started or job.finished)
         reply = conditioning_reply(job.future.result(), service, rid, "joined" if joined else "miss", queue_s,
                                    encode_s)
+        if job.components.outcomes:  # which encoder parts came from the component cache (docs/PROTOCOL.md)
+            reply.headers[protocol.H_CACHE_COMPONENTS] = job.components.header()
         if not joined:  # one report per job, as the service's own metrics count it
             reply.phases = tuple(metrics.job_phases(job))
         return reply
@@ -420,7 +426,8 @@ def job_error_reply(error: BaseException, rid: str, service: EncoderService) -> 
     mapped = protocol.error_from_exception(error)
     if mapped is not None:
         service.counters[f"status_{mapped.status}"] += 1
-        retry = {"Retry-After": str(service.retry_after())} if mapped.status == 429 else {}  # pushed out of the queue
+        retry = ({"Retry-After": str(service.retry_after())} if mapped.status == 429  # pushed out of the queue
+                 else {"Retry-After": "1"} if mapped.status == 503 else {})  # the decoder was stopped: retry
         return json_reply(mapped.body(rid), status=mapped.status, headers={protocol.H_REQUEST_ID: rid, **retry})
     if isinstance(error, (_Abandoned, Cancelled)):
         return error_reply(503, "abandoned", "the work was abandoned", None, rid, {"Retry-After": "1"})

@@ -29,6 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
+from ..component_cache import COMPONENTS, TIERS
+
 if TYPE_CHECKING:
     from .service import EncoderService, Job
 
@@ -39,6 +41,7 @@ PREFIX = "h3_encoder"
 PHASES = ("receive", "queue", "media_decode", "text", "video_vae", "audio_vae", "serialise", "send")
 UNKNOWN_TASK = "unknown"  # refused before its JSON was read (auth, size, malformed body)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+TOTAL_LOAD = "total"  # the service's key for the whole load (its own gauge: a label value would double `sum()`)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 # The service's own counters exported as events; the per-status ones are already in requests_total.
 _EVENT_PREFIXES_SKIPPED = ("status_",)
@@ -71,19 +74,26 @@ class ServerMetrics:
     def __init__(self, service: "EncoderService"):
         self.service = service
         self.registry = CollectorRegistry(auto_describe=True)
+        buckets = latency_buckets(service.config.max_deadline_s)
         self.requests = Counter(f"{PREFIX}_requests", "Answers to POST /v1/encode, by HTTP status and task "
                                 "(task 'unknown': refused before the request JSON was read).",
                                 ["status", "task"], registry=self.registry)
         self.request_seconds = Histogram(f"{PREFIX}_request_seconds", "Seconds from request arrival to the "
                                          "answer handed to the connection, successful encodes, by task and cache "
                                          "outcome (hit, miss, joined).", ["task", "cache"],
-                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+                                         buckets=buckets, registry=self.registry)
         self.phase_seconds = Histogram(f"{PREFIX}_phase_seconds", "Seconds spent in each phase of a request "
-                                       f"({', '.join(PHASES)}).", ["phase"], buckets=LATENCY_BUCKETS,
+                                       f"({', '.join(PHASES)}).", ["phase"], buckets=buckets,
                                        registry=self.registry)
         self.text_batch = Histogram(f"{PREFIX}_text_batch_size", "Requests per text-encoder forward in the "
                                     "server's batches of equal-length t2va prompts (1: encoded alone).",
                                     buckets=BATCH_BUCKETS, registry=self.registry)
+        self.component_hits = Counter(f"{PREFIX}_cache_component_hits", "Encoder parts of computed answers found in "
+                                      "the component cache, by component (text, video, audio) and tier (memory, "
+                                      "disk).", ["component", "tier"], registry=self.registry)
+        self.component_misses = Counter(f"{PREFIX}_cache_component_misses", "Encoder parts of computed answers "
+                                        "that were encoded (not in the component cache), by component.",
+                                        ["component"], registry=self.registry)
         self.registry.register(_StateCollector(service))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, open fds (Linux)
 
@@ -109,11 +119,32 @@ class ServerMetrics:
     def observe_text_batch(self, size: int) -> None:
         self.text_batch.observe(size)
 
+    def observe_components(self, header: str | None) -> None:
+        """Count a computed answer's encoder parts from its `X-H3-Cache-Components` header (`text=miss, video.0=disk,
+        ...`): the Ray ingress counts what its replicas found the same way."""
+        for item in (header or "").split(","):
+            label, _, outcome = item.strip().partition("=")
+            component = label.partition(".")[0]
+            if component not in COMPONENTS:
+                continue
+            if outcome == "miss":
+                self.component_misses.labels(component=component).inc()
+            elif outcome in TIERS:
+                self.component_hits.labels(component=component, tier=outcome).inc()
+
     # --- exposition ------------------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) in Prometheus' text format 0.0.4."""
         return generate_latest(self.registry), CONTENT_TYPE
+
+
+def latency_buckets(max_deadline_s: float) -> tuple[float, ...]:
+    """The latency buckets, the top one at least the longest deadline a client may ask for (a request that ran
+    to its deadline lands in a bucket of its own, not only in +Inf)."""
+    if max_deadline_s <= LATENCY_BUCKETS[-1]:
+        return LATENCY_BUCKETS
+    return (*LATENCY_BUCKETS, float(max_deadline_s))
 
 
 def job_phases(job: "Job") -> list[tuple[str, float]]:
@@ -163,10 +194,12 @@ class _StateCollector:
         stats = service.cache.stats()
         yield gauge("cache_entries", "Conditioning answers in the cache.", stats["entries"])
         yield gauge("cache_bytes", "Bytes of conditioning in the cache.", stats["bytes"])
-        for name, value in (("hits", stats["hits"]), ("misses", stats["misses"])):
-            family = CounterMetricFamily(f"{PREFIX}_cache_{name}", f"Cache lookups that {name[:-1]}.")
+        for name, value, help_text in (("hits", stats["hits"], "Cache lookups answered from the cache."),
+                                       ("misses", stats["misses"], "Cache lookups that found nothing.")):
+            family = CounterMetricFamily(f"{PREFIX}_cache_{name}", help_text)
             family.add_metric([], value)
             yield family
+        yield from _component_tiers(service)
         events = CounterMetricFamily(f"{PREFIX}_events", "Server events by name (refusals: rejected_*, "
                                      "pushed_out; abandoned, deadline, client_gone, joined, computed, ...).",
                                      labels=["event"])
@@ -174,12 +207,39 @@ class _StateCollector:
             if not name.startswith(_EVENT_PREFIXES_SKIPPED):
                 events.add_metric([name], value)
         yield events
-        load = GaugeMetricFamily(f"{PREFIX}_model_load_seconds", "Seconds the encoders took to load, per component "
-                                 "and in total.", labels=["component"])
+        load = GaugeMetricFamily(f"{PREFIX}_model_load_seconds", "Seconds each encoder took to load (text, video, "
+                                 "audio); the whole load is h3_encoder_load_seconds.", labels=["component"])
         for component, seconds in sorted(service.load_seconds.items()):
-            load.add_metric([component], seconds)
+            if component != TOTAL_LOAD:
+                load.add_metric([component], seconds)
         yield load
+        if TOTAL_LOAD in service.load_seconds:
+            yield gauge("load_seconds", "Seconds from the start of loading to ready (every encoder and what surrounds "
+                        "them).", service.load_seconds[TOTAL_LOAD])
         yield from _device_memory(service)
+
+
+def _component_tiers(service: "EncoderService") -> Iterable[Any]:
+    """Bytes, entries, evictions and faults of each tier of the encoder's component cache (none when it is off)."""
+    tiers = service.component_cache.stats() if getattr(service, "component_cache", None) is not None else {}
+    sizes = GaugeMetricFamily(f"{PREFIX}_cache_component_bytes", "Bytes of encoder parts in each tier of the "
+                              "component cache (disk: the whole shared directory, as of this process's last write).",
+                              labels=["tier"])
+    evictions = CounterMetricFamily(f"{PREFIX}_cache_component_evictions", "Component cache entries evicted to stay "
+                                    "within a tier's bytes (disk: by this process).", labels=["tier"])
+    faults = CounterMetricFamily(f"{PREFIX}_cache_component_faults", "Disk tier problems, each survived: "
+                                 "corrupt (an unreadable entry, deleted and recomputed), write_errors (full or "
+                                 "read-only disk).",
+                                 labels=["kind"])
+    for tier, stats in tiers.items():
+        sizes.add_metric([tier], stats["bytes"])
+        evictions.add_metric([tier], stats["evictions"])
+    if "disk" in tiers:
+        for kind in ("corrupt", "write_errors"):
+            faults.add_metric([kind], tiers["disk"][kind])
+    yield sizes
+    yield evictions
+    yield faults
 
 
 def _device_memory(service: "EncoderService") -> Iterable[Any]:

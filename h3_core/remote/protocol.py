@@ -52,6 +52,7 @@ CONVERSION_ID = "h3_core.media.read_*/1"
 H_PROTOCOL = "X-H3-Protocol"
 H_MODEL = "X-H3-Model"
 H_CACHE = "X-H3-Cache"
+H_CACHE_COMPONENTS = "X-H3-Cache-Components"  # computed answers: each encoder part's tier or miss
 H_CHECKSUM = "X-H3-Checksum"  # the body's own checksum, repeated for logs and proxies
 H_FORMAT = "X-H3-Format"
 H_REQUEST_ID = "X-Request-Id"
@@ -153,6 +154,10 @@ def error_from_exception(error: BaseException) -> ProtocolError | None:
         return error
     if isinstance(error, rules.H3InputError):
         return ProtocolError(422, "invalid_request", str(error))
+    from ..media_sandbox import DecoderStopped
+
+    if isinstance(error, DecoderStopped):  # a stop or restart reached the decoder: the request was fine, retry it
+        return ProtocolError(503, "decoder_stopped", f"{error}; retry")
     if isinstance(error, media.MediaError):
         return ProtocolError(422, "invalid_media", str(error))
     if isinstance(error, ContractError):

@@ -62,10 +62,10 @@ class RaySettings:
     models: str
     layout: str | None = None
     components: tuple[str, ...] = ("text", "video", "audio")
-    dtype: str = "float32"
+    dtype: str = "auto"  # as `serve --dtype`: auto, float32, bfloat16 or float16 (dtypes.compute_dtype's rule)
     device: str = "cpu"
     gpus_per_replica: float = 0
-    threads: int | None = None  # torch threads per replica (None: H3_THREADS, else 1)
+    threads: int | None = None  # torch threads per replica (None: H3_THREADS, else torch's default, as the CLI)
     config: ServerConfig = field(default_factory=ServerConfig)  # token stripped
     token_env: str = protocol.DEFAULT_TOKEN_ENV
     host: str = "127.0.0.1"  # where Ray's proxy listens: a non-loopback address needs the token
@@ -85,7 +85,18 @@ class RaySettings:
                        queue_size=max(self.config.queue_size, self.max_ongoing_requests), threads=self.torch_threads())
 
     def torch_threads(self) -> int:
-        return self.threads or int(os.environ.get("H3_THREADS", "0") or 0) or 1
+        """The CLI's rule (`cli.main`): H3_THREADS, else torch's own default. Bitwise results depend on it, so the
+        capabilities publish it (`model.threads`). `settings_from_args` fixes it in the driver, so every replica
+        uses the count the `serve` command itself would."""
+        if self.threads:
+            return int(self.threads)
+        import torch
+
+        return int(os.environ.get("H3_THREADS", "0") or 0) or torch.get_num_threads()
+
+    def cpus_needed(self) -> int:
+        """Logical CPUs the encoder replicas reserve (one per torch thread); the ingress reserves none."""
+        return (self.autoscale[1] if self.autoscale else self.replicas) * self.torch_threads()
 
 
 class _Described:
@@ -154,14 +165,16 @@ def load_stage(settings: RaySettings):
     """The replica's `EncoderStage`; over several GPUs when `gpus_per_replica` > 1 (the text encoder's layers)."""
     import torch
 
+    from .. import dtypes
     from ..encoder import EncoderStage
     from ..models import ModelSource
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[settings.dtype]
     source = ModelSource.from_path(settings.models, layout=settings.layout)
     device = settings.device
     if settings.gpus_per_replica >= 1 and device == "cpu":
         device = "cuda"
+    # The single server's rule (`dtypes`): "auto" (the CLI's default) is float32 on CPU, bfloat16 on CUDA.
+    dtype = dtypes.compute_dtype("text_encoder", torch.device(device).type, settings.dtype)
     if settings.gpus_per_replica > 1:
         from .sharding import sharded_stage
 
@@ -174,8 +187,8 @@ def load_stage(settings: RaySettings):
 
         module, _, name = settings.stage_wrapper.partition(":")
         stage = getattr(importlib.import_module(module), name)(stage)
-    info = {"layout": source.layout, "tiny": bool(source.tiny), "dtype": settings.dtype,
-            "device": torch.device(device).type}
+    info = {"layout": source.layout, "tiny": bool(source.tiny), "dtype": dtypes.name(dtype),
+            "device": torch.device(device).type, "threads": torch.get_num_threads()}
     return stage, info
 
 
@@ -202,8 +215,12 @@ class RayHandler(Handler):
 
     def load(self) -> dict[str, Any]:
         load = self.service.load()
+        # `replicas` is always a number: the configured count, or the autoscaling maximum (`autoscale` gives both).
+        autoscale = self.settings.autoscale
         load.update(queued=0, running=len(self.flights), capacity=self.settings.capacity(),
-                    replicas=self.settings.autoscale or self.settings.replicas, served_by=dict(self.served_by))
+                    replicas=autoscale[1] if autoscale else self.settings.replicas,
+                    autoscale={"min": autoscale[0], "max": autoscale[1]} if autoscale else None,
+                    served_by=dict(self.served_by))
         return load
 
     def describe(self) -> dict[str, Any]:
@@ -308,15 +325,32 @@ async def _chunks(request: Request):
         raise ConnectionResetError("the client disconnected while sending the body") from None
 
 
+def _request_log() -> None:
+    """The single server's request log (one line per request, `handler.Handler`) on this replica's stderr: Ray
+    keeps it in the worker's log file and shows it in the terminal of a `serve --engine ray` that started Ray. Ray
+    leaves loggers other than its own at WARNING, which would drop those INFO lines."""
+    if not log.handlers:
+        import sys
+
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(stream)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 @serve.deployment(name=INGRESS)
 class H3Ingress:
     """Ray Serve's HTTP entry: turns the Starlette request into an `Incoming` for the shared handler."""
 
     def __init__(self, encoder, settings: RaySettings):
+        _request_log()
         token = os.environ.get(settings.token_env) or None
         check_bind(settings.host, token, settings.token_env)  # refuse to start open beyond loopback
         self.encoder, self.settings = encoder, settings
-        self.config = replace(settings.config, token=token, track_progress=False)
+        # The replicas hold the component cache (their memory, and the shared --cache-dir); the ingress encodes nothing.
+        self.config = replace(settings.config, token=token, track_progress=False, component_cache_bytes=0,
+                              cache_dir=None)
         self._handler: asyncio.Task | None = None
 
     async def _build(self) -> RayHandler:
@@ -403,7 +437,7 @@ def build(args: dict[str, Any]):
     autoscale = values.get("autoscale")
     settings = RaySettings(
         models=str(values["models"]), layout=values.get("layout"), components=tuple(components),
-        dtype=str(values.get("dtype") or "float32"), device=str(values.get("device") or "cpu"),
+        dtype=str(values.get("dtype") or "auto"), device=str(values.get("device") or "cpu"),
         gpus_per_replica=float(values.get("gpus_per_replica") or 0), threads=values.get("threads"),
         config=config_from_args(_Args(values), None), token_env=str(values.get("token_env") or
                                                                      protocol.DEFAULT_TOKEN_ENV),

@@ -31,11 +31,27 @@ def settings_from_args(args, host: str) -> RaySettings:
     if gpus and device == "cpu":  # GPUs asked for: the replica's GPUs, whatever --device defaulted to
         device = "cuda"
     return RaySettings(
-        models=os.path.abspath(args.models), layout=getattr(args, "layout", None),
+        threads=_threads(), models=os.path.abspath(args.models), layout=getattr(args, "layout", None),
         components=tuple(getattr(args, "components", None) or ("text", "video", "audio")),
-        dtype=getattr(args, "dtype", None) or "float32", device=device, gpus_per_replica=gpus,
+        dtype=_dtype(getattr(args, "dtype", None)), device=device, gpus_per_replica=gpus,
         config=config_from_args(args, None), token_env=getattr(args, "token_env", None) or protocol.DEFAULT_TOKEN_ENV,
         host=host, replicas=replicas, autoscale=autoscale)
+
+
+def _threads() -> int:
+    """The torch threads this command would encode with (`cli.main`: H3_THREADS, else torch's default), fixed
+    here so the replicas match it (Ray sets OMP_NUM_THREADS in its workers, which would decide otherwise)."""
+    import torch
+
+    return int(os.environ.get("H3_THREADS", "0") or 0) or torch.get_num_threads()
+
+
+def _dtype(value: str | None) -> str:
+    """`--dtype` as the replicas take it; a misspelling fails here, before Ray starts (`dtypes.parse`)."""
+    from .. import dtypes
+
+    dtypes.parse(value)
+    return value or "auto"
 
 
 def start(settings: RaySettings, port: int, address: str | None = None, num_cpus: int | None = None) -> str:
@@ -47,6 +63,8 @@ def start(settings: RaySettings, port: int, address: str | None = None, num_cpus
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
             os.environ["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
+        if not address and num_cpus is None:  # room for every replica's threads, as the CLI's threads share cores
+            num_cpus = max(os.cpu_count() or 1, settings.cpus_needed())
         ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,
                  log_to_driver=True)
     serve.start(http_options={"host": settings.host, "port": port})

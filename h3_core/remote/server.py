@@ -18,7 +18,8 @@ tests and embedding (`ServerThread`), or as the CLI's process with signal handli
   (H3_ENCODER_TOKEN, or the variable named by --token-env); tokens are compared in constant time. TLS is left
   to a reverse proxy (docs/DEPLOY.md).
 
-No pickle, no eval, nothing written to disk: part and file names are never used as paths.
+No pickle, no eval; nothing written to disk but the optional component cache directory (`--cache-dir`,
+`disk_cache.py`): part and file names are never used as paths.
 """
 
 from __future__ import annotations
@@ -186,6 +187,12 @@ def config_from_args(args, token: str | None) -> ServerConfig:
         kwargs["client_key"] = args.client_key
     if getattr(args, "text_batch", None) is not None:
         kwargs["text_batch"] = args.text_batch
+    if getattr(args, "component_cache_mb", None) is not None:
+        kwargs["component_cache_bytes"] = int(args.component_cache_mb * protocol.MiB)
+    if getattr(args, "cache_dir", None):
+        kwargs["cache_dir"] = os.path.abspath(args.cache_dir)  # Ray replicas run elsewhere
+    if getattr(args, "cache_disk_bytes", None) is not None:
+        kwargs["cache_disk_bytes"] = int(args.cache_disk_bytes)
     return ServerConfig(**kwargs)
 
 

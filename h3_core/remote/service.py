@@ -28,10 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from .. import component_cache
 from .. import progress as progress_phases
 from . import ingest, protocol
 from .admission import Admission, BodyBudget
-from .cache import ConditioningCache
+from .cache import ComponentTiers, ConditioningCache
 from .config import ServerConfig, ServerConfigError, check_bind, check_token
 from .fair_queue import FairQueue
 from .ingest import Part
@@ -66,6 +67,7 @@ class Job:
     client: str = ""  # whose turn it takes in the fair queue
     batch_key: tuple | None = None  # jobs with equal keys may share a text-encoder forward (text_batching.py)
     timeline: Timeline = field(default_factory=Timeline)  # phase timings for the metrics
+    components: component_cache.CacheRecord = field(default_factory=component_cache.CacheRecord)  # parts found
 
 
 class _Abandoned(Exception):
@@ -93,6 +95,7 @@ class EncoderService:
 
             self.threads = torch.get_num_threads()
         self.cache = ConditioningCache(config.cache_bytes, config.cache_entries)
+        self.component_cache = ComponentTiers.from_config(config)  # the encoder's parts (None: off)
         self._pending = FairQueue(config.share_window_s)
         self._inflight: dict[str, Job] = {}
         self._running: list[Job] = []
@@ -306,7 +309,7 @@ class EncoderService:
             torch.set_num_threads(self.threads)
         request = self._build_request(job)
         coarse, fine_phases = self._progress_sinks(job)
-        with progress_phases.reporting(fine_phases):
+        with progress_phases.reporting(fine_phases), component_cache.using(self.component_cache, job.components):
             conditioning = self.stage.encode(request, cancel=job.cancel, progress=coarse)
         if job.batch_key is not None and self.batcher is not None:
             self.metrics.observe_text_batch(1)

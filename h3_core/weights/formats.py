@@ -1,8 +1,9 @@
 """Weight formats: how tensors are stored, decided from the header before any weight is read.
 
 A component (DiT, VAE, ...) says *what* a file holds; its format says *how* the numbers are stored:
-"dense" (plain bf16 / fp16 / fp32 tensors) or "quantised" (the Comfy-Org int8_convrot, fp8_scaled,
-w6a8 and nvfp4_awq files). A quantised file is described layer by layer by its `.comfy_quant`
+"gguf" (a GGUF file: per-tensor GGML types, `gguf_file` / `quant.ggml`), "dense" (plain bf16 / fp16 / fp32
+tensors) or "quantised" (the Comfy-Org int8_convrot, fp8_scaled, w6a8 and nvfp4_awq files).
+A quantised file is described layer by layer by its `.comfy_quant`
 markers (`weights.quant.plan`, which refuses unknown or unimplemented layer formats by name, before
 any weight is read); this registry only tells the two storage kinds apart. The pruned ("AdaLN curve")
 DiTs are not a format: they are a key family of the DiT handler (`pruned.py`), dense or quantised.
@@ -22,6 +23,7 @@ SUPPORTED_FILES = (
     "supported: the Comfy-Org single files minimax_h3_{fl2va,ref2va}_{bf16,int8_convrot}.safetensors, "
     "minimax_h3_video_vae_{fp16,int8_convrot}.safetensors, minimax_h3_audio_vae_fp32.safetensors, "
     "qwen3vl_32b_minimax_h3_{bf16,int8_convrot,nvfp4_awq}.safetensors; "
+    "a GGUF DiT or text-encoder file (ComfyUI-GGUF's converter: Comfy tensor names, GGML types); "
     "a diffusers component folder (config.json + safetensors); "
     "or a native MiniMaxAI FL2VA/Ref2VA partition"
 )
@@ -66,12 +68,18 @@ def _quantised(header: Header) -> str | None:
     return f"quantised MiniMax-H3 checkpoint ({'; '.join(detail)})"
 
 
+def _gguf(header: Header) -> str | None:
+    # GGUF's own tensor types (read by `quant.ggml`; types no dequantiser knows were refused with the header).
+    return "GGUF" if header.container == "gguf" else None
+
+
 def _dense(header: Header) -> str | None:
     return "dense" if all(info.dtype in DENSE_DTYPES for info in header.tensors.values()) else None
 
 
 # Checked in order. (The pruned "AdaLN curve" DiT is not a format: it is a key family of the DiT, see pruned.py.)
 FORMATS = (
+    WeightFormat("gguf", supported=True, recognise=_gguf),
     WeightFormat("quantised", supported=True, recognise=_quantised),
     WeightFormat("dense", supported=True, recognise=_dense),
 )

@@ -25,6 +25,11 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     file: str
+    # GGUF files only (`gguf_file`): the GGML type, the absolute data offset, and the dense shape a
+    # block-quantised tensor stands for (`shape` is then that of its U8 bytes).
+    ggml_type: str | None = None
+    offset: int | None = None
+    dense_shape: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -52,9 +57,18 @@ class Header:
     def total_bytes(self) -> int:
         return sum(info.nbytes for info in self.tensors.values())
 
+    @property
+    def container(self) -> str:
+        """"gguf" for GGUF files (`gguf_file`), else "safetensors"."""
+        return "gguf" if any(info.ggml_type for info in self.tensors.values()) else "safetensors"
+
 
 def read_file_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse one `.safetensors` header: `{name: TensorInfo}` and the `__metadata__` dict."""
+    """Parse one `.safetensors` (or GGUF, told by its magic) header: `{name: TensorInfo}` and the metadata."""
+    from . import gguf_file
+
+    if gguf_file.is_gguf(path):
+        return gguf_file.read_file_header(path)
     try:
         file_size = os.path.getsize(path)
         parsed = read_safetensors_header(path)

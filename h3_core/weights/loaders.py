@@ -148,8 +148,8 @@ def _latent_stats(det: Detection) -> dict:
 
 def _single_file_reader(det: Detection):
     """The handler's own single-file loader for a Comfy file its key family allows it to read, else None."""
-    if det.layout != "comfyui" or det.quant is not None:
-        return None  # quantised files take the assign path (diffusers' reader would cast int8 codes to floats)
+    if det.layout != "comfyui" or det.quant is not None or det.format == "gguf":
+        return None  # GGUF and quantised files take the assign path (diffusers' reader would cast int8 codes to floats)
     if not det.handler.family_named(det.key_format).diffusers_single_file:
         return None
     return det.handler.load_single_file

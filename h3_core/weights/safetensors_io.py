@@ -42,6 +42,14 @@ def load_tensors(header: Header, names: set[str] | None = None, *, report: bool 
         counter = progress.Counter("load", sum(header.tensors[name].nbytes for name in wanted))
     tensors: dict[str, torch.Tensor] = {}
     for path, file_names in by_file.items():
+        if header.tensors[file_names[0]].ggml_type is not None:  # a GGUF file: plain reads at the offsets
+            from .gguf_file import read_tensor
+
+            for name in file_names:
+                tensors[name] = read_tensor(header.tensors[name])
+                if counter is not None:
+                    counter.advance(header.tensors[name].nbytes)
+            continue
         with safe_open(path, framework="pt", device="cpu") as handle:
             for name in file_names:
                 tensors[name] = handle.get_tensor(name)
@@ -79,6 +87,7 @@ _DTYPE_TAGS = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",  # quantised (fp8_scaled) weights and nvfp4 / w6a8 scales
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",  # mxfp8 block scales
 }
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from .components import HANDLERS
 from .errors import H3WeightsError, UnrecognisedCheckpointError
+from .gguf_file import is_gguf, is_projector, projector_for
 from .safetensors_io import SHARD_INDEX_SUFFIX
 
 # Sub-folder names of pipeline roots (diffusers root, native partition), from the handlers.
@@ -101,7 +102,9 @@ def loose_files(folder: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if any(_SHARD_NAME.match(os.path.basename(f)) for f in files):
         return []
-    return files
+    # A vision-projector GGUF is part of the text encoder beside it (`component_source`), not a component.
+    ggufs = [f for f in glob.glob(os.path.join(folder, "*.gguf")) if is_gguf(f) and not is_projector(f)]
+    return sorted(files + ggufs)
 
 
 def partition_roots(folder: str) -> list[str]:
@@ -123,7 +126,7 @@ def is_root(path: str) -> bool:
         return False
     if os.path.isfile(os.path.join(path, "model_index.json")) or partition_roots(path):
         return True
-    has_weights = bool(glob.glob(os.path.join(path, "*.safetensors")))
+    has_weights = bool(glob.glob(os.path.join(path, "*.safetensors")) or glob.glob(os.path.join(path, "*.gguf")))
     return not has_weights and any(os.path.isdir(os.path.join(path, name)) for name in _ROOT_FOLDERS)
 
 
@@ -173,9 +176,11 @@ def component_source(path: str) -> Source:
     """Locate one component's files and configs (file or component folder)."""
     path = os.path.abspath(path)
     if os.path.isfile(path):
-        if not path.endswith(".safetensors"):
+        if is_gguf(path):  # told by its magic: GGUF files carry no config beside them
+            return Source(path=path, container="file", files=[path, *projector_for(path)])
+        if not path.endswith((".safetensors", ".gguf")):  # a .gguf name on other bytes: the header parser decides
             raise UnrecognisedCheckpointError(
-                f"{path}: only .safetensors checkpoints are read (never pickled .ckpt/.pt/.bin files)"
+                f"{path}: only .safetensors and GGUF checkpoints are read (never pickled .ckpt/.pt/.bin files)"
             )
         # A diffusers weights file handed over on its own: its folder's config.json still applies
         # (the DiT's rope_freq_dim, for one, is not visible in any diffusers tensor shape).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import H3WeightsError
-from .layouts import FP8, INT8, NVFP4, W6A8, is_power_of_4
+from .layouts import FP8, INT8, MXFP8, NVFP4, W6A8, is_power_of_4
 
 
 def _kitchen():
@@ -56,8 +56,10 @@ def dequantise(fmt: str, tensors: dict, shape: tuple[int, int], dtype: torch.dty
         s_rel = tensors["weight_s_rel"]
         if s_rel.dtype == torch.uint8:  # core reads U8-stored group scales as e4m3 bytes
             s_rel = s_rel.view(torch.float8_e4m3fn)
+        codebook = tensors.get("weight_codebook")
         return layouts.dequantize_w4a8_int8_weight(
             weight, s_rel, tensors["weight_s_channel"], group_size=group_size,
+            codebook=None if codebook is None else codebook.to(torch.float32),
             convrot_groupsize=convrot_groupsize, output_dtype=dtype)
     if fmt == NVFP4:
         params = layouts.TensorCoreNVFP4Layout.Params(
@@ -66,6 +68,10 @@ def dequantise(fmt: str, tensors: dict, shape: tuple[int, int], dtype: torch.dty
         dense = layouts.TensorCoreNVFP4Layout.dequantize(weight, params)
         # Kitchen returns the 16-padded storage shape; the layer is the logical one.
         return dense[: shape[0], : shape[1]]
+    if fmt == MXFP8:
+        params = layouts.TensorCoreMXFP8Layout.Params(
+            scale=tensors["weight_scale"].view(torch.float8_e8m0fnu), orig_dtype=dtype, orig_shape=tuple(shape))
+        return layouts.TensorCoreMXFP8Layout.dequantize(weight, params)
     raise H3WeightsError(f"no dequantisation for layer format {fmt!r}")
 
 
@@ -114,9 +120,12 @@ def quantise(fmt: str, weight: torch.Tensor, options: dict) -> tuple[dict, dict]
     if fmt == W6A8:
         group = int(options.get("group_size", 16))
         rotation = int(options.get("convrot_groupsize") or default_rotation(k))
+        bits = int(options.get("bits", 6))
         qdata, params = layouts.AsymW4A8Int8Layout.quantize(
-            weight, group_size=group, convrot_groupsize=rotation, bits=6, codebook=False)
+            weight, group_size=group, convrot_groupsize=rotation, bits=bits, codebook=bits == 4)
         stored = {"weight": qdata, "weight_s_rel": params.scale, "weight_s_channel": params.s_channel}
+        if getattr(params, "codebook", None) is not None:
+            stored["weight_codebook"] = params.codebook
         return stored, {"format": W6A8, "group_size": group, "convrot_groupsize": rotation}
     if fmt == NVFP4:
         if n % 16 or k % 16:
@@ -129,4 +138,9 @@ def quantise(fmt: str, weight: torch.Tensor, options: dict) -> tuple[dict, dict]
         qdata, params = layouts.TensorCoreNVFP4Layout.quantize(weight)
         stored.update(weight=qdata, weight_scale=params.block_scale, weight_scale_2=params.scale.reshape(()))
         return stored, {"format": NVFP4, "full_precision_matrix_mult": True}
+    if fmt == MXFP8:
+        if n % 32 or k % 32:
+            raise H3WeightsError(f"mxfp8 needs 32-aligned [N, K], got {[n, k]} (kitchen would pad the storage)")
+        qdata, params = layouts.TensorCoreMXFP8Layout.quantize(weight)
+        return {"weight": qdata, "weight_scale": params.scale}, {"format": MXFP8}
     raise H3WeightsError(f"cannot quantise to layer format {fmt!r}")

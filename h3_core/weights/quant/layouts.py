@@ -10,10 +10,11 @@ dtypes and shape rules ComfyUI core and comfy-kitchen 0.2.40 use):
                     (one scale per row), dequantised per gathered row.
   float8_e4m3fn     weight F8_E4M3 [N, K]; weight_scale F32 scalar; optional input_scale F32 scalar (a
                     static activation scale only the fp8 GEMM reads).
-  asym_w4a8_int8    at 6 bits ("w6a8"): weight I8 [N, 3K/4] (K/2 bytes of low nibbles, then K/4 bytes of
-                    top-2-bit planes), weight_s_rel F8_E4M3 [N, K/group_size], weight_s_channel F32 [N];
-                    always ConvRot-rotated. The bit depth follows from the row width (4 bits: K/2 bytes,
-                    with a codebook: not published for H3 and not implemented).
+  asym_w4a8_int8    at 4 bits (W4A8): weight I8 [N, K/2], optional weight_codebook [16] (a Lloyd-Max
+                    table the 4-bit codes index); at 6 bits ("w6a8"): weight I8 [N, 3K/4] (K/2 bytes of
+                    low nibbles, then K/4 bytes of top-2-bit planes); both: weight_s_rel F8_E4M3
+                    [N, K/group_size], weight_s_channel F32 [N], always ConvRot-rotated. The bit depth follows
+                    from the row width (4 bits: K/2 bytes; community W4A8 files, not Comfy-Org's).
   nvfp4             weight U8 [N, K/2] (two E2M1 codes a byte, high nibble first), weight_scale F8_E4M3
                     [roundup(N, 128), roundup(K/16, 4)] in cuBLAS' blocked layout, weight_scale_2 F32
                     scalar, optional input_scale, optional AWQ pre_quant_scale [K] (multiplies the input).
@@ -32,23 +33,29 @@ INT8 = "int8_tensorwise"
 FP8 = "float8_e4m3fn"
 W6A8 = "asym_w4a8_int8"
 NVFP4 = "nvfp4"
-SUPPORTED_FORMATS = (INT8, FP8, W6A8, NVFP4)
+MXFP8 = "mxfp8"
+GGUF = "gguf"  # a GGUF file's block-quantised layer (`ggml`); its marker is made by the loaders, not stored
+SUPPORTED_FORMATS = (INT8, FP8, W6A8, NVFP4, MXFP8, GGUF)
 # Marker formats ComfyUI core knows but this package does not run (named in refusals).
-UNIMPLEMENTED_FORMATS = ("float8_e5m2", "mxfp8", "convrot_w4a4", "svdquant_w4a4", "awq_w4a16")
+UNIMPLEMENTED_FORMATS = ("float8_e5m2", "convrot_w4a4", "svdquant_w4a4", "awq_w4a16")
 SUPPORTED_TEXT = (
     "int8_tensorwise (with or without ConvRot; int8_convrot files), float8_e4m3fn (fp8_scaled files), "
-    "asym_w4a8_int8 at 6 bits (w6a8 files), nvfp4 (+ AWQ pre_quant_scale; nvfp4_awq files)"
+    "asym_w4a8_int8 at 6 bits (w6a8 files) and at 4 bits (W4A8, optional 16-entry codebook), "
+    "nvfp4 (+ AWQ pre_quant_scale; nvfp4_awq files), mxfp8 (block 32)"
 )
 
 # Side tensors each format may carry besides `weight` (and a dense `bias`).
 SIDE_TENSORS = {
     INT8: {"weight_scale"},
     FP8: {"weight_scale", "input_scale"},
-    W6A8: {"weight_s_rel", "weight_s_channel"},
+    W6A8: {"weight_s_rel", "weight_s_channel", "weight_codebook"},
     NVFP4: {"weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"},
+    MXFP8: {"weight_scale", "input_scale"},
+    GGUF: set(),
 }
 REQUIRED_SIDE = {INT8: {"weight_scale"}, FP8: {"weight_scale"}, W6A8: {"weight_s_rel", "weight_s_channel"},
-                 NVFP4: {"weight_scale", "weight_scale_2"}}
+                 NVFP4: {"weight_scale", "weight_scale_2"}, MXFP8: {"weight_scale"},
+                 GGUF: set()}
 # Every side-tensor suffix any Comfy quantised file uses (a key ending in one belongs to a layer P).
 SIDE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_s_rel",
                  "weight_s_channel", "weight_codebook", "weight_correction", "comfy_quant")
@@ -87,8 +94,15 @@ class LayerSpec:
             full = " full-precision matmul" if self.marker.get("full_precision_matrix_mult") else ""
             static = " + input_scale" if "input_scale" in self.tensors else ""
             return f"fp8 e4m3 (per-tensor scale{static}{full})"
+        if self.format == W6A8 and self.bits == 4:
+            codebook = ", codebook" if "weight_codebook" in self.tensors else ""
+            return f"w4a8 (4-bit, group {self.group_size}, ConvRot {self.convrot_groupsize}{codebook})"
         if self.format == W6A8:
             return f"w6a8 (6-bit, group {self.group_size}, ConvRot {self.convrot_groupsize})"
+        if self.format == GGUF:
+            return f"GGUF {self.marker['ggml_type']}"
+        if self.format == MXFP8:
+            return "mxfp8 (e4m3, E8M0 scale per 32)"
         awq = ", AWQ pre-scale" if "pre_quant_scale" in self.tensors else ""
         return f"nvfp4 (block 16{awq})"
 
@@ -100,12 +114,12 @@ def row_aligned(fmt: str, suffix: str, shape) -> bool | None:
     """Whether a layer's tensor `suffix` has one entry per output row, so it follows its weight through a
     fused-row split (qkv) or half swap (fc1); False: per tensor or per input channel (copied to every
     part); None: it cannot follow a row change (nvfp4's swizzled 128x4 block-scale tiles)."""
-    if suffix in ("comfy_quant", "input_scale", "weight_scale_2", "pre_quant_scale"):
+    if suffix in ("comfy_quant", "input_scale", "weight_scale_2", "pre_quant_scale", "weight_codebook"):
         return False
     if suffix == "weight":
         return True
-    if fmt == NVFP4 and suffix == "weight_scale":
-        return None
+    if fmt in (NVFP4, MXFP8) and suffix == "weight_scale":
+        return None  # swizzled 128x4 tiles: re-tiled by `route.follow_rows` (mxfp8) or refused (nvfp4)
     return tuple(shape) not in SCALAR
 
 
@@ -165,17 +179,17 @@ def _w6a8(where: str, marker: dict, tensors: dict) -> LayerSpec:
     bits = cols * 8 // k if k else 0
     if bits * k != cols * 8 or bits not in (4, 6):
         raise H3WeightsError(f"{where}: packed row of {cols} bytes matches neither 4 nor 6 bits for K={k}")
-    if bits == 4:
-        raise UnsupportedCheckpointError(
-            f"{where}: asym_w4a8_int8 at 4 bits (W4A8 with a Lloyd-Max codebook) is not implemented; only the "
-            "6-bit variant (w6a8) is; supported layer formats: " + SUPPORTED_TEXT)
+    if "weight_codebook" in tensors:
+        b_dtype, b_shape = tensors["weight_codebook"]
+        _want(bits == 4 and b_dtype in ("F32", "BF16", "F16") and tuple(b_shape) == (16,), where,
+              f"weight_codebook must be a float [16] of a 4-bit layer, got {b_dtype} {list(b_shape)} at {bits} bits")
     _want(k % 32 == 0 and group % 16 == 0 and is_power_of_4(rot) and k % rot == 0, where,
           f"6-bit layout needs K % 32 == 0, group_size a multiple of 16 and a power-of-4 ConvRot group dividing "
           f"K; got K={k}, group_size={group}, convrot_groupsize={rot}")
     c_dtype, c_shape = tensors["weight_s_channel"]
     _want(c_dtype == "F32" and tuple(c_shape) == (n,), where,
           f"weight_s_channel must be F32 [{n}], got {c_dtype} {list(c_shape)}")
-    return LayerSpec(W6A8, (n, k), marker, tensors, convrot=True, convrot_groupsize=rot, group_size=group, bits=6)
+    return LayerSpec(W6A8, (n, k), marker, tensors, convrot=True, convrot_groupsize=rot, group_size=group, bits=bits)
 
 
 def _nvfp4(where: str, marker: dict, tensors: dict) -> LayerSpec:
@@ -199,7 +213,27 @@ def _nvfp4(where: str, marker: dict, tensors: dict) -> LayerSpec:
     return LayerSpec(NVFP4, (n, k), marker, tensors, group_size=16, bits=4)
 
 
-_DESCRIBE = {INT8: _int8, FP8: _fp8, W6A8: _w6a8, NVFP4: _nvfp4}
+def _mxfp8(where: str, marker: dict, tensors: dict) -> LayerSpec:
+    dtype, shape = tensors["weight"]
+    _want(dtype == "F8_E4M3" and len(shape) == 2 and shape[0] % 32 == 0 and shape[1] % 32 == 0, where,
+          f"mxfp8 weight must be F8_E4M3 [N, K] with N, K multiples of 32, got {dtype} {list(shape)}")
+    n, k = shape
+    s_dtype, s_shape = tensors["weight_scale"]
+    blocked = (roundup(n, 128), roundup(k // 32, 4))
+    _want(s_dtype in ("F8_E8M0", "U8") and tuple(s_shape) == blocked, where,
+          f"mxfp8 weight_scale must be F8_E8M0 {list(blocked)} (blocked layout), got {s_dtype} {list(s_shape)}")
+    return LayerSpec(MXFP8, (n, k), marker, tensors, group_size=32)
+
+
+def _gguf(where: str, marker: dict, tensors: dict) -> LayerSpec:
+    from . import ggml
+
+    dtype, shape = tensors["weight"]
+    _want(dtype == "U8", where, f"a GGUF block-quantised weight is held as U8 bytes, got {dtype} {list(shape)}")
+    return LayerSpec(GGUF, ggml.dense_shape(marker, tuple(shape), where), marker, tensors)
+
+
+_DESCRIBE = {INT8: _int8, FP8: _fp8, W6A8: _w6a8, NVFP4: _nvfp4, MXFP8: _mxfp8, GGUF: _gguf}
 
 
 def refuse_formats(where: str, formats: dict) -> None:

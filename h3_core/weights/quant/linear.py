@@ -23,12 +23,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import kitchen
-from .layouts import FP8, INT8, NVFP4, W6A8, LayerSpec
+from . import ggml, kitchen
+from .layouts import FP8, GGUF, INT8, NVFP4, W6A8, LayerSpec
 
 # Order in which stored tensors are registered (bias first, see `QuantLinear.__init__`).
 _STORED_ORDER = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_s_rel",
-                 "weight_s_channel")
+                 "weight_s_channel", "weight_codebook")
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -84,6 +84,9 @@ class QuantLinear(nn.Module):
         """The dequantised [out, in] weight in `dtype` (kitchen's dequantisation), storage moved to `device`
         first so only the quantised bytes travel. The AWQ `pre_quant_scale` is not folded in."""
         spec = self.spec
+        if self.fmt == GGUF:  # diffusers' GGUF dequantisers, not kitchen's
+            weight = self.weight if device is None else self.weight.to(device)
+            return ggml.dequantise(weight, spec.marker["ggml_type"], spec.shape, dtype)
         return kitchen.dequantise(self.fmt, self.stored(device), spec.shape, dtype, convrot=spec.convrot,
                                   convrot_groupsize=spec.convrot_groupsize, group_size=spec.group_size)
 
@@ -116,7 +119,9 @@ class QuantLinear(nn.Module):
             s_rel = stored["weight_s_rel"]
             if s_rel.dtype == torch.uint8:
                 s_rel = s_rel.view(torch.float8_e4m3fn)
+            codebook = stored.get("weight_codebook")
             return layouts.w4a8_int8_linear(x, stored["weight"], s_rel, stored["weight_s_channel"], bias=bias,
+                                            codebook=None if codebook is None else codebook.to(torch.float32),
                                             group_size=spec.group_size, convrot_groupsize=spec.convrot_groupsize,
                                             out_dtype=x.dtype)
         if self.fmt == FP8 and "input_scale" in stored and not spec.marker.get("full_precision_matrix_mult"):
@@ -195,7 +200,8 @@ def use_kitchen_matmul(model: nn.Module, enabled: bool = True, *, device=None, f
         if not isinstance(module, QuantLinear):
             continue
         where = device if device is not None else module.weight.device
-        wanted = bool(enabled) and module.fmt != NVFP4 and (force or kitchen_matmul_available(where, module.fmt))
+        has_gemm = module.fmt not in (NVFP4, GGUF)  # nvfp4 files ask for full precision; GGUF has no kitchen GEMM
+        wanted = bool(enabled) and has_gemm and (force or kitchen_matmul_available(where, module.fmt))
         if module.kitchen_matmul != wanted:
             module.kitchen_matmul = wanted
             changed += 1

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UnsupportedCheckpointError, preview
 from ..headers import Header
-from . import layouts, markers
+from . import ggml, layouts, markers
 
 QUANT_STORAGE = {"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I4", "U4"}
 _MARKER_TAIL = "." + markers.MARKER_SUFFIX
@@ -112,8 +112,28 @@ def _read_markers(header: Header, keys: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _gguf_plan(header: Header, where: str) -> QuantPlan | None:
+    """A GGUF file's block-quantised tensors as layers, each with a synthetic marker (`ggml.marker`): the
+    file states their types in its tensor directory, not in markers."""
+    quantised = sorted(k for k, info in header.tensors.items() if info.ggml_type not in ggml.DENSE_TYPES)
+    not_weights = [k for k in quantised if not k.endswith(".weight")]
+    if not_weights:
+        raise UnsupportedCheckpointError(
+            f"{where}: block-quantised GGUF tensors that are not layer weights ({preview(not_weights, 3)}); only "
+            "Linear weights are read quantised, keep other tensors in F32/F16/BF16")
+    specs, made = {}, {}
+    for key in quantised:
+        info, layer = header.tensors[key], key[: -len(".weight")]
+        marker = ggml.marker(info.ggml_type, info.dense_shape)
+        specs[layer] = layouts.describe(f"{where}: {layer}", marker, {"weight": (info.dtype, tuple(info.shape))})
+        made[f"{layer}{_MARKER_TAIL}"] = markers.encode(marker)
+    return QuantPlan(layers=specs, markers=made) if specs else None
+
+
 def read_plan(header: Header, where: str) -> QuantPlan | None:
     """The checkpoint's quantised layers, or None for a dense one (see the module docstring)."""
+    if header.container == "gguf":
+        return _gguf_plan(header, where)
     marker_keys = sorted(k for k in header.tensors if k.endswith(_MARKER_TAIL))
     layer_names = {k[: -len(_MARKER_TAIL)] for k in marker_keys}
     companions = sorted(k for k in header.tensors

@@ -35,11 +35,27 @@ def follow_rows(state: dict, layer: str, suffix: str, tensor: torch.Tensor, op, 
         raise H3WeightsError(f"{layer}.{suffix}: side tensor of a layer without a readable .comfy_quant marker")
     fmt = markers.parse(marker, layer)["format"]
     aligned = layouts.row_aligned(fmt, suffix, tuple(tensor.shape))
+    if aligned is None and fmt == layouts.MXFP8:
+        return _retile(state[f"{layer}.weight"], tensor, op, count)
     if aligned is None:
         raise H3WeightsError(
             f"{layer}: {fmt} {suffix} cannot follow a fused-projection split or half swap (its blocked layout "
             "would have to be re-tiled); such a layer is not supported in a fused projection")
     return tuple(op(tensor)) if aligned else (tensor,) * count
+
+
+def _retile(weight: torch.Tensor, scale: torch.Tensor, op, count: int) -> tuple:
+    """mxfp8 block scales (cuBLAS' 128x4 tiles, kitchen's layout) through a row operation: untiled to [N, K/32]
+    (one row per weight row), `op`, tiled again per part (kitchen's own `from_blocked` / `to_blocked`)."""
+    rows, blocks = weight.shape[0], weight.shape[1] // 32
+    if scale.device.type == "meta":
+        part = rows // count if count > 1 else rows
+        shape = (layouts.roundup(part, 128), layouts.roundup(blocks, 4))
+        return tuple(torch.empty(shape, dtype=scale.dtype, device="meta") for _ in range(count))
+    from comfy_kitchen.float_utils import from_blocked, to_blocked
+
+    plain = from_blocked(scale.view(torch.uint8), num_rows=rows, num_cols=blocks)
+    return tuple(to_blocked(part.contiguous(), flatten=False).view(scale.dtype) for part in op(plain))
 
 
 def _densify(plan: QuantPlan, tensors: dict) -> dict:
@@ -62,6 +78,8 @@ def before_conversion(det, tensors: dict) -> dict:
     plan = getattr(det, "quant", None)
     if plan is None:
         return tensors
+    # GGUF layers' markers are the plan's (the file has none); a Comfy file's read ones are the same tensors.
+    tensors = {**plan.markers, **tensors}
     return _densify(plan, tensors) if det.handler.quantised_layers == "dequantise" else tensors
 
 
@@ -95,6 +113,9 @@ def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
             continue  # no such module: `compare` reports its tensors as unexpected
         if isinstance(current, (QuantLinear, Int8Embedding)):
             continue  # installed by an earlier pass (the check), the loaders assign into it
+        if spec.format == layouts.GGUF and not isinstance(current, nn.Linear):
+            out[f"{name}.weight"] = _gguf_dense(spec, out[f"{name}.weight"])  # a conv / embedding: dense at load
+            continue
         if isinstance(current, nn.Linear):
             dense = (current.out_features, current.in_features)
             replacement = QuantLinear.empty(spec, current.bias.dtype if current.bias is not None else None)
@@ -110,6 +131,15 @@ def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
             continue
         setattr(parent, attr, replacement)
     return out, mismatched
+
+
+def _gguf_dense(spec, stored: torch.Tensor) -> torch.Tensor:
+    """A GGUF tensor of a non-Linear module, dequantised (float32; meta during a header-only check)."""
+    if stored.device.type == "meta":
+        return torch.empty(spec.shape, dtype=torch.float32, device="meta")
+    from . import ggml
+
+    return ggml.dequantise(stored, spec.marker["ggml_type"], spec.shape, torch.float32)
 
 
 def stored_names(model: nn.Module) -> set[str]:

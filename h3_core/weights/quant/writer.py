@@ -16,7 +16,7 @@ import torch
 from ...safetensors_header import DTYPE_TAGS
 from ..errors import H3WeightsError
 from . import kitchen, markers
-from .layouts import FP8, INT8, NVFP4, W6A8, roundup
+from .layouts import FP8, INT8, MXFP8, NVFP4, W6A8, roundup
 
 # File-level names (as the published file names spell them) and marker names -> (marker format, defaults).
 FILE_FORMATS = {
@@ -26,9 +26,11 @@ FILE_FORMATS = {
     "fp8_scaled": (FP8, {}),
     FP8: (FP8, {}),
     "w6a8": (W6A8, {}),
+    "w4a8": (W6A8, {"bits": 4}),
     W6A8: (W6A8, {}),
     "nvfp4": (NVFP4, {}),
     "nvfp4_awq": (NVFP4, {}),
+    MXFP8: (MXFP8, {}),
 }
 
 
@@ -93,9 +95,15 @@ def quantised_header(fmt: str, shape: tuple[int, int], options: dict | None = No
     if marker_format == W6A8:
         group = int(options.get("group_size", 16))
         rotation = int(options.get("convrot_groupsize") or kitchen.default_rotation(k))
-        stored = {"weight": ("I8", (n, 3 * k // 4)), "weight_s_rel": ("F8_E4M3", (n, k // group)),
+        four = int(options.get("bits", 6)) == 4
+        stored = {"weight": ("I8", (n, k // 2 if four else 3 * k // 4)), "weight_s_rel": ("F8_E4M3", (n, k // group)),
                   "weight_s_channel": ("F32", (n,))}
+        if four:
+            stored["weight_codebook"] = ("F32", (16,))
         return stored, {"format": W6A8, "group_size": group, "convrot_groupsize": rotation}
+    if marker_format == MXFP8:
+        return {"weight": ("F8_E4M3", (n, k)), "weight_scale": ("F8_E8M0", (roundup(n, 128), roundup(k // 32, 4)))}, {
+            "format": MXFP8}
     stored = {"weight": ("U8", (n, k // 2)), "weight_scale": ("F8_E4M3", (roundup(n, 128), roundup(k // 16, 4))),
               "weight_scale_2": ("F32", ())}
     prescale = options.get("pre_quant_scale")

@@ -1,0 +1,158 @@
+"""GGUF checkpoints (ComfyUI-GGUF / llama.cpp files): the header as a `Header`, and tensor reads.
+
+A file is GGUF when it starts with the GGUF magic, whatever its name. Its tensor directory (names,
+GGML types, shapes, offsets) is parsed with the `gguf` package's reader, which maps the file but reads
+only the directory; a tensor's bytes are read later with plain reads at its offset (no mapping kept).
+
+Names are the Comfy safetensors names, as ComfyUI-GGUF's converter writes them (its loader also strips a
+`model.diffusion_model.` prefix, and so do we). Shapes: GGUF lists dimensions innermost first, so the
+torch shape is the reversed list, unless the file states the original shape in
+`comfy.gguf.orig_shape.<name>` (ComfyUI-GGUF's convention for tensors quantised in another shape).
+
+Every tensor becomes a `TensorInfo` with the GGML type beside a safetensors dtype tag: F32/F16/BF16 keep
+theirs; a block-quantised tensor is described as the U8 bytes it is held as (`quant.ggml.stored_shape`),
+and `quant.ggml` turns the file's quantised tensors into a quantisation plan with one synthetic marker a
+layer. A GGML type no dequantiser knows is refused by name here, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .errors import H3WeightsError, IncompleteFileError, UnsupportedCheckpointError, preview
+from .quant import ggml
+
+MAGIC = b"GGUF"
+PREFIX = "model.diffusion_model."  # ComfyUI-GGUF's loader strips it (checkpoint-style names)
+ORIG_SHAPE = "comfy.gguf.orig_shape."
+
+
+def is_gguf(path: str) -> bool:
+    """Whether the file starts with the GGUF magic (the format is read from the file, never its name)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def _fields(reader) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(original shapes by tensor name, string metadata)."""
+    shapes, metadata = {}, {}
+    for key, field in reader.fields.items():
+        if key.startswith(ORIG_SHAPE):
+            value = field.contents()
+            if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+                raise H3WeightsError(f"{key}: expected an array of integers, got {value!r}")
+            shapes[key[len(ORIG_SHAPE):]] = tuple(value)
+        elif not key.startswith("GGUF."):
+            value = field.contents()
+            if isinstance(value, str):
+                metadata[key] = value
+    return shapes, metadata
+
+
+PROJECTOR_PREFIX = "visual."  # a vision-projector ("mmproj") file holds only the Comfy `visual.*` tensors
+
+
+def tensor_names(path: str) -> list[str]:
+    """The tensor names of a GGUF file (its directory only), with the loader's prefix stripped."""
+    from gguf import GGUFReader
+
+    try:
+        names = [t.name for t in GGUFReader(path, "r").tensors]
+    except (OSError, ValueError, KeyError) as exc:
+        raise H3WeightsError(f"{path}: not a readable GGUF file ({exc})") from None
+    strip = any(name.startswith(PREFIX) for name in names)
+    return [name[len(PREFIX):] if strip and name.startswith(PREFIX) else name for name in names]
+
+
+def is_projector(path: str) -> bool:
+    """A GGUF file holding only a vision projector (`visual.*`): part of a text encoder, not a component."""
+    names = tensor_names(path)
+    return bool(names) and all(name.startswith(PROJECTOR_PREFIX) for name in names)
+
+
+def projector_for(path: str) -> list[str]:
+    """The vision-projector GGUF beside a text-encoder GGUF that has none (llama.cpp ships the projector as a
+    separate `mmproj` file): [] when the file has its own tower or is no text encoder; told by contents."""
+    names = tensor_names(path)
+    if not any(n.startswith("model.layers.") for n in names) or any(n.startswith(PROJECTOR_PREFIX) for n in names):
+        return []
+    folder = os.path.dirname(path)
+    found = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".gguf")
+                   and os.path.join(folder, f) != path and is_projector(os.path.join(folder, f)))
+    if len(found) > 1:
+        raise H3WeightsError(f"{path}: several vision-projector GGUF files beside it "
+                             f"({[os.path.basename(f) for f in found]}); keep the one that belongs to it")
+    return found
+
+
+def read_file_header(path: str):
+    """`({name: TensorInfo}, metadata)` of one GGUF file (see the module docstring)."""
+    from gguf import GGUFReader
+
+    from .headers import TensorInfo
+
+    try:
+        reader = GGUFReader(path, "r")
+    except (OSError, ValueError, KeyError) as exc:
+        raise H3WeightsError(f"{path}: not a readable GGUF file ({exc})") from None
+    orig_shapes, metadata = _fields(reader)
+    names = [t.name for t in reader.tensors]
+    strip = any(name.startswith(PREFIX) for name in names)
+    dequantisable = set(ggml.quantised_types())
+    refused: dict[str, list[str]] = {}
+    tensors = {}
+    file_size = os.path.getsize(path)
+    for tensor in reader.tensors:
+        type_name = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+        if type_name not in ggml.DENSE_TYPES and type_name not in dequantisable:
+            refused.setdefault(type_name, []).append(tensor.name)
+            continue
+        name = tensor.name[len(PREFIX):] if strip and tensor.name.startswith(PREFIX) else tensor.name
+        shape = orig_shapes.get(tensor.name) or tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if type_name in ggml.DENSE_TYPES:
+            tag, stored = ggml.DENSE_TYPES[type_name], shape
+        else:
+            tag, stored = "U8", ggml.stored_shape(type_name, shape)
+        info = TensorInfo(dtype=tag, shape=tuple(stored), file=path, ggml_type=type_name,
+                          offset=int(tensor.data_offset), dense_shape=tuple(shape))
+        if info.nbytes != int(tensor.n_bytes):
+            raise H3WeightsError(f"{path}: {tensor.name}: {type_name} {list(shape)} should take {info.nbytes} bytes, "
+                                 f"the file says {int(tensor.n_bytes)}")
+        if info.offset + info.nbytes > file_size:
+            raise IncompleteFileError(f"{path}: incomplete file - {tensor.name} ends past the file's {file_size} bytes "
+                                      "(interrupted download?)")
+        tensors[name] = info
+    if refused:
+        named = "; ".join(f"{kind} x{len(keys)} (e.g. {preview(keys, 2)})" for kind, keys in sorted(refused.items()))
+        raise UnsupportedCheckpointError(f"{path}: GGML tensor type {named} is not supported; supported: "
+                                         f"{ggml.supported_text()}")
+    return tensors, metadata
+
+
+def read_tensor(info) -> torch.Tensor:
+    """One tensor's stored bytes as a CPU tensor of its `TensorInfo` dtype and (stored) shape: a plain read."""
+    from ..safetensors_header import DTYPES
+
+    raw = bytearray(info.nbytes)
+    with open(info.file, "rb") as handle:
+        handle.seek(info.offset)
+        if handle.readinto(raw) != info.nbytes:
+            raise IncompleteFileError(f"{info.file}: tensor data ends early (interrupted download?)")
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(DTYPES[info.dtype]).reshape(info.shape)
+
+
+def numpy_dequantise(info) -> np.ndarray:
+    """The `gguf` package's own numpy dequantisation of one tensor, float32 (the reference tests compare to)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = read_tensor(info).numpy()
+    dense = dequantize(raw.reshape(-1).view(np.uint8), GGMLQuantizationType[info.ggml_type])
+    return np.asarray(dense, dtype=np.float32).reshape(info.dense_shape)

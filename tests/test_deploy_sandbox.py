@@ -1,0 +1,169 @@
+"""The media sandbox as a deployed service runs it: no secrets in the decoders, and a stop is not the media's fault.
+
+* The decoder host and its workers start with a scrubbed environment: the server's bearer token (and any other
+  variable the server was given) never reaches the processes that parse untrusted bytes.
+* A worker stopped from outside (the SIGTERM a service manager sends a whole control group) is `DecoderStopped`,
+  answered `503 decoder_stopped` with Retry-After, and the client retries it: the request succeeds, where it used to
+  get a final `422 invalid_media`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from h3_core import media, media_sandbox, testing
+from h3_core.remote import protocol
+
+SECRET = "sandbox-env-secret-" + "q" * 24
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as file:
+        entries = file.read().split(b"\0")
+    return dict(entry.decode("utf-8", "replace").partition("=")[::2] for entry in entries if entry)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc (Linux)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as file:
+                stat = file.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if int(fields[1]) == pid:
+            found.append(int(name))
+    return found
+
+
+def _workers() -> list[int]:
+    """The sandbox's decode workers now: grandchildren of the decoder host (host -> waiter -> worker)."""
+    host = media_sandbox._HOST.process
+    if host is None or host.poll() is not None:
+        return []
+    return [worker for waiter in _children(host.pid) for worker in _children(waiter)]
+
+
+@pytest.fixture
+def fresh_host(monkeypatch):
+    """A decoder host started after the secrets are in this process's environment (as in a server)."""
+    monkeypatch.setenv("H3_ENCODER_TOKEN", SECRET)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("H3_RAY_TEST_TOKEN", SECRET)
+    host = media_sandbox._HOST.process
+    if host is not None and host.poll() is None:
+        host.kill()
+        host.wait(10)
+    yield
+    host = media_sandbox._HOST.process
+    if host is not None and host.poll() is None:  # leave no host holding this test's environment
+        host.kill()
+        host.wait(10)
+
+
+def test_decoders_start_without_the_servers_secrets(fresh_host):
+    png = media.encode_png_bytes(testing.image(1, 32, 48))
+    np.testing.assert_array_equal(media_sandbox.decode_isolated("read_image", png), media.read_image(png))
+    env = _environ(media_sandbox._HOST.process.pid)
+    assert SECRET not in "".join(f"{key}={value}" for key, value in env.items())
+    assert not {"H3_ENCODER_TOKEN", "AWS_SECRET_ACCESS_KEY", "H3_RAY_TEST_TOKEN"} & set(env)
+    assert set(env) <= set(media_sandbox._ENV_KEPT) | {"PYTHONPATH"} | {k for k in env if k.startswith("LC_")}
+    # A worker is a fork of that host: the same environment (checked on one that is alive).
+    result: list = []
+    hung = threading.Thread(target=lambda: result.append(_hang_briefly()), daemon=True)
+    hung.start()
+    assert testing.wait_until(lambda: bool(_workers()), timeout=30)
+    worker_env = _environ(_workers()[0])
+    assert "H3_ENCODER_TOKEN" not in worker_env and SECRET not in str(worker_env)
+    hung.join(30)
+    assert result == ["timed out"]
+
+
+def _hang_briefly() -> str:
+    try:
+        media_sandbox.decode_isolated("selftest_hang", b"x", timeout_s=3.0)
+    except media.MediaError as error:
+        return "timed out" if "timed out" in str(error) else str(error)
+    return "returned"
+
+
+def test_the_crash_hook_still_reaches_the_workers(monkeypatch, fresh_host):
+    marker = "crash-marker-" + "m" * 16
+    monkeypatch.setenv(media_sandbox.TEST_CRASH_ENV, marker)
+    with pytest.raises(media.MediaError, match="signal 11"):
+        media_sandbox.decode_isolated("read_image", marker.encode())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGINT: ignored by the workers
+def test_a_worker_stopped_from_outside_is_not_a_media_error(sig):
+    outcome: list = []
+
+    def call():
+        try:
+            media_sandbox.decode_isolated("selftest_hang", b"x", timeout_s=60.0)
+        except BaseException as error:  # noqa: BLE001 - recorded for the assertions
+            outcome.append(error)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    assert testing.wait_until(lambda: bool(_workers()), timeout=30)
+    os.kill(_workers()[0], sig)  # what `systemctl stop` does to every process of the unit (KillMode=control-group)
+    caller.join(30)
+    (error,) = outcome
+    assert isinstance(error, media_sandbox.DecoderStopped) and not isinstance(error, media.MediaError)
+    assert f"stopped by signal {int(sig)}" in str(error)
+    mapped = protocol.error_from_exception(error)
+    assert (mapped.status, mapped.code) == (503, "decoder_stopped")
+    # The sandbox's own kill (timeout) and a crash stay media errors (422): they are the input's doing.
+    with pytest.raises(media.MediaError, match="timed out"):
+        media_sandbox.decode_isolated("selftest_hang", b"x", timeout_s=0.3)
+
+
+def test_a_decode_stopped_mid_request_is_retried_by_the_client(tiny_dir):
+    """A real server and client: the first sandbox worker of a ref2va request is stopped with SIGTERM; the server
+    answers 503 decoder_stopped with Retry-After, the client retries, and the answer is the normal one."""
+    from h3_core.encoder import EncoderStage
+    from h3_core.models import ModelSource
+    from h3_core.remote.client import EncoderClient
+    from h3_core.remote.server import ServerConfig, ServerThread
+    from h3_core.request import EncodeRequest
+
+    stage = EncoderStage(ModelSource.from_path(tiny_dir))
+    request = EncodeRequest(prompt="<Video 1> plays.", width=64, height=64, num_frames=124,
+                            ref_videos=[testing.video(4.0, 128, 128)])
+    stopped: list[int] = []
+
+    def stop_first_worker():
+        until = time.monotonic() + 60
+        while not stopped and time.monotonic() < until:
+            for worker in _workers():
+                try:
+                    os.kill(worker, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+                stopped.append(worker)
+                return
+            time.sleep(0.002)
+
+    with ServerThread(stage, ServerConfig(threads=testing.SERVER_THREADS, cache_bytes=0)) as server:
+        watcher = threading.Thread(target=stop_first_worker, daemon=True)
+        watcher.start()
+        cond = EncoderClient(server.url, token="", read_timeout=120).encode(request)
+        watcher.join(5)
+        metrics = server.call(lambda: server.service.metrics.render()[0].decode())
+        again = EncoderClient(server.url, token="", read_timeout=120).encode(request)
+    assert stopped, "no sandbox worker was seen to stop"
+    assert 'h3_encoder_requests_total{status="503",task="ref2va"} 1.0' in metrics
+    assert 'h3_encoder_requests_total{status="200",task="ref2va"} 1.0' in metrics
+    assert "422" not in metrics.split("h3_encoder_requests_total")[1].split("# HELP")[0]
+    assert cond.to_bytes() == again.to_bytes()
