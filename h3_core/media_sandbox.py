@@ -335,9 +335,9 @@ _ENV_KEPT = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PAT
 
 
 def _spawn_environment() -> dict[str, str]:
-    """The decoder host's environment: the kept variables, `LC_*`, this interpreter's import path, the test hook."""
+    """The decoder host's environment: the kept variables, `LC_*`, this interpreter's import path, the test hooks."""
     env = {key: value for key, value in os.environ.items()
-           if key in _ENV_KEPT or key.startswith("LC_") or key == TEST_CRASH_ENV}
+           if key in _ENV_KEPT or key.startswith("LC_") or key in (TEST_CRASH_ENV, TEST_HANG_ENV)}
     env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path and os.path.isdir(path))
     env.setdefault("MALLOC_ARENA_MAX", "2")  # see _limit_memory
     return env
