@@ -249,3 +249,10 @@ def test_scale_finiteness_by_dtype(dtype):
     for values in ([1.0, 2.0, 0.5, -3.0], [1.0, float("nan"), 0.5], [1.0, float("inf"), 0.5]):
         t = torch.tensor(values).to(dtype)
         assert _finite(t.view(torch.uint8).numpy().tobytes(), dtype) == bool(torch.isfinite(t.float()).all())
+
+
+def test_mxfp8_block_scale_nan_is_found_on_its_bits():
+    from h3_core.weights.check import _finite
+
+    e8m0 = torch.float8_e8m0fnu
+    assert _finite(bytes([0x7F, 0x80, 0x00]), e8m0) and not _finite(bytes([0x7F, 0xFF]), e8m0)

@@ -139,6 +139,8 @@ def _finite(raw: bytes, dtype: torch.dtype) -> bool:
         return not bool(((codes & 0x7F) == 0x7F).any())
     if dtype == torch.float8_e5m2:
         return not bool(((codes & 0x7C) == 0x7C).any())
+    if dtype == getattr(torch, "float8_e8m0fnu", None):  # mxfp8 block scales: 0xFF is its NaN, no infinity
+        return not bool((codes == 0xFF).any())
     flat = torch.frombuffer(bytearray(raw), dtype=dtype)
     return all(bool(torch.isfinite(flat[i:i + _PIECE]).all()) for i in range(0, flat.numel(), _PIECE))
 
@@ -146,7 +148,7 @@ def _finite(raw: bytes, dtype: torch.dtype) -> bool:
 def non_finite_scales(det: Detection) -> list[str]:
     """The scale tensors (`<layer>.weight_scale`, ...) of a quantised file that hold a NaN or an infinity. Each is
     read on its own with a plain read of its byte range (no mapping of a file that may be tens of GB)."""
-    if det.quant is None:
+    if det.quant is None or det.header.container != "safetensors":  # GGUF scales live inside their quant blocks
         return []
     names = {f"{layer}.{suffix}" for layer, spec in det.quant.layers.items() for suffix in spec.tensors
              if suffix in SCALE_SUFFIXES} & set(det.header.tensors)
