@@ -31,6 +31,7 @@ from .lora import LoRA
 from .models import PARTITION_OF_TASK, ModelSource, ModelSourceError
 from .offload import STREAMABLE, Streaming, activation_estimate, place
 from .progress import ProgressFn, check_cancel
+from .weights import file_identity
 
 # (step done, total steps, the step's clean-video estimate [1, 24, T, H/16, W/16] float32 CPU)
 PreviewFn = Callable[[int, int, torch.Tensor], None]
@@ -218,6 +219,7 @@ class DiffusionStage:
         self._job = {"width": cond.width, "height": cond.height, "frames": cond.num_frames,
                      "text_tokens": int(cond.prompt_embeds.shape[1])}  # sizes `--offload auto`
         transformer = self.transformer(cond.task)
+        file_identity.check_unchanged(transformer, "DiT")  # an in-place rewrite of a mapped file: refuse, not SIGBUS
         cond.check_compatible(text_dim=transformer.config.text_dim, latent_channels=transformer.config.in_channels)
         video_scheduler = MiniMaxH3Scheduler(shift=_or(options.video_shift, configs.VIDEO_SHIFT))
         components = {
@@ -302,6 +304,7 @@ class DiffusionStage:
 
         On CUDA the decoder runs under the official fp16 autocast (dtypes.vae_decode_autocast); on CPU nothing
         changes, so the decode stays bitwise diffusers' fp32 decode. The audio VAE never runs under it."""
+        file_identity.check_unchanged(self.vae, "video VAE")
         vae_dtype = next(self.vae.parameters()).dtype
         with dtypes.vae_decode_autocast(self.device, vae_dtype):
             return vae_stream.decode_video(self.vae, latents.video.to(self.device), sink, cancel=cancel)
@@ -309,6 +312,7 @@ class DiffusionStage:
     @torch.no_grad()
     def decode_audio(self, latents: AVLatents, task: str, num_frames: int) -> torch.Tensor:
         """float32 [2, S] at 32 kHz, trimmed to `num_frames` of video (diffusers' audio decode step)."""
+        file_identity.check_unchanged(self.audio_vae, "audio VAE")
         blocks = {name: block for name, block in workflow_blocks(task, ("decode",)).items() if name == "decode.audio"}
         pipe = pipeline_for(blocks, {"audio_vae": self.audio_vae}, self.pipeline_config)
         with _AudioReporter(self.audio_vae):

@@ -22,6 +22,17 @@ VAE_SPATIAL_FACTOR = 16  # video VAE spatial compression
 PATCH_SIZE = (1, 2, 2)  # the DiT's (t, h, w) patch
 CANVAS_MULTIPLE = VAE_SPATIAL_FACTOR * PATCH_SIZE[2]  # 32: a canvas must survive the VAE and the 2x2 patch
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
+# The trained canvas: diffusers' canvas rule (`resolve_canvas_size` with the pipeline's `canvas_short_edge` 768 and
+# `canvas_max_pixels` 768*1344 at release) scales an aspect ratio to a 768 px short edge, shrinks it to the area cap
+# and rounds each axis to the nearest 32 px. Over the allowed aspects 1:4..4:1 the largest canvas it yields is
+# 1856x576 (the cap plus rounding) and the longest edge 2016 (2016x512 at 4:1), so no canvas H3 generates at has
+# more pixels or a longer edge. Every contract read and every entry point (CLI, node widgets, the encoder server)
+# refuses more: a file claiming 65536x65536 must not make a sampler allocate gigabytes. Pinned against diffusers'
+# rule by tests/test_facts.py.
+CANVAS_SHORT_EDGE = 768
+CANVAS_MAX_PIXELS = 768 * 1344
+MAX_CANVAS_PIXELS = 1856 * 576  # 1,069,056
+MAX_CANVAS_EDGE = 2016
 
 # --- the frame grid -----------------------------------------------------------------------------
 # The video VAE encodes 17-frame clips into 5 latent frames (plus a 5-frame head -> 2 latents), so the

@@ -56,6 +56,11 @@ DECODERS = ("read_image", "read_video", "read_audio", "probe")
 _SELFTESTS = ("selftest_crash", "selftest_hang", "selftest_allocate")
 
 BASE_BYTES = 768 << 20  # headroom over the worker's own mappings: FFmpeg's buffers, threads, numpy temporaries
+SCRATCH_PREFIX = "h3-decode-"  # + the calling process's pid: `clean_stale_scratch` knows whose a directory was
+# Process names (`/proc/<pid>/comm`, what ps and top show) of the host, a call's waiter and its worker.
+PROCESS_NAMES = ("h3-media-host", "h3-media-wait", "h3-media-work")
+_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1  # linux/prctl.h
+PARENT_POLL_S = 0.5  # how often the host checks that the process it serves still exists
 
 
 def default_memory_cap(fn_name: str, size: int, kwargs: dict[str, Any]) -> int:
@@ -119,7 +124,7 @@ def decode_isolated(
         memory_cap = default_memory_cap(fn_name, len(data), kwargs)
     request = {"fn": fn_name, "kwargs": _encode_kwargs(kwargs), "memory_cap": int(memory_cap)}
     what = f"({fn_name}, {len(data)} bytes)"
-    workdir = tempfile.mkdtemp(prefix="h3-decode-", dir=_scratch_root())
+    workdir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=_scratch_root())
     try:
         with open(os.path.join(workdir, "input"), "wb") as file:
             file.write(data)
@@ -135,6 +140,44 @@ def decode_isolated(
 def _scratch_root() -> str | None:
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to clean after
+        return True
+    return True
+
+
+def clean_stale_scratch(root: str | None = None, dead: tuple[int, ...] = ()) -> list[str]:
+    """Remove the scratch directories (``h3-decode-<pid>-*``, in RAM on tmpfs) of processes that no longer exist
+    (or are known to be `dead`, as a zombie still answers a signal): a process killed mid-call (SIGKILL, a second
+    SIGTERM, the OOM killer) never ran its ``finally``. Run when a decoder host starts and when the process it
+    served dies; returns what was removed."""
+    root = root or _scratch_root() or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if not name.startswith(SCRATCH_PREFIX) or not pid.isdigit():
+            continue
+        if int(pid) not in dead and _pid_alive(int(pid)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _encode_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -292,9 +335,9 @@ _ENV_KEPT = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PAT
 
 
 def _spawn_environment() -> dict[str, str]:
-    """The decoder host's environment: the kept variables, `LC_*`, this interpreter's import path, the test hook."""
+    """The decoder host's environment: the kept variables, `LC_*`, this interpreter's import path, the test hooks."""
     env = {key: value for key, value in os.environ.items()
-           if key in _ENV_KEPT or key.startswith("LC_") or key == TEST_CRASH_ENV}
+           if key in _ENV_KEPT or key.startswith("LC_") or key in (TEST_CRASH_ENV, TEST_HANG_ENV)}
     env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path and os.path.isdir(path))
     env.setdefault("MALLOC_ARENA_MAX", "2")  # see _limit_memory
     return env
@@ -314,35 +357,94 @@ _HOST = _Host()
 # the decoder host, inside
 
 
+def _prctl(option: int, value: int | bytes) -> None:
+    """Linux's prctl(2) through libc (no-op elsewhere, or if libc refuses)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _become(name: str, parent: int) -> None:
+    """Name this process, and have the kernel SIGKILL it when its parent dies (`PR_SET_PDEATHSIG`). Called in the
+    waiter and the worker, whose parents are single-threaded (the host, the waiter): the death signal follows the
+    parent *thread*, so it is safe there. If the parent died before the signal was armed, exit now."""
+    _prctl(_PR_SET_NAME, name.encode()[:15])
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _serve(fd: int) -> None:
     """The host's loop: per call, fork a waiter that forks the worker and reports its pid and exit on the call's
-    pipe. The host never waits on anyone (waiters are reaped by the kernel), so calls run side by side."""
+    pipe. The host never waits on anyone (waiters are reaped by the kernel), so calls run side by side.
+
+    Lifetime: the host leaves when the process it serves is gone: its end of the socket closed, or (checked every
+    `PARENT_POLL_S`, as another child may hold a copy of that socket) it is no longer the host's parent. Waiters and
+    workers die with their parent (`_become`), so a killed server leaves no decoder running; the host then removes
+    the scratch directories of the calls it was serving."""
+    parent = os.getppid()
+    _prctl(_PR_SET_NAME, PROCESS_NAMES[0].encode())
     sock = socket.socket(fileno=fd)
+    sock.settimeout(PARENT_POLL_S)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C for the parent's terminal is the parent's to handle
-    while True:
-        try:
-            message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
-        except OSError:
-            break
-        if not message:  # the parent closed its end (or exited): so does the host
-            break
-        if not fds:
-            continue
-        if os.fork() == 0:
-            sock.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            os._exit(_wait_for_worker(json.loads(message), fds[0]))
-        os.close(fds[0])
+    clean_stale_scratch()
+    me, waiters = os.getpid(), []
+    try:
+        while os.getppid() == parent:
+            try:
+                message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not message:  # the parent closed its end (or exited): so does the host
+                break
+            if not fds:
+                continue
+            waiter = os.fork()
+            if waiter == 0:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _become(PROCESS_NAMES[1], me)
+                os._exit(_wait_for_worker(json.loads(message), fds[0]))
+            waiters = [pid for pid in waiters if _is_waiter(pid)] + [waiter]
+            os.close(fds[0])
+    finally:
+        deadline = time.monotonic() + 2.0  # the socket closes as the parent exits; the re-parenting follows
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if os.getppid() != parent:  # the served process died without its `finally`: end its calls, free their RAM
+            for pid in waiters:
+                if _is_waiter(pid):
+                    _kill(pid)  # its worker follows (death signal)
+            time.sleep(0.1)
+            clean_stale_scratch(dead=(parent,))
+
+
+def _is_waiter(pid: int) -> bool:
+    """Whether `pid` is still one of this host's waiters (waiters are reaped by the kernel, so pids get reused)."""
+    try:
+        with open(f"/proc/{pid}/comm", encoding="ascii", errors="replace") as file:
+            return file.read().strip() == PROCESS_NAMES[1]
+    except OSError:
+        return False
 
 
 def _wait_for_worker(request: dict[str, Any], fd: int) -> int:
     try:
+        me = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(fd)
             code = 1
             try:
+                _become(PROCESS_NAMES[2], me)
                 _worker(request["fn"], request["workdir"], _decode_kwargs(request["kwargs"]), request["memory_cap"])
                 code = 0
             finally:
@@ -374,11 +476,20 @@ TEST_CRASH_ENV = "H3_SANDBOX_TEST_CRASH"
 so a test can make a real server's decode crash for one marked request. Unset in production."""
 
 
+TEST_HANG_ENV = "H3_SANDBOX_TEST_HANG"
+"""Tests only: likewise, a worker whose input contains this variable's value hangs (until killed), so a test can
+catch a real server with a decode in flight. Unset in production."""
+
+
+def _marked(env: str, data: bytes) -> bool:
+    marker = os.environ.get(env, "").encode()
+    return len(marker) >= 16 and marker in data
+
+
 def _run(fn_name: str, data: bytes, kwargs: dict[str, Any]) -> Any:
-    marker = os.environ.get(TEST_CRASH_ENV, "").encode()
-    if fn_name == "selftest_crash" or (len(marker) >= 16 and marker in data):
+    if fn_name == "selftest_crash" or _marked(TEST_CRASH_ENV, data):
         os.kill(os.getpid(), signal.SIGSEGV)
-    if fn_name == "selftest_hang":
+    if fn_name == "selftest_hang" or _marked(TEST_HANG_ENV, data):
         threading.Event().wait()
     if fn_name == "selftest_allocate":
         return np.ones(int(kwargs["nbytes"]), dtype=np.uint8)

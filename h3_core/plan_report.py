@@ -21,7 +21,7 @@ import argparse
 import json
 from dataclasses import dataclass, replace
 
-from . import planner
+from . import planner, rules
 
 GB = 1e9
 
@@ -166,6 +166,8 @@ def _gb(value: int) -> str:
 
 
 def run(args) -> int:
+    rules.check_canvas(args.width, args.height)  # H3's canvas and frame rules, as encode and generate apply them
+    rules.check_output_frames(args.frames)
     if args.table:
         from .plan_tables import machine_choices, machine_table
 

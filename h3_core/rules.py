@@ -24,6 +24,8 @@ from .facts import (  # noqa: F401
     LATENTS_PER_CLIP,
     MAX_ASPECT,
     MAX_AUDIO_CLIP_S,
+    MAX_CANVAS_EDGE,
+    MAX_CANVAS_PIXELS,
     MAX_DURATION_S,
     MAX_FRAMES,
     MAX_KEYFRAMES,
@@ -88,7 +90,8 @@ def check_output_frames(num_frames: int) -> int:
 
 
 def check_canvas(width: int, height: int, multiple: int = CANVAS_MULTIPLE) -> tuple[int, int]:
-    """Validate an output canvas: positive multiples of 32 px with an aspect within 1:4..4:1."""
+    """Validate an output canvas: positive multiples of 32 px with an aspect within 1:4..4:1, within H3's trained
+    size."""
     for name, value in (("width", width), ("height", height)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise H3InputError(f"{name} must be a positive integer number of pixels, got {value!r}")
@@ -100,7 +103,22 @@ def check_canvas(width: int, height: int, multiple: int = CANVAS_MULTIPLE) -> tu
     ratio = width / height
     if not MIN_ASPECT <= ratio <= MAX_ASPECT:
         raise H3InputError(f"canvas aspect ratio must be within 1:4 and 4:1, got {width}x{height} ({ratio:.3g})")
+    check_canvas_size(width, height)
     return width, height
+
+
+def canvas_size_error(width: int, height: int) -> str | None:
+    """Why a canvas is larger than H3 was trained for (`facts.MAX_CANVAS_EDGE`, `MAX_CANVAS_PIXELS`), or None."""
+    if max(width, height) > MAX_CANVAS_EDGE or width * height > MAX_CANVAS_PIXELS:
+        return (f"canvas {width}x{height} is larger than H3's trained range (at most {MAX_CANVAS_EDGE} px a side "
+                f"and {MAX_CANVAS_PIXELS} pixels, e.g. 1344x768, 1856x576 or 2016x512)")
+    return None
+
+
+def check_canvas_size(width: int, height: int) -> None:
+    error = canvas_size_error(width, height)
+    if error:
+        raise H3InputError(error)
 
 
 def resolve_canvas(aspect_w: float, aspect_h: float, short_edge: int, max_pixels: int) -> tuple[int, int]:

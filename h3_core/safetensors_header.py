@@ -27,7 +27,9 @@ import torch
 __all__ = [
     "DTYPES",
     "DTYPE_TAGS",
+    "MAX_COUNT",
     "MAX_HEADER_BYTES",
+    "MAX_TENSORS_PER_FILE",
     "MAX_JSON_DEPTH",
     "HeaderError",
     "ParsedHeader",
@@ -57,8 +59,16 @@ DTYPES = {
 }
 DTYPE_TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
 
-# safetensors' own cap on the JSON header; a real checkpoint's is ~100 KB.
-MAX_HEADER_BYTES = 100_000_000
+# A model header is bounded by what a model file holds: its tensor count, each entry's size, and the metadata.
+# H3's largest published file has about 2,000 tensors and a header of a few hundred KB (docs/REAL_WEIGHTS.md); the
+# caps leave 8x room. safetensors' own cap (100 MB) let a hostile 93 MB header cost minutes of parsing and GBs of
+# memory before any check: a header over this one is refused from its 8-byte length prefix, before it is read.
+MAX_TENSORS_PER_FILE = 16_384
+MAX_ENTRY_BYTES = 384  # one `"name":{"dtype":..,"shape":[..],"data_offsets":[..,..]}` with a long name
+MAX_METADATA_BYTES = 2 << 20  # `__metadata__` (quantisation maps, provenance)
+MAX_HEADER_BYTES = MAX_TENSORS_PER_FILE * MAX_ENTRY_BYTES + MAX_METADATA_BYTES  # 8 MiB
+# Shapes and offsets are int64 wherever they are used (torch, numpy): a larger count is corrupt, not big.
+MAX_COUNT = (1 << 63) - 1
 # A safetensors header nests 3 deep ({name: {"shape": [...]}}); anything far deeper is hostile.
 MAX_JSON_DEPTH = 16
 
@@ -160,11 +170,13 @@ def _shown(name: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 4] + "...'"
 
 
-def parse_header(raw: bytes | bytearray | memoryview, header_len: int | None = None) -> ParsedHeader:
+def parse_header(raw: bytes | bytearray | memoryview, header_len: int | None = None,
+                 max_tensors: int = MAX_TENSORS_PER_FILE) -> ParsedHeader:
     """Parse the N header bytes (without the prefix) into a tensor table.
 
     Checks what every safetensors reader needs: a JSON object of well-formed entries whose byte span
-    matches its shape for every known dtype. It does not check that spans are disjoint or tile the
+    matches its shape for every known dtype, at most `max_tensors` entries, every dimension and offset an int64.
+    It does not check that spans are disjoint or tile the
     buffer: callers that need that (the contract) check it against the data they hold.
     """
     header = loads_bounded(raw)
@@ -173,6 +185,8 @@ def parse_header(raw: bytes | bytearray | memoryview, header_len: int | None = N
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not isinstance(metadata, dict):
         raise HeaderError("corrupted: __metadata__ is not a JSON object")
+    if len(header) > max_tensors:
+        raise HeaderError(f"corrupted: the header lists {len(header)} tensors, more than the {max_tensors} allowed")
     tensors: dict[str, TensorEntry] = {}
     for name, info in header.items():
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
@@ -183,6 +197,10 @@ def parse_header(raw: bytes | bytearray | memoryview, header_len: int | None = N
                 and offsets[0] <= offsets[1]):
             raise HeaderError(f"corrupted tensor table entry for {_shown(name)}")
         begin, end = offsets
+        # torch and numpy count in int64 and multiply every dimension, even beside a 0: [1, 0, 2**64] is corrupt
+        if end > MAX_COUNT or math.prod(s for s in shape if s) * 8 > MAX_COUNT:
+            raise HeaderError(f"corrupted: tensor {_shown(name)} has shape {_shown(str(shape))} or offsets beyond "
+                              f"what an int64 can count")
         dtype = DTYPES.get(tag)
         if dtype is not None:
             nbytes = math.prod(shape) * dtype.itemsize
@@ -205,7 +223,8 @@ def _read_exactly(handle: BinaryIO, n: int) -> bytes:
 
 
 def read_header(source: bytes | bytearray | memoryview | BinaryIO | str | os.PathLike,
-                max_bytes: int = MAX_HEADER_BYTES, size: int | None = None) -> ParsedHeader:
+                max_bytes: int = MAX_HEADER_BYTES, size: int | None = None,
+                max_tensors: int = MAX_TENSORS_PER_FILE) -> ParsedHeader:
     """Parse the header of a safetensors byte string, an open binary file (read from its current position)
     or a path. Reads exactly `8 + N` bytes, and none of the N when `size` (the file's, known for a path)
     cannot hold them; the size of what follows is the caller's to check."""
@@ -214,10 +233,10 @@ def read_header(source: bytes | bytearray | memoryview | BinaryIO | str | os.Pat
         if 8 + n > len(source):
             raise HeaderError(f"truncated: header claims {n} bytes but only {len(source) - 8} follow the length "
                               f"prefix")
-        return parse_header(memoryview(source)[8:8 + n], n)
+        return parse_header(memoryview(source)[8:8 + n], n, max_tensors)
     if isinstance(source, (str, os.PathLike)):
         with open(source, "rb") as handle:
-            return read_header(handle, max_bytes, os.fstat(handle.fileno()).st_size)
+            return read_header(handle, max_bytes, os.fstat(handle.fileno()).st_size, max_tensors)
     n = header_length(_read_exactly(source, 8), max_bytes)
     if size is not None and 8 + n > size:
         raise HeaderError(f"truncated: header claims {n} bytes but only {max(0, size - 8)} follow the length "
@@ -225,4 +244,4 @@ def read_header(source: bytes | bytearray | memoryview | BinaryIO | str | os.Pat
     raw = _read_exactly(source, n)
     if len(raw) != n:
         raise HeaderError(f"truncated: header claims {n} bytes but only {len(raw)} follow the length prefix")
-    return parse_header(raw, n)
+    return parse_header(raw, n, max_tensors)

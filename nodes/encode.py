@@ -47,20 +47,22 @@ def numbers_inputs() -> list:
             "width",
             default=0,
             min=0,
-            max=8192,
+            max=rules.MAX_CANVAS_EDGE,
             step=32,
-            tooltip="Output width in px, a multiple of 32 (VAE /16 x patch 2). 0 = H3's canvas rule: 16:9, or the "
+            tooltip=f"Output width in px, a multiple of 32 (VAE /16 x patch 2), at most {rules.MAX_CANVAS_EDGE} px "
+            f"and {rules.MAX_CANVAS_PIXELS} px in area (H3's trained range). 0 = H3's canvas rule: 16:9, or the "
             "first keyframe's aspect, at a 768 px short edge (64 px for the tiny model).",
         ),
         io.Int.Input(
-            "height", default=0, min=0, max=8192, step=32, tooltip="Output height in px, a multiple of 32; 0 = auto."
+            "height", default=0, min=0, max=rules.MAX_CANVAS_EDGE, step=32,
+            tooltip=f"Output height in px, a multiple of 32, at most {rules.MAX_CANVAS_EDGE} px; 0 = auto.",
         ),
         io.Int.Input(
             # min 5 + step 17 keeps the widget on the 17k+5 grid; validate_inputs holds the 124..345 range.
             "length",
             default=rules.MIN_FRAMES,
             min=rules.LATENTS_PER_CLIP,
-            max=3600,
+            max=rules.MAX_FRAMES,
             step=rules.FRAMES_PER_CLIP,
             tooltip="Frames at 24 fps on the video VAE's 17k+5 grid; H3 generates 124 (5.2 s) to 345 (14.4 s).",
         ),

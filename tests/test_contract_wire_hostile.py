@@ -11,7 +11,7 @@ import safetensors.torch as st
 import torch
 from contract_cases import _retamper, _st_metadata, make
 
-from h3_core.contract import HEADER_KEY, ContractError, H3Conditioning
+from h3_core.contract import HEADER_KEY, ContractError, H3Conditioning, wire
 
 
 def _load_error(path, fragment):
@@ -90,10 +90,10 @@ def test_load_checks_the_header_before_reading_the_data(tmp_path):
 
 def test_load_refuses_a_header_longer_than_the_file(tmp_path):
     path = tmp_path / "short.safetensors"
-    path.write_bytes((90_000_000).to_bytes(8, "little") + b"{}")
+    path.write_bytes((40_000).to_bytes(8, "little") + b"{}")
     tracemalloc.start()
     try:
-        _load_error(path, "truncated: header claims 90000000 bytes")
+        _load_error(path, "truncated: header claims 40000 bytes")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -123,16 +123,16 @@ def test_huge_condition_counts_refused_up_front(count):
 
 def test_huge_reference_list_refused_up_front():
     data = make("t2va").to_bytes()
-    hostile = _retamper(data, lambda h: h.update(references=[["image", False]] * 100_000))
+    hostile = _retamper(data, lambda h: h.update(references=[["image", False]] * 1_000))
     err = _bytes_error(hostile, "references must be a list of at most 12 entries")
     assert len(str(err)) < 300
 
 
 def test_long_name_lists_are_truncated():
     data = make("t2va").to_bytes()
-    extra = {f"leak_{i:04d}": torch.zeros(1) for i in range(50)}
-    err = _bytes_error(_retamper(data, edit_tensors=lambda t: t.update(extra)), "and 40 more")
-    assert "leak_0049" not in str(err) and len(str(err)) < 800
+    extra = {f"leak_{i:04d}": torch.zeros(1) for i in range(15)}  # 17 tensors: within the 20 a header may list
+    err = _bytes_error(_retamper(data, edit_tensors=lambda t: t.update(extra)), "and 5 more")
+    assert "leak_0014" not in str(err) and len(str(err)) < 800
 
 
 # --- messages never repeat payload bytes --------------------------------------------------------------
@@ -151,22 +151,23 @@ def test_messages_do_not_echo_payload_bytes():
     assert "xff" not in str(err).lower()
     prefix = (2**40 + 0x41).to_bytes(8, "little")
     err = _bytes_error(prefix + b"{}", "exceeds")
-    assert str(err) == f"payload: corrupted: header length {2**40 + 0x41} exceeds the 100000000-byte limit"
+    cap = wire.MAX_HEADER_BYTES
+    assert str(err) == f"payload: corrupted: header length {2**40 + 0x41} exceeds the {cap}-byte limit"
 
 
 # --- deep JSON nesting is a ContractError, not a RecursionError ---------------------------------------
 
 
 def test_deeply_nested_safetensors_header():
-    raw = b"[" * 200_000 + b"]" * 200_000
+    raw = b"[" * 20_000 + b"]" * 20_000  # within the conditioning header cap, so the depth check is what refuses
     err = _bytes_error(len(raw).to_bytes(8, "little") + raw, "nests")
-    assert "200000 deep" in str(err)
+    assert "20000 deep" in str(err)
 
 
 def test_deeply_nested_contract_header():
     data = make("t2va").to_bytes()
     header = json.loads(_st_metadata(data)[HEADER_KEY])
-    deep = json.dumps(header)[:-1] + ',"x":' + "[" * 200_000 + "]" * 200_000 + "}"
+    deep = json.dumps(header)[:-1] + ',"x":' + "[" * 15_000 + "]" * 15_000 + "}"
     tensors = st.load(data)
     _bytes_error(st.save(tensors, metadata={HEADER_KEY: deep}), "nests")
 

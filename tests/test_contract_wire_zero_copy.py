@@ -181,37 +181,46 @@ def test_checksum_key_must_be_present_and_well_formed():
     _error(len(text).to_bytes(8, "little") + text + data[start:], "checksum mismatch", kind=ChecksumError)
 
 
-# --- files: memory-mapped, eager, version 1 -------------------------------------------------------------
+# --- files: read into memory (never mapped), version 1 ----------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["t2va", "fl2va", "ref2va", "ref2va_video"])
-def test_mapped_load_equals_eager_load(kind, tmp_path):
+def test_load_equals_what_was_saved(kind, tmp_path):
     c = make(kind, prompt_dtype=torch.bfloat16)
     path = tmp_path / "c.safetensors"
     c.save(path)
     assert path.read_bytes() == c.to_bytes()
-    mapped, eager = H3Conditioning.load(path, mmap=True), H3Conditioning.load(path, mmap=False)
-    assert mapped == eager == c
-    for a, b in zip(_tensors(mapped), _tensors(eager), strict=True):
+    back = H3Conditioning.load(path)
+    assert back == c
+    for a, b in zip(_tensors(back), _tensors(c), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
 
 
-def test_mapped_tensors_are_private_and_writable(tmp_path):
+def test_loaded_tensors_are_private_and_writable(tmp_path):
     c = make("ref2va")
     path = tmp_path / "c.safetensors"
     c.save(path)
     before = path.read_bytes()
-    mapped = H3Conditioning.load(path, mmap=True)
-    mapped.audio_condition_latents[0].mul_(2)  # copy-on-write: this process only
+    back = H3Conditioning.load(path)
+    back.audio_condition_latents[0].mul_(2)  # the tensors own their memory: the file is untouched
     assert path.read_bytes() == before and H3Conditioning.load(path) == c
-    c.save(path)  # saving over a mapped file replaces it (a rename); the mapping keeps the old bytes
-    assert mapped != c and H3Conditioning.load(path) == c
 
 
-def test_mapped_load_does_not_copy_the_data(tmp_path):
+def test_mmap_is_refused(tmp_path):
+    """A conditioning file is never memory-mapped (issue 22): asking for it is an error, not a silent mapping."""
+    c = make("t2va")
+    c.save(tmp_path / "c.safetensors")
+    with pytest.raises(ValueError, match="never memory-maps"):
+        H3Conditioning.load(tmp_path / "c.safetensors", mmap=True)
+    assert H3Conditioning.load(tmp_path / "c.safetensors", mmap=False) == c
+
+
+def test_load_reads_the_data_once(tmp_path):
+    """One buffer of the data's size, which the tensors then own: no second copy, no temporary of the file."""
     c = make("t2va", prompt_embeds=torch.randn(1, 4096, 1024), text_token_tags=torch.ones(4096, dtype=torch.int64))
     path = tmp_path / "big.safetensors"
     c.save(path)
+    size = path.stat().st_size
     tracemalloc.start()
     try:
         back = H3Conditioning.load(path)
@@ -219,20 +228,19 @@ def test_mapped_load_does_not_copy_the_data(tmp_path):
     finally:
         tracemalloc.stop()
     assert back == c
-    assert peak < 2 * 1024 * 1024, f"the mapped load allocated {peak} bytes for a 16 MiB file"
+    assert peak < size + 2 * 1024 * 1024, f"load allocated {peak} bytes for a {size}-byte file"
 
 
-@pytest.mark.parametrize("mapped", [True, False])
-def test_corrupted_and_truncated_files(tmp_path, mapped):
+def test_corrupted_and_truncated_files(tmp_path):
     data = bytearray(make("ref2va").to_bytes())
     path = tmp_path / "c.safetensors"
     data[-5] ^= 0x10
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="checksum mismatch"):
-        H3Conditioning.load(path, mmap=mapped)
+        H3Conditioning.load(path)
     path.write_bytes(make("ref2va").to_bytes()[:-100])
     with pytest.raises(ContractError, match="truncated: tensors need"):
-        H3Conditioning.load(path, mmap=mapped)
+        H3Conditioning.load(path)
 
 
 def _version_1(c) -> bytes:
@@ -249,17 +257,16 @@ def _version_1(c) -> bytes:
     return st.save(tensors, metadata={HEADER_KEY: json.dumps(header, sort_keys=True)})
 
 
-@pytest.mark.parametrize("mapped", [True, False])
-def test_version_1_files_still_load(tmp_path, mapped):
+def test_version_1_files_still_load(tmp_path):
     c = make("ref2va_video", prompt_dtype=torch.bfloat16)
     path = tmp_path / "old.safetensors"
     path.write_bytes(_version_1(c))
-    assert H3Conditioning.load(path, mmap=mapped) == c
+    assert H3Conditioning.load(path) == c
     data = bytearray(_version_1(c))
     data[-3] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="checksum mismatch for tensor"):
-        H3Conditioning.load(path, mmap=mapped)
+        H3Conditioning.load(path)
 
 
 # --- the checksum taken while the payload arrives ------------------------------------------------------------

@@ -36,6 +36,27 @@ def test_canvas_and_patch(pipe):
     assert (facts.MIN_ASPECT, facts.MAX_ASPECT) == (mp.MINIMAX_H3_MIN_ASPECT_RATIO, mp.MINIMAX_H3_MAX_ASPECT_RATIO)
 
 
+def test_canvas_bound_is_the_largest_canvas_of_diffusers_rule():
+    """Issue 22: every contract read bounds the canvas by what diffusers' canvas rule can produce at the release's
+    config (short edge 768, area cap 768x1344, axes rounded to 32) over the allowed aspects. A sweep over every
+    aspect w:h with w, h <= 120 (it holds the maximisers 29:9 and 4:1) finds exactly the bound."""
+    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep as step
+
+    defaults = {spec.name: spec.default for spec in step().expected_configs}
+    assert (facts.CANVAS_SHORT_EDGE, facts.CANVAS_MAX_PIXELS) == (defaults["canvas_short_edge"],
+                                                                  defaults["canvas_max_pixels"])
+    release = configs.RELEASE_PIPELINE_CONFIG
+    assert (release["canvas_short_edge"], release["canvas_max_pixels"]) == (facts.CANVAS_SHORT_EDGE,
+                                                                          facts.CANVAS_MAX_PIXELS)
+    rule = (facts.CANVAS_MULTIPLE, facts.CANVAS_SHORT_EDGE, facts.CANVAS_MAX_PIXELS)
+    canvases = {mp.resolve_canvas_size(w, h, *rule)
+                for w in range(1, 121) for h in range(1, 121) if facts.MIN_ASPECT <= w / h <= facts.MAX_ASPECT}
+    assert max(height * width for height, width in canvases) == facts.MAX_CANVAS_PIXELS
+    assert max(max(canvas) for canvas in canvases) == facts.MAX_CANVAS_EDGE
+    for height, width in canvases:
+        assert rules.check_canvas(width, height) == (width, height)
+
+
 def test_frame_grid(pipe):
     assert (facts.FRAMES_PER_CLIP, facts.LATENTS_PER_CLIP) == (pipe.vae_frames_per_chunk, pipe.vae_latents_per_chunk)
     for n in range(1, 400):

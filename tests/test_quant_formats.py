@@ -220,3 +220,39 @@ def test_lora_on_quant_linear_is_a_branch_beside_the_codes(dit, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(support.dit_forward(quant), before, strict=True))
     assert all(torch.equal(v, quant.state_dict()[k]) for k, v in codes.items())  # never re-quantised
     assert isinstance(quant.transformer_blocks[0].ff.net[2], QuantLinear)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weight_scales_are_reported_by_layer(tmp_path, dit, value):
+    """Issue 22: a NaN or infinite scale passed `check` and failed `generate` only at the very end."""
+    layer = "blocks.0.mlp.fc2"
+
+    def edit(tensors):
+        scale = tensors[f"{layer}.weight_scale"].clone()
+        scale.view(-1)[0] = value
+        tensors[f"{layer}.weight_scale"] = scale
+
+    path = _dit_file(tmp_path, dit, edit)
+    report = weights.check(str(path))
+    assert not report.ok and f"{layer}.weight_scale" in str(report) and "NaN or infinite" in str(report), report
+    with pytest.raises(weights.H3WeightsError, match=f"{layer}.weight_scale"):
+        weights.load_transformer(path)
+    assert weights.check(str(_dit_file(tmp_path, dit, lambda t: None))).ok
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16,
+                                   torch.float32])
+def test_scale_finiteness_by_dtype(dtype):
+    """fp8 block scales are tested on their bits (fast at release size); the result equals torch.isfinite's."""
+    from h3_core.weights.check import _finite
+
+    for values in ([1.0, 2.0, 0.5, -3.0], [1.0, float("nan"), 0.5], [1.0, float("inf"), 0.5]):
+        t = torch.tensor(values).to(dtype)
+        assert _finite(t.view(torch.uint8).numpy().tobytes(), dtype) == bool(torch.isfinite(t.float()).all())
+
+
+def test_mxfp8_block_scale_nan_is_found_on_its_bits():
+    from h3_core.weights.check import _finite
+
+    e8m0 = torch.float8_e8m0fnu
+    assert _finite(bytes([0x7F, 0x80, 0x00]), e8m0) and not _finite(bytes([0x7F, 0xFF]), e8m0)

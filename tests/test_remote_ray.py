@@ -445,3 +445,22 @@ def test_decoded_bytes_are_bounded_per_request(engine):
                            {"Content-Type": content_type, **AUTH}, timeout=60)
     error = json.loads(data)["error"]
     assert status == 413 and "max_request_decoded_bytes" in error["message"], (name, error)
+
+
+def test_canvas_bound_and_oversized_headers_hold_on_both_engines(engine):
+    """Issue 22 on both engines: a canvas beyond H3's trained range is a 413 naming it, before any media is read;
+    request headers of 64 KiB are a 4xx (aiohttp's parser refuses the field; Ray Serve's proxy passes it on and the
+    one request handling answers 431), and the server serves on."""
+    from h3_core.remote import packing
+
+    name, url = engine
+    content_type, buffers = packing.encode_multipart({"protocol": PV, "prompt": "A fox.", "num_frames": 124,
+                                                      "width": 2048, "height": 2048}, [])
+    status, _, data = _raw(url, "POST", protocol.ENCODE_PATH, b"".join(buffers),
+                           {"Content-Type": content_type, **AUTH}, timeout=20)
+    error = json.loads(data)["error"]
+    assert status == 413 and error["code"] == "too_large" and "trained range" in error["message"], (name, data)
+    for padding in ({"X-Padding": "a" * (64 << 10)}, {f"X-Pad-{i}": "a" * 4000 for i in range(8)}):
+        status, _, _ = _raw(url, "GET", protocol.HEALTH_PATH, None, {**padding, **AUTH}, timeout=20)
+        assert 400 <= status < 500, (name, status)
+    assert _health(url)["status"] == "ok"

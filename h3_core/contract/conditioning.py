@@ -129,6 +129,9 @@ class H3Conditioning:
             if not isinstance(key, str) or not isinstance(value, str):
                 raise fail("metadata", f"must map str to str, got {key!r:.60}: {value!r:.60}")
         object.__setattr__(self, "metadata", types.MappingProxyType(dict(self.metadata)))
+        if wire.metadata_size(self.metadata) > wire.MAX_METADATA_BYTES:
+            raise fail("metadata", f"takes {wire.metadata_size(self.metadata)} bytes as JSON, over the "
+                                   f"{wire.MAX_METADATA_BYTES}-byte limit (it is provenance, not payload)")
         self._validate()
 
     def _validate(self) -> None:
@@ -139,6 +142,9 @@ class H3Conditioning:
             value = getattr(self, name)
             if not is_int(value) or value <= 0 or value % CANVAS_MULTIPLE:
                 raise fail(name, f"must be a positive int multiple of {CANVAS_MULTIPLE} px, got {value!r:.60}")
+        too_large = rules.canvas_size_error(self.width, self.height)
+        if too_large:  # a file may claim any canvas; a sampler would allocate for it
+            raise fail("width" if self.width > self.height else "height", too_large)
         nf = self.num_frames
         if not is_int(nf) or nf < LATENTS_PER_CLIP or (nf - LATENTS_PER_CLIP) % FRAMES_PER_CLIP:
             raise fail("num_frames", f"must be an int of the form 17n+5, got {nf!r:.60}")
@@ -357,8 +363,8 @@ class H3Conditioning:
 
     @classmethod
     def load(cls, path, *, mmap: bool | None = None) -> H3Conditioning:
-        """Read and validate a file written by `save`; the header is checked before the data is mapped (or read,
-        with `mmap=False`)."""
+        """Read and validate a file written by `save`: the header is checked before the data is read into memory
+        (never memory-mapped: the file may be replaced under the reader), then the data after reading."""
         return files.load(cls, path, mmap=mmap)
 
     def fingerprint(self) -> str:

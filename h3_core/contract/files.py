@@ -1,20 +1,19 @@
-"""The contract as a file: `save` writes the wire form (`wire.encode`) piece by piece, `load` checks it and
-memory-maps it.
+"""The contract as a file: `save` writes the wire form (`wire.encode`) piece by piece, `load` reads it into memory
+and checks it.
 
-`load` reads the 8-byte prefix and the header first and checks them against the file's size before it maps
-or reads any data, and refuses anything but a regular file without opening it for a read that could block (a
-FIFO, a device). The data is then mapped copy-on-write (the tensors are views of the mapping: writable, private
-to this process, paged in from the page cache) and checked with one checksum pass, the only full read; with
-`mmap=False` it is read into one buffer instead, which the tensors then own.
-
-A mapped file must not be truncated in place while its tensors live (the pages behind the cut would fault):
-`save` never does that (a temporary file, then a rename; the old mapping keeps the old inode). Windows cannot
-rename over a mapped file, so there `load` reads eagerly unless asked.
+Conditioning files are files users can upload or replace (ComfyUI's `input/`, a `--cond` argument), and they are
+small, so `load` never memory-maps them: a mapping shares the file's pages, so a file rewritten in place would
+change tensors after their checksum was verified, and one truncated in place would kill the process with SIGBUS
+on the next read of a page past the cut. Instead `load` reads the 8-byte prefix and the header first, checks
+them against the file's size (the header against the contract's own cap, `wire.MAX_HEADER_BYTES`) before it reads
+any data, reads the data into one buffer that the tensors then own, and checks it after reading (the checksum,
+every value finite). It refuses anything but a regular file without opening it for a read that could block (a
+FIFO, a device). A file that changes while it is read fails with a clear `ContractError`; one that changes after
+`load` returned cannot touch the conditioning.
 """
 
 from __future__ import annotations
 
-import mmap as _mmap
 import os
 import secrets
 import stat
@@ -22,8 +21,6 @@ import stat
 from .. import safetensors_header as st
 from . import wire
 from .errors import ContractError
-
-MAP_BY_DEFAULT = os.name != "nt"
 
 
 def _bad(msg: str) -> ContractError:
@@ -48,6 +45,8 @@ def save(cond, path: str | os.PathLike) -> None:
 
 
 def _read_data(f, length: int, shown: str):
+    """The next `length` bytes of `f` in one new buffer; a file that ends early, or goes on past them, changed
+    while being read (its size was checked against the header before)."""
     buf = wire.new_buffer(length)
     view, got = memoryview(buf), 0
     while got < length:
@@ -55,15 +54,18 @@ def _read_data(f, length: int, shown: str):
         if not n:
             break
         got += n
-    if got != length:
+    if got != length or f.read(1):
         raise _bad(f"truncated: read {got} of {length} data bytes from {shown} (changed while reading?)")
     return buf
 
 
 def load(cls, path: str | os.PathLike, *, mmap: bool | None = None):
     """Read, check and validate a file written by `save` (or a version-1 file): prefix and header first, then the
-    data mapped (`mmap=True`, the default except on Windows) or read into memory (`mmap=False`)."""
-    use_map = MAP_BY_DEFAULT if mmap is None else bool(mmap)
+    data read into memory and checked after reading. `mmap=True` is refused: a conditioning file is never mapped
+    (see the module's docstring); the keyword stays so older callers passing `mmap=False` keep working."""
+    if mmap:
+        raise ValueError("H3Conditioning.load never memory-maps a conditioning file (a file replaced or truncated "
+                         "under a mapping changes or crashes the reader); omit mmap")
     path = os.fspath(path)
     shown = ascii(path) if len(path) <= 200 else ascii(path[:200]) + "..."
     try:
@@ -81,20 +83,10 @@ def load(cls, path: str | os.PathLike, *, mmap: bool | None = None):
         if not stat.S_ISREG(info.st_mode):
             raise _bad(f"{shown} is not a regular file")
         try:
-            parsed = st.read_header(f, size=info.st_size)
+            parsed = st.read_header(f, wire.MAX_HEADER_BYTES, info.st_size, wire.MAX_TENSORS)
         except st.HeaderError as error:
             raise _bad(str(error)) from None
         checked = wire.plan(parsed, info.st_size - parsed.data_start)
-        if use_map and checked.data_len:
-            try:
-                buf = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
-            except (OSError, ValueError) as error:
-                raise _bad(f"cannot map {shown}: {error}") from None
-            if len(buf) != info.st_size:
-                buf.close()
-                raise _bad(f"truncated: {shown} changed size while being read")
-            start = parsed.data_start
-        else:
-            buf, start = _read_data(f, checked.data_len, shown), 0
-    wire.verify(checked, memoryview(buf)[start:start + checked.data_len])
-    return wire.build(cls, checked, buf, start)
+        buf = _read_data(f, checked.data_len, shown)
+    wire.verify(checked, memoryview(buf))
+    return wire.build(cls, checked, buf, 0)

@@ -51,6 +51,16 @@ WIRE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float1
 MAX_CONDITION_LATENTS = MAX_REFS
 MAX_AUDIO_CONDITIONS = MAX_REF_VIDEOS + MAX_REF_AUDIOS
 _ALIGN = 8  # the data starts on this boundary (safetensors pads its header with spaces to it)
+MAX_TENSORS = 2 + MAX_CONDITION_LATENTS + MAX_AUDIO_CONDITIONS  # 20
+# A conditioning's header is a few KB: at most `MAX_TENSORS` table entries (short names, <= 5 dims, two offsets:
+# under 256 bytes each), the contract header (fixed fields, <= 12 references, <= 2 anchors: under 2 KiB) and the
+# free metadata, capped at `MAX_METADATA_BYTES` of canonical JSON. The contract header sits in the safetensors
+# header as a JSON string, so escaping can double it. A header claiming more than this is refused from the 8-byte
+# length prefix, before it is read (safetensors' generic cap let a 93 MB header take minutes and GBs to parse).
+# tests/test_contract_wire_hostile.py builds the largest valid header and checks it fits.
+MAX_METADATA_BYTES = 16 << 10
+MAX_HEADER_BYTES = MAX_TENSORS * 256 + 2 * ((2 << 10) + MAX_METADATA_BYTES) + 256  # 42.2 KB
+_FINITE_PIECE = 1 << 20  # elements per isfinite pass: a bounded temporary whatever the tensor's size
 
 
 def _bad(msg: str) -> ContractError:
@@ -283,8 +293,27 @@ def verify(plan_: Plan, data: memoryview) -> None:
             raise ChecksumError(f"payload: corrupted: checksum mismatch for tensor {name!r}", field="payload")
 
 
+def metadata_size(metadata: Mapping[str, str]) -> int:
+    """Bytes the metadata takes in the contract header (canonical JSON): what `MAX_METADATA_BYTES` bounds."""
+    return len(_canonical(dict(metadata)))
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Refuse a NaN or an infinity in a floating-point tensor: one pass, in bounded pieces."""
+    if not t.is_floating_point() or not t.numel():
+        return
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), _FINITE_PIECE):
+        piece = flat[start:start + _FINITE_PIECE]
+        if not bool(torch.isfinite(piece).all()):
+            bad = start + int((~torch.isfinite(piece)).nonzero()[0, 0])
+            raise ContractError(f"{name}: must be finite, got {float(flat[bad])} at element {bad} (a corrupted or "
+                                "diverged encode)", field=name.split(".")[0])
+
+
 def build(cls, plan_: Plan, buf, data_start: int):
-    """Cut the tensors out of `buf` as views (they share and keep alive its memory), and construct the
+    """Cut the tensors out of `buf` as views (they share and keep alive its memory), check every value is finite
+    (the checksum proves the bytes are the writer's, not that the writer's numbers were sane), and construct the
     conditioning. `plan` has checked every offset against the buffer's length."""
     tensors = {}
     for name, entry in plan_.entries.items():
@@ -296,6 +325,7 @@ def build(cls, plan_: Plan, buf, data_start: int):
                                  offset=data_start + entry.begin).reshape(entry.shape)
             if t.data_ptr() % t.element_size():
                 t = t.clone()  # another writer's layout: keep kernels on aligned memory
+            check_finite(name, t)
         tensors[name] = t
     header = plan_.header
     return cls(
@@ -346,6 +376,7 @@ class Receiving:
         self._hasher = None
         self._done = 0
         self._stopped = False
+        self.refusal: Exception | None = None  # a defect of the header: no later byte can make the payload valid
 
     def advance(self, end: int) -> None:
         if self._stopped:
@@ -354,10 +385,10 @@ class Receiving:
             if self._hasher is None:
                 if end < 8:
                     return
-                n = st.header_length(self._view[:8])
+                n = st.header_length(self._view[:8], MAX_HEADER_BYTES)
                 if end < 8 + n:
                     return
-                parsed = st.parse_header(self._view[8:8 + n], n)
+                parsed = st.parse_header(self._view[8:8 + n], n, MAX_TENSORS)
                 self.plan = plan(parsed, len(self.buf) - parsed.data_start)
                 if self.plan.checksum is None:  # version 1: per-tensor digests, checked by from_buffer
                     self._stopped = True
@@ -367,8 +398,8 @@ class Receiving:
             if end > self._done:
                 self._hasher.update(self._view[self._done:end])
                 self._done = end
-        except (st.HeaderError, ContractError):
-            self._stopped = True
+        except (st.HeaderError, ContractError) as error:
+            self._stopped, self.refusal = True, error
 
     def checked_plan(self) -> Plan | None:
         """The plan, once every data byte has been hashed and the checksum matched (`ChecksumError` if it did not);
@@ -393,7 +424,7 @@ def from_buffer(cls, buf: bytearray | np.ndarray, receiving: Receiving | None = 
     if checked is not None:
         return build(cls, checked, buf, receiving.data_start)
     try:
-        parsed = st.read_header(memoryview(buf))
+        parsed = st.read_header(memoryview(buf), MAX_HEADER_BYTES, max_tensors=MAX_TENSORS)
     except st.HeaderError as error:
         raise _bad(str(error)) from None
     checked = plan(parsed, len(buf) - parsed.data_start)

@@ -205,9 +205,7 @@ class EncoderClient:
                 tried.failed(endpoint, transient)
                 endpoint.capabilities = None  # re-handshake: a restarted server may serve other weights
                 continue
-            if conditioning.task != task:
-                raise RemoteEncodeError(f"{endpoint.url}: the server encoded task {conditioning.task!r} for a "
-                                        f"{task!r} request", url=endpoint.url)
+            _check_geometry(conditioning, request, task, endpoint.url)
             with self._lock:
                 self._preferred = self.endpoints.index(endpoint) if endpoint in self.endpoints else 0
             report(steps, steps)
@@ -434,6 +432,20 @@ class EncoderClient:
         return exchange(self._connection(endpoint), endpoint, method, path, body, {**self._headers(), **headers},
                         cancel, self.connect_timeout, read_timeout, deadline, max_bytes, on_sent, on_body)
 
+
+
+def _check_geometry(conditioning: H3Conditioning, request: EncodeRequest, task: str, url: str) -> None:
+    """Refuse an answer for another request than the one sent: its task, frame count and (when the request set
+    one) canvas must be the request's. Without an explicit canvas the server's canvas rule chose it; the contract
+    has bounded it by H3's trained range already."""
+    asked = {"task": task, "num_frames": request.num_frames}
+    if request.width is not None:
+        asked.update(width=request.width, height=request.height)
+    got = {name: getattr(conditioning, name) for name in asked}
+    if got != asked:
+        wrong = ", ".join(f"{name} {got[name]!r} for {asked[name]!r}" for name in asked if got[name] != asked[name])
+        raise RemoteEncodeError(f"{url}: the server's conditioning does not answer this request ({wrong})",
+                                status=200, url=url)
 
 
 def _checked_capabilities(body: bytes, url: str) -> dict:

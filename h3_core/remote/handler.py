@@ -212,6 +212,10 @@ class Handler:
     async def _guarded(self, incoming: Incoming) -> Reply:
         service, rid = self.service, incoming.request_id
         headers = {protocol.H_REQUEST_ID: rid}
+        size = sum(len(name) + len(value) + 4 for name, value in incoming.headers.items())
+        if size > protocol.MAX_REQUEST_HEADER_BYTES:
+            return error_reply(431, "headers_too_large", f"the request's headers take {size} bytes, over the "
+                               f"{protocol.MAX_REQUEST_HEADER_BYTES}-byte limit", None, rid, headers)
         try:
             if service.config.token is not None and incoming.path != protocol.HEALTH_PATH:
                 if not authorized(incoming.headers, service.config.token):

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from .. import media, rules
+from .. import facts, media, rules
 
 __all__ = ["PROTOCOL_NAME", "PROTOCOL_VERSION", "HEALTH_PATH", "CAPABILITIES_PATH", "ENCODE_PATH", "DEFAULT_TOKEN_ENV",
            "CONDITIONING_CONTENT_TYPE", "Limits", "ProtocolError", "MediaRef", "RequestSpec", "parse_request_json",
@@ -60,6 +60,9 @@ H_QUEUE_S = "X-H3-Queue-Seconds"
 H_ENCODE_S = "X-H3-Encode-Seconds"
 
 MiB = 1024 * 1024
+# All request header lines together (names, values, separators). aiohttp's parser refuses a field over 8190 bytes
+# by itself; Ray Serve's proxy buffers headers of any size, so the one request handling refuses them too (431).
+MAX_REQUEST_HEADER_BYTES = 16 * 1024
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -94,8 +97,8 @@ class Limits:
     max_sample_rate: int = 192_000
     max_audio_channels: int = 8
     max_fps: float = 240.0
-    max_canvas_edge: int = 4096
-    max_canvas_pixels: int = 4096 * 2304
+    max_canvas_edge: int = facts.MAX_CANVAS_EDGE  # H3's trained range; an operator may only lower them
+    max_canvas_pixels: int = facts.MAX_CANVAS_PIXELS
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -430,14 +433,18 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
     if (width is None) != (height is None):
         raise _invalid("width and height must be given together, or neither", "width" if width is None else "height")
     if width is not None:
+        if width > 0 and height > 0:  # sizes first: a canvas too large is 413, whatever else is wrong with it
+            too_large = rules.canvas_size_error(width, height)
+            if too_large:
+                raise _too_large(too_large, "width")
+            if max(width, height) > limits.max_canvas_edge or width * height > limits.max_canvas_pixels:
+                raise _too_large(
+                    f"canvas {width}x{height} is over this server's limits (max_canvas_edge={limits.max_canvas_edge}, "
+                    f"max_canvas_pixels={limits.max_canvas_pixels})", "width")
         try:
             rules.check_canvas(width, height)
         except rules.H3InputError as error:
             raise _invalid(str(error), "width") from None
-        if max(width, height) > limits.max_canvas_edge or width * height > limits.max_canvas_pixels:
-            raise _too_large(
-                f"canvas {width}x{height} is over this server's limits (max_canvas_edge={limits.max_canvas_edge}, "
-                f"max_canvas_pixels={limits.max_canvas_pixels})", "width")
 
     first = None if obj.get("first_frame") is None else _media_ref(obj["first_frame"], "first_frame", "image", limits)
     last = None if obj.get("last_frame") is None else _media_ref(obj["last_frame"], "last_frame", "image", limits)

@@ -248,6 +248,8 @@ def _read_body(response: http.client.HTTPResponse, length: int | None, cap: int,
             got += n
             if watcher is not None:
                 watcher.advance(got)  # e.g. the checksum of the piece just read, while it is in the CPU's cache
+                if getattr(watcher, "refusal", None) is not None:
+                    return data  # the header is refused (too long, malformed): the caller reports it, unread rest
             if aborted.is_set():
                 return None
         return data

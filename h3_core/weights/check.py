@@ -3,7 +3,9 @@
 For each component: derive the config from shapes (and whatever config the checkpoint states),
 build the model on the `meta` device, run the header's data-free meta tensors through the same
 key converter the loaders use, and require zero missing keys, zero unexpected keys and equal
-shapes. Nothing reads tensor data, so a release-size check takes seconds.
+shapes. The only tensor data read are a quantised file's scales (a few MB even at release size):
+a NaN or an infinite scale would make every output of its layer non-finite, so it is reported by
+layer here instead of surfacing as a black video at the end of `generate`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
+from ..safetensors_header import HeaderError
+from ..safetensors_header import read_header as read_safetensors_header
 from . import components
 from .detect import Detection, scan
 from .errors import H3WeightsError, KeyMismatchError, preview
@@ -18,6 +25,11 @@ from .formats import PRUNED_TABLE_KEY
 from .headers import meta_state_dict
 from .quant import route as quant_route
 from .quant.plan import meta_with_markers
+
+# Side tensors of quantised layers that scale values (codes, markers and zero points are not floats to check).
+SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_s_rel",
+                  "weight_s_channel")
+_PIECE = 1 << 20  # elements per finiteness pass: a bounded temporary whatever the scale's size
 
 
 def format_line(det: Detection) -> str:
@@ -118,6 +130,50 @@ def compare(expected: components.ExpectedKeys, converted: dict) -> tuple[list, l
     return missing, sorted(unexpected), sorted(mismatched)
 
 
+def _finite(raw: bytes, dtype: torch.dtype) -> bool:
+    """No NaN and no infinity among the values `raw` holds. fp8 codes are tested on their bits (e4m3fn's only
+    non-finite codes are S.1111.111, e5m2's are those with every exponent bit set): a release's block scales are
+    GBs, and a bit test over bytes costs a fraction of a float conversion."""
+    codes = np.frombuffer(raw, dtype=np.uint8)
+    if dtype == torch.float8_e4m3fn:
+        return not bool(((codes & 0x7F) == 0x7F).any())
+    if dtype == torch.float8_e5m2:
+        return not bool(((codes & 0x7C) == 0x7C).any())
+    if dtype == getattr(torch, "float8_e8m0fnu", None):  # mxfp8 block scales: 0xFF is its NaN, no infinity
+        return not bool((codes == 0xFF).any())
+    flat = torch.frombuffer(bytearray(raw), dtype=dtype)
+    return all(bool(torch.isfinite(flat[i:i + _PIECE]).all()) for i in range(0, flat.numel(), _PIECE))
+
+
+def non_finite_scales(det: Detection) -> list[str]:
+    """The scale tensors (`<layer>.weight_scale`, ...) of a quantised file that hold a NaN or an infinity. Each is
+    read on its own with a plain read of its byte range (no mapping of a file that may be tens of GB)."""
+    if det.quant is None or det.header.container != "safetensors":  # GGUF scales live inside their quant blocks
+        return []
+    names = {f"{layer}.{suffix}" for layer, spec in det.quant.layers.items() for suffix in spec.tensors
+             if suffix in SCALE_SUFFIXES} & set(det.header.tensors)
+    by_file: dict[str, list[str]] = {}
+    for name in sorted(names):
+        by_file.setdefault(det.header.tensors[name].file, []).append(name)
+    bad = []
+    for path, file_names in by_file.items():
+        try:
+            parsed = read_safetensors_header(path)
+            with open(path, "rb") as handle:
+                for name in file_names:
+                    entry = parsed.tensors[name]
+                    dtype = entry.torch_dtype
+                    if dtype is None or not dtype.is_floating_point or not entry.nbytes:
+                        continue
+                    handle.seek(parsed.data_start + entry.begin)
+                    raw = handle.read(entry.nbytes)
+                    if len(raw) == entry.nbytes and not _finite(raw, dtype):
+                        bad.append(name)
+        except (OSError, HeaderError) as exc:
+            raise H3WeightsError(f"{path}: cannot read its quantisation scales ({exc})") from None
+    return bad
+
+
 def check_detection(det: Detection) -> ComponentCheck:
     """Header-only verification of one detected component."""
     start = time.perf_counter()
@@ -132,6 +188,10 @@ def check_detection(det: Detection) -> ComponentCheck:
         result.missing, result.mismatched = missing, sorted(mismatched + quant_mismatched)
         result.unexpected = sorted(unexpected_file_keys + unexpected)
         result.model = model
+        bad = non_finite_scales(det)
+        if bad:
+            result.error = (f"{det.path}: {len(bad)} quantised layer scale(s) hold NaN or infinite values (a corrupted "
+                            f"or hostile file; every output of those layers would be NaN): {preview(bad)}")
     except H3WeightsError as exc:
         result.error = str(exc)
     result.seconds = time.perf_counter() - start

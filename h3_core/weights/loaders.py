@@ -27,7 +27,7 @@ import os
 import torch
 
 from .. import progress
-from . import components
+from . import components, file_identity
 from .check import check_detection
 from .detect import Detection, detect, scan
 from .errors import H3WeightsError
@@ -182,6 +182,7 @@ def load(path, component: str, dtype: torch.dtype = torch.float32, partition: st
         model.register_to_config(**stats)
     if handler.after_load is not None:
         handler.after_load(det, model, dtype)
+    file_identity.remember(model, det.header.files)
     return model.eval()
 
 
