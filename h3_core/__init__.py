@@ -22,4 +22,4 @@ all call the same functions.
 docs/ARCHITECTURE.md is the map.
 """
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"
