@@ -23,17 +23,19 @@ class ConnectionReaper:
     A connection must deliver complete request headers within `header_timeout_s` of opening or of its previous
     answer being sent; aiohttp itself has no such deadline (it waits for headers forever and keeps idle
     connections an hour). Connections with a request in progress are left to the request's own deadlines.
+    Timed on `service.clock` (clock.py).
     """
 
     def __init__(self, server: web.Server, service: EncoderService, interval_s: float = 0.25):
         self.server, self.service, self.interval_s = server, service, interval_s
         self.timeout_s = service.config.header_timeout_s
+        self.clock = service.clock
 
     async def run(self) -> None:
         idle_since: dict[Any, float] = {}
         while True:
-            await asyncio.sleep(self.interval_s)
-            now = time.monotonic()
+            await self.clock.sleep(self.interval_s)
+            now = self.clock.monotonic()
             live = self.server.connections
             for handler in live:
                 # aiohttp sets `_request_in_progress` from a request's headers until its answer is written;

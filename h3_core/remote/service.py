@@ -82,6 +82,7 @@ class EncoderService:
         self.config = config
         self.model_info = dict(model_info or {})
         self.limits = config.limits
+        self.clock = config.clock  # what the scheduling rules read (clock.py); measurements use time.monotonic
         self.stage: Any = None
         self.fingerprint, self.components = "", ()
         self.batcher = None
@@ -93,7 +94,7 @@ class EncoderService:
 
             self.threads = torch.get_num_threads()
         self.cache = ConditioningCache(config.cache_bytes, config.cache_entries)
-        self._pending = FairQueue(config.share_window_s)
+        self._pending = FairQueue(config.share_window_s, self.clock)
         self._inflight: dict[str, Job] = {}
         self._running: list[Job] = []
         self._wakeup: asyncio.Event | None = None
