@@ -117,7 +117,9 @@ def test_non_loopback_bind_without_token_is_refused_at_start(tiny_dir):
         assert "refusing to bind" in message or "at least 16" in message, message
         assert not extra or "MY_H3_TOKEN" in message  # --token-env names the variable that was read
         assert "listening" not in result.stdout.decode()
-        assert time.perf_counter() - t0 < 30  # refused before loading any weights
+        # Real time: refused before loading any weights (no torch import either); a process start and an argument
+        # check take seconds even at load average 8 on 2 cores, a model load a good deal more.
+        assert time.perf_counter() - t0 < 30
 
 
 def _light(tag: str) -> EncodeRequest:
@@ -148,7 +150,7 @@ def test_kill_mid_request_then_restart_and_drain(tiny_dir, request):
             with pytest.raises(RemoteUnavailableError) as info:
                 doomed_future.result(timeout=60)
             reported_after = time.perf_counter() - killed_at
-            assert reported_after < 5.0, reported_after  # well within its 60 s read timeout: no hang
+            assert reported_after < 20.0, reported_after  # real time: well within its 60 s read timeout, no hang
             message = str(info.value)
             assert "connection lost mid-request" in message or "connection refused" in message, message
             print(f"\n[kill] client error {reported_after * 1000:.0f} ms after SIGKILL: {message[:160]}")
