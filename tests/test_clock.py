@@ -1,7 +1,8 @@
 """The injectable clock of the server's scheduling rules (h3_core/remote/clock.py).
 
 `ManualClock` itself, then the rules outside the fair queue decided on it: the upload-rate rule of an admitted
-request (408), a request's deadline (504) and the connection reaper (slow headers / idle keep-alive). Each asserts
+request (408), a request's deadline (504), the drain on shutdown, the connection reaper (slow headers / idle
+keep-alive) and the rate limit of accept() error reports. Each asserts
 the exact decision at the exact clock reading, so none depends on the machine's speed; the fair queue's own rules
 are in tests/test_fair_queue_sharing.py. Where a real socket is involved, only *waiting for it to happen* uses real
 time, with a limit (30 s) far above the few milliseconds it takes.
@@ -10,13 +11,14 @@ time, with a limit (30 s) far above the few milliseconds it takes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
 
 from h3_core.remote.clock import SYSTEM_CLOCK, ManualClock
-from h3_core.remote.connections import ConnectionReaper
+from h3_core.remote.connections import AcceptErrorLimiter, ConnectionReaper
 from h3_core.remote.handler import _wait
 from h3_core.remote.protocol import ProtocolError
 from h3_core.remote.service import Admission, EncoderService, ServerConfig
@@ -136,3 +138,39 @@ async def _until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)
 
+
+
+def test_drain_waits_for_answers_until_its_timeout_on_the_clock():
+    async def drain_beside_one_request(answered_after_s: float) -> bool:
+        """drain(timeout=10 s) while one admitted request is answered `answered_after_s` later on the clock."""
+        clock = ManualClock()
+        service = EncoderService(None, ServerConfig(clock=clock))
+        await service.start()
+        try:
+            async with service.admit(0, client="a"):
+                draining = asyncio.ensure_future(service.drain(timeout=10.0))
+                await clock.until_waiting()
+                clock.advance(min(answered_after_s, 10.0))
+                if answered_after_s >= 10.0:
+                    return await draining  # decided while the request is still in progress
+                await asyncio.sleep(0)
+                assert not draining.done() and service.draining  # still waiting for the answer
+            return await draining
+        finally:
+            await service.stop()
+
+    assert asyncio.run(drain_beside_one_request(9.5)) is True  # answered within the timeout: a clean drain
+    assert asyncio.run(drain_beside_one_request(10.0)) is False  # still in progress at the timeout
+
+
+def test_accept_errors_are_reported_once_per_window_of_the_clock(caplog):
+    clock = ManualClock()
+    limiter = AcceptErrorLimiter(every_s=30.0, clock=clock)
+    storm = {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")}
+    with caplog.at_level(logging.ERROR, logger="h3_core.remote.server"):
+        for _ in range(5):
+            limiter(None, storm)
+            clock.advance(7.0)  # 5 failures over 35 s: logged at 0 s, the next due at 30 s
+        limiter(None, storm)
+    reports = [record.getMessage() for record in caplog.records if "accepting connections fails" in record.getMessage()]
+    assert len(reports) == 2 and "(4 more since the last report)" in reports[1], reports

@@ -178,7 +178,7 @@ class EncoderService:
         if timeout is None:
             timeout = self.config.max_deadline_s + 5
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await self.clock.wait_for(self._idle.wait(), timeout)
             return True
         except asyncio.TimeoutError:
             return False
