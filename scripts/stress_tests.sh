@@ -13,8 +13,9 @@ VENV=${H3_VENV:-$REPO/.venv}
 RUNS=3
 HOGS=2
 # Tests that decide or measure by time (docs/ARCHITECTURE.md §4.2: scheduling runs on an injected clock; the rest
-# assert real-time bounds with a margin for a loaded machine). The ComfyUI and Ray modules are left out of the
-# default for their length: pass them as arguments to include them.
+# assert real-time bounds with a margin for a loaded machine). Left out of the default for their length (pass them
+# as arguments): the ComfyUI modules (test_nodes_comfyui, test_nodes_security, test_nodes_remote_progress,
+# test_encode_ahead_comfyui), test_remote_ray, test_hostile_process and the rest of test_remote_server/_faults.
 SUBSET=(
   tests/test_clock.py
   tests/test_fair_queue_sharing.py
@@ -22,6 +23,10 @@ SUBSET=(
   tests/test_hostile_client.py
   tests/test_hostile_server.py
   tests/test_remote_progress.py
+  tests/test_remote_server.py::test_deadline_gives_504_and_abandons_the_work
+  tests/test_remote_server.py::test_client_cancel_closes_the_connection_and_server_abandons
+  tests/test_remote_faults.py::test_non_loopback_bind_without_token_is_refused_at_start
+  tests/test_weights_detect_check.py::test_check_of_a_66_gb_file_reads_only_the_header
 )
 
 args=()
