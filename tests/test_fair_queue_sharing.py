@@ -1,9 +1,11 @@
 """Batches take turns too: a client's fair share of a batch while others use the server, and the brief wait for a
 client that is next in line (h3_core/remote/fair_queue.py, module docstring).
 
-The queue alone runs on a fake clock; the service tests drive `EncoderService` on an asyncio loop around the tiny
-model's real `EncoderStage` (text encoder only), like tests/test_remote_fairness.py. Jobs that shared one forward
-have the same `started` time, which is how the batches are read back.
+The queue alone and the service both run on a `ManualClock` (h3_core/remote/clock.py): the share window and the
+next-in-line wait see only the time the test advances, so the decisions asserted here are the same however long a
+forward takes on a busy machine. The service tests drive `EncoderService` on an asyncio loop around the tiny model's
+real `EncoderStage` (text encoder only), like tests/test_remote_fairness.py. Jobs that shared one forward have the
+same `started` time (measured in real time), which is how the batches are read back.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from service_support import run_service
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import protocol
+from h3_core.remote.clock import ManualClock
 from h3_core.remote.config import ServerConfigError
 from h3_core.remote.fair_queue import FairQueue
 from h3_core.remote.service import EncoderService, ServerConfig
@@ -39,19 +42,11 @@ def _job(client: str, name: str = ""):
     return SimpleNamespace(client=client, name=name or client)
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # --- the queue alone -----------------------------------------------------------------------------------------------
 
 
 def test_fair_share_counts_queued_and_recently_seen_clients():
-    clock = Clock()
+    clock = ManualClock()
     queue = FairQueue(share_window_s=1.0, clock=clock)
     for i in range(10):
         queue.push(_job("flood", f"f{i}"))
@@ -60,11 +55,11 @@ def test_fair_share_counts_queued_and_recently_seen_clients():
     queue.push(light)
     assert queue.fair_share("flood", 8) == 4  # another client queued: half each
     queue.remove(light)
-    clock.now += 0.5
+    clock.advance(0.5)
     queue.answered("light")  # answered and gone for now: its next request is probably on its way
-    clock.now += 0.9
+    clock.advance(0.9)
     assert queue.active_clients() == {"flood", "light"} and queue.fair_share("flood", 8) == 4
-    clock.now += 0.2  # 1.1 s since the light client was last seen: longer than the window
+    clock.advance(0.2)  # 1.1 s since the light client was last seen: longer than the window
     assert queue.active_clients() == {"flood"} and queue.fair_share("flood", 8) == 8
     for k in range(15):
         queue.push(_job(f"c{k}"))
@@ -73,7 +68,7 @@ def test_fair_share_counts_queued_and_recently_seen_clients():
 
 
 def _queue(*names: str) -> FairQueue:
-    queue = FairQueue()
+    queue = FairQueue(clock=ManualClock())  # time stands still: every client pushed is still sharing the server
     for name in names:
         queue.push(_job(name[0], name))
     return queue
@@ -109,7 +104,7 @@ def test_a_batch_takes_a_fair_share_of_its_owner_and_the_same_quantum_of_others(
     assert _names(mixed.take_batch(lambda job: job.name != "a1", 8, "a")) == ["a2", "b0"]  # only matching jobs
 
 
-def _light_then_flood(clock: Clock, floods: int) -> FairQueue:
+def _light_then_flood(clock: ManualClock, floods: int) -> FairQueue:
     """A queue holding the light client's l0, then `floods` jobs f0.. of the flood client."""
     queue = FairQueue(clock=clock)
     queue.push(_job("light", "l0"))
@@ -119,18 +114,18 @@ def _light_then_flood(clock: Clock, floods: int) -> FairQueue:
 
 
 def test_expects_next_only_when_its_turn_took_the_others_turn():
-    clock = Clock()
+    clock = ManualClock()
     queue = _light_then_flood(clock, 6)
     assert queue.pop().name == "l0"
     assert [job.name for job in queue.take_matching(lambda job: True, 7, owner="light")] == ["f0"]
     queue.answered("light")
     assert queue.expects_next("light", 0.01)  # no record of how soon it comes back: it is given the chance
-    clock.now += 0.002
+    clock.advance(0.002)
     queue.push(_job("light", "l1"))
     assert not queue.expects_next("light", 0.01)  # queued: nothing to wait for
     assert queue.pop().name == "l1"  # the flood had its turn inside the light client's batch
     queue.take_matching(lambda job: True, 7, owner="light")
-    clock.now += 0.02
+    clock.advance(0.02)
     queue.answered("light")
     assert queue.expects_next("light", 0.01)  # came back within 2 ms, and is next in line
     assert not queue.expects_next("light", 0.001)  # ... but not within 1 ms
@@ -145,7 +140,7 @@ def test_expects_next_only_when_its_turn_took_the_others_turn():
 
 
 def test_wait_for_next_returns_when_the_client_sends():
-    clock = Clock()
+    clock = ManualClock()
     queue = _light_then_flood(clock, 4)
     queue.pop()
     queue.take_matching(lambda job: True, 7, owner="light")
@@ -156,23 +151,27 @@ def test_wait_for_next_returns_when_the_client_sends():
     queue.answered("light")
 
     async def body():
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.01, queue.push, _job("light", "l2"))
-        t0 = time.monotonic()
-        came = await queue.wait_for_next("light", 5.0)
-        waited = time.monotonic() - t0
+        waiting = asyncio.ensure_future(queue.wait_for_next("light", 5.0))
+        await clock.until_waiting()
+        clock.advance(0.01)
+        await asyncio.sleep(0)
+        assert not waiting.done()  # 10 ms of its 5 s window: still waiting
+        queue.push(_job("light", "l2"))  # 10 ms after its answer: quick
+        came = await waiting  # returned on arrival, not at the end of the window
         assert queue.pop().name == "l2"
         assert [job.name for job in queue.take_matching(lambda job: True, 7, owner="light")] == ["f2"]
-        missed = await queue.wait_for_next("light", 0.05)  # the light client does not come back this time
-        return came, waited, missed, await queue.wait_for_next("flood", 5.0)
+        waiting = asyncio.ensure_future(queue.wait_for_next("light", 0.05))
+        await clock.until_waiting()
+        clock.advance(0.05)  # the light client does not come back this time
+        return came, await waiting, await queue.wait_for_next("flood", 5.0)
 
-    came, waited, missed, not_expected = asyncio.run(body())
-    assert came is True and waited < 1.0  # returned on arrival, not at the end of the window
+    came, missed, not_expected = asyncio.run(body())
+    assert came is True and clock.waiting == 0
     assert missed is False and [job.name for job in queue] == ["f3"]  # after the window the flood goes on
     assert not_expected is None  # the flood has a job queued: nothing to wait for
     assert not queue.expects_next("light", 5.0)  # it let a wait run out: not waited for again ...
     queue.answered("light")
-    clock.now += 0.001
+    clock.advance(0.001)
     queue.push(_job("light", "l3"))
     assert queue.pop().name == "l3"
     queue.take_matching(lambda job: True, 7, owner="light")
@@ -205,19 +204,30 @@ def _batches(jobs) -> list[list]:
 
 
 
-def test_a_flood_takes_half_batches_while_another_client_shares_the_server(stage):
+@pytest.mark.parametrize("extra_run_s", [0.0, 0.3])
+def test_a_flood_takes_half_batches_while_another_client_shares_the_server(stage, extra_run_s):
+    """extra_run_s: real seconds added to every model-thread run (a text forward), so that each outlasts the 0.25 s
+    share window, as forwards did on the loaded machine where this test once failed (a batch of 7 at index 4).
+    The service reads time from `clock`, on which a forward takes none: the batches are the same either way."""
+    clock = ManualClock()  # a forward takes no time on it: the light client stays recent until the test moves on
+
     async def body(service: EncoderService):
+        if extra_run_s:
+            run_batch, run_one = service._run_batch, service._run_one
+            service._run_batch = lambda jobs: (time.sleep(extra_run_s), run_batch(jobs))[1]
+            service._run_one = lambda job: (time.sleep(extra_run_s), run_one(job))[1]
         alone = [_submit(service, "flood", i) for i in range(16)]
         await asyncio.gather(*(job.future for job in alone))
         light = _submit(service, "light", 100)
         shared = [_submit(service, "flood", 200 + i) for i in range(12)]
         await asyncio.gather(light.future, *(job.future for job in shared))
-        await asyncio.sleep(0.3)  # the light client is no longer recent
+        clock.advance(0.3)  # the light client is no longer recent (the window is 0.25 s)
         again = [_submit(service, "flood", 300 + i) for i in range(16)]
         await asyncio.gather(*(job.future for job in again))
         return [[job.client for job in batch] for batch in _batches(alone + [light] + shared + again)]
 
-    batches = asyncio.run(run_service(stage, ServerConfig(threads=1, text_batch=8, anticipate_s=0), body))
+    config = ServerConfig(threads=1, text_batch=8, anticipate_s=0, clock=clock)
+    batches = asyncio.run(run_service(stage, config, body))
     assert batches[:2] == [["flood"] * 8] * 2
     assert batches[2] == ["light", "flood"]  # the light client's turn, and the flood's next job taken early
     assert batches[3:6] == [["flood"] * 4, ["flood"] * 4, ["flood"] * 3]  # 8 // 2 while both share the server
@@ -233,8 +243,12 @@ def test_sixteen_clients_still_share_full_batches(stage):
     assert asyncio.run(run_service(stage, ServerConfig(threads=1, text_batch=8), body)) == [8, 8]
 
 
-def _closed_loop():
-    """A flood of 40 queued jobs and a light client sending 5 requests, each as soon as the previous is answered."""
+def _closed_loop(clock: ManualClock):
+    """A flood of 40 queued jobs and a light client sending 5 requests, each as soon as the previous is answered.
+
+    `clock` stands still while the light client thinks (it comes back "at once", whatever the machine's speed); after
+    its last answer, once the model thread waits for it (if it does), the clock passes `anticipate_s`.
+    """
 
     async def body(service: EncoderService):
         flood = [_submit(service, "flood", 500 + i) for i in range(40)]
@@ -242,6 +256,9 @@ def _closed_loop():
         for i in range(5):
             light.append(_submit(service, "light", 600 + i))
             await light[-1].future
+        if service.config.anticipate_s:
+            await asyncio.wait_for(clock.until_waiting(), 60)
+            clock.advance(service.config.anticipate_s)
         answers = [(await job.future)[0].tobytes() for job in light]
         await asyncio.gather(*(job.future for job in flood))
         between = []  # flood-only forwards started between each light answer and the next light request's forward
@@ -254,16 +271,17 @@ def _closed_loop():
 
 
 def test_a_closed_loop_client_next_in_line_is_waited_for(stage):
-    config = ServerConfig(threads=1, text_batch=8, queue_size=64, anticipate_s=0.2)
-    between, answers, counters = asyncio.run(run_service(stage, config, _closed_loop()))
+    clock = ManualClock()
+    config = ServerConfig(threads=1, text_batch=8, queue_size=64, anticipate_s=0.2, clock=clock)
+    between, answers, counters = asyncio.run(run_service(stage, config, _closed_loop(clock)))
     # its first request rode in the flood's first batch (the flood came first), then its turns came: the flood's
     # turn is the one inside the light client's batch, no flood turn between its requests; the wait after its last
     # answer ran out
     assert between == [1, 0, 0, 0] and counters["anticipated"] == 3 and counters["anticipation_missed"] == 1
     assert answers == [stage.encode(EncodeRequest(prompt=_prompt(600 + i), width=64, height=64,
                                                   num_frames=124)).to_bytes() for i in range(5)]
-    config = ServerConfig(threads=1, text_batch=8, queue_size=64, anticipate_s=0)
-    between, _, counters = asyncio.run(run_service(stage, config, _closed_loop()))
+    config = ServerConfig(threads=1, text_batch=8, queue_size=64, anticipate_s=0, clock=clock)
+    between, _, counters = asyncio.run(run_service(stage, config, _closed_loop(clock)))
     assert all(n >= 1 for n in between) and "anticipated" not in counters  # without: a flood turn every time
 
 

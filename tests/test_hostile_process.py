@@ -245,7 +245,9 @@ def test_second_sigterm_stops_at_once(served):
     answered = sum(1 for answer in answers if answer is not None and answer[0] == 200)
     print(f"second SIGTERM: exited {server.proc.returncode} after {elapsed:.2f} s with {3 - answered} "
           "accepted request(s) abandoned")
-    assert elapsed < 2.0 and server.proc.returncode == 1 and answered < 3
+    # `answered < 3` shows the drain was cut short; the real-time bound (exit, not the drain's several encodes)
+    # leaves room for a loaded machine (load average 8 on 2 cores) to tear the process down.
+    assert elapsed < 6.0 and server.proc.returncode == 1 and answered < 3
 
 
 def _safe_post(url, body, video):
@@ -283,7 +285,9 @@ def test_accept_errors_are_logged_rate_limited(tiny_dir):
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         socks = []
         started = time.monotonic()
-        while time.monotonic() - started < 5:  # hold the server at its descriptor limit for 5 s
+        # Hold the server at its descriptor limit for 5 s of real time: asyncio retries accept() about once a
+        # second, and the limiter logs once per 30 s, so exactly one report whatever the machine's load.
+        while time.monotonic() - started < 5:
             try:
                 socks.append(socket.create_connection((host, int(port)), timeout=1))
             except OSError:

@@ -73,6 +73,17 @@ def _status(sock: socket.socket) -> int | None:
     return int(data.split(b" ")[1]) if data.startswith(b"HTTP/1.1") else None
 
 
+def _eventually(condition, limit_s: float = 30.0) -> bool:
+    """True once `condition()` holds, False if it did not within `limit_s` real seconds (loopback work that takes
+    milliseconds idle; the limit is for a machine at load average 8 on 2 cores)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _closed_after(sock: socket.socket, limit: float) -> float | None:
     """Seconds until the server closes `sock` (recv gives b"" or an error), or None within `limit`."""
     started = time.monotonic()
@@ -93,8 +104,7 @@ def test_slow_uploads_do_not_lock_out_other_clients(stage):
     with ServerThread(stage, config) as srv:
         slow = [_start_upload(srv.url, 512 * MiB, b"\x89PNG\r\n\x1a\n") for _ in range(4)]
         try:
-            time.sleep(0.5)
-            assert srv.call(lambda: srv.service.active_requests) == 4
+            assert _eventually(lambda: srv.call(lambda: srv.service.active_requests) == 4)  # all four admitted
             started = time.monotonic()
             result = EncoderClient(srv.url, retries=0).encode(REQUEST)
             assert result.task == "t2va"
@@ -112,7 +122,7 @@ def test_upload_under_the_minimum_rate_gets_408(stage):
         started = time.monotonic()
         sock.settimeout(0.2)
         status = None
-        while time.monotonic() - started < 15 and status is None:
+        while time.monotonic() - started < 30 and status is None:
             try:
                 sock.sendall(b"x" * 100)  # 500 B/s
             except OSError:
@@ -125,7 +135,9 @@ def test_upload_under_the_minimum_rate_gets_408(stage):
         sock.close()
         elapsed = time.monotonic() - started
         print(f"500 B/s upload: answered {status} after {elapsed:.1f} s (grace 1 s)")
-        assert status == 408 and elapsed < 5
+        # Real time: refused once the grace period (1 s) is over, not at upload_timeout_s (300 s); the rule itself
+        # is tested on a hand-driven clock in tests/test_clock.py. The margin holds at load average 8 on 2 cores.
+        assert status == 408 and elapsed < 10
         assert srv.call(lambda: srv.service.buffered_bytes) == 0
 
 
@@ -144,8 +156,7 @@ def test_bytes_in_flight_are_capped_per_client(stage):
             print(f"per-client cap 2 MiB: {held} bytes held by the slow upload; a 1 MiB request refused with 429")
         finally:
             first.close()
-        time.sleep(0.5)
-        assert srv.call(lambda: srv.service.client_bytes.get("127.0.0.1", 0)) == 0
+        assert _eventually(lambda: srv.call(lambda: srv.service.client_bytes.get("127.0.0.1", 0)) == 0)
 
 
 def test_slowloris_and_idle_connections_are_closed(stage):
@@ -165,17 +176,20 @@ def test_slowloris_and_idle_connections_are_closed(stage):
                 closed = time.monotonic() - started
                 break
         idle = _connect(srv.url)
-        idle_closed = _closed_after(idle, 10)
+        idle_closed = _closed_after(idle, 14)
         keepalive = _connect(srv.url)
         keepalive.sendall(f"GET {protocol.HEALTH_PATH} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        keepalive_closed = _closed_after(keepalive, 10)
+        keepalive_closed = _closed_after(keepalive, 14)
         for sock in (slowloris, idle, keepalive):
             sock.close()
         print(f"slowloris closed after {closed:.1f} s; silent connection after {idle_closed:.1f} s; idle keep-alive "
               f"after {keepalive_closed:.1f} s (header timeout 2 s)")
-        assert closed is not None and closed < 4
-        assert idle_closed is not None and idle_closed < 4
-        assert keepalive_closed is not None and keepalive_closed < 4
+        # Real time: closed by the reaper after header_timeout_s (2 s, + its 0.25 s tick), not by aiohttp's own
+        # keep-alive (15 s) or never; 8 s leaves a loaded machine (load average 8 on 2 cores) room. The reaper's
+        # exact decision is tested on a hand-driven clock in tests/test_clock.py.
+        assert closed is not None and closed < 8
+        assert idle_closed is not None and idle_closed < 8
+        assert keepalive_closed is not None and keepalive_closed < 8
         assert srv.call(lambda: srv.service.counters["connections_reaped"]) >= 3
         assert EncoderClient(srv.url).health()["status"] == "ok"
 

@@ -82,12 +82,14 @@ def encoder_url(tiny_dir, tmp_path_factory):
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
+    deadline = time.monotonic() + 300  # real time: a model load takes seconds idle, minutes at load 8 on 2 cores
+    while True:
         try:
             urllib.request.urlopen(f"{url}/v1/health", timeout=2).read()
             break
         except OSError:
             assert proc.poll() is None, "encoder server died"
+            assert time.monotonic() < deadline, "encoder server did not answer /v1/health within 300 s"
             time.sleep(0.5)
     yield url
     proc.send_signal(signal.SIGTERM)

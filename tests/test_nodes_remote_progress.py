@@ -65,8 +65,10 @@ def test_interrupting_the_node_cancels_the_servers_job(comfy, stage):  # noqa: F
                                   check=False, on_message=on_message)
         assert result.status == "interrupted", result.error
         assert "sent" in seen
-        assert wait_until(lambda: slow.cancelled == 1, 10)  # the model thread stopped at its next checkpoint
+        assert wait_until(lambda: slow.cancelled == 1, 20)  # the model thread stopped at its next checkpoint
         stopped_after = time.monotonic() - seen["sent"]
-        assert stopped_after < 5.0, stopped_after
+        # Real time: cancelled at a checkpoint, not after the 20 s of work; the margin is for a loaded machine
+        # (load average 8 on 2 cores: ComfyUI's interrupt, the poller and the server all share 2 cores).
+        assert stopped_after < 12.0, stopped_after
         assert srv.call(lambda: srv.service.counters["client_gone"]) == 1
     print(f"\n[progress] interrupt -> server job cancelled {stopped_after * 1000:.0f} ms after the ws message")

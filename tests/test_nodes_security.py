@@ -110,6 +110,8 @@ def remote_graph(endpoint: str, **widgets) -> dict:
 def _expect_400(server, graph, *needles, within_s: float = 20.0) -> str:
     started = time.monotonic()
     status, body = server.post_prompt_expect_error(graph)
+    # Real time, a hang guard: refused at validation, not after a network wait (the node's 30 s timeout); a
+    # validation takes well under a second idle, and 20 s holds at load average 8 on 2 cores.
     assert time.monotonic() - started < within_s
     text = _error_text(body)
     assert status == 400, (status, text[:2000])
@@ -193,7 +195,7 @@ def test_remote_encode_refuses_a_foreign_endpoint_without_contacting_it(server, 
     foreign.reset()
     for url in (foreign.url, foreign.url.replace("127.0.0.1", "localhost"), "https://attacker.example:8443"):
         _expect_400(server, remote_graph(url), "H3_ENCODER_URLS", "not allowed")
-    time.sleep(1.0)
+    time.sleep(1.0)  # real time for a stray connection to show up; a late one could only make this pass wrongly
     assert foreign.connections == 0 and foreign.requests == []
 
 

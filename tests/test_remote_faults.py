@@ -103,21 +103,23 @@ def stage(tiny_dir):
     return EncoderStage(ModelSource.from_path(tiny_dir))
 
 
-def test_non_loopback_bind_without_token_is_refused_at_start(tiny_dir):
+def test_non_loopback_bind_without_token_is_refused_at_start(tmp_path):
     env = _env()
     env.pop("H3_THREADS")  # nothing to compute: refused before torch is even imported
+    # A models folder that does not exist: the bind refusal names the token, so it came before any model load (which
+    # would fail first otherwise). Decided by order, not by a time bound that a loaded machine breaks (a refusal
+    # took 75 s of wall time at load average 25 on 2 cores).
+    absent = tmp_path / "no-models-here"
     cases = (("0.0.0.0", env, ()), ("::", env, ()), ("0.0.0.0", dict(env, H3_ENCODER_TOKEN="short"), ()),
              ("0.0.0.0", dict(env, H3_ENCODER_TOKEN="t" * 32), ("--token-env", "MY_H3_TOKEN")))
     for host, case_env, extra in cases:
-        t0 = time.perf_counter()
-        result = subprocess.run([sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--host", host,
-                                 "--port", "0", *extra], cwd=REPO, env=case_env, capture_output=True, timeout=120)
+        result = subprocess.run([sys.executable, "-m", "h3_core", "serve", "--models", str(absent), "--host", host,
+                                 "--port", "0", *extra], cwd=REPO, env=case_env, capture_output=True, timeout=600)
         message = result.stderr.decode()
         assert result.returncode == 2, message[-2000:]
         assert "refusing to bind" in message or "at least 16" in message, message
         assert not extra or "MY_H3_TOKEN" in message  # --token-env names the variable that was read
         assert "listening" not in result.stdout.decode()
-        assert time.perf_counter() - t0 < 30  # refused before loading any weights
 
 
 def _light(tag: str) -> EncodeRequest:
@@ -148,7 +150,7 @@ def test_kill_mid_request_then_restart_and_drain(tiny_dir, request):
             with pytest.raises(RemoteUnavailableError) as info:
                 doomed_future.result(timeout=60)
             reported_after = time.perf_counter() - killed_at
-            assert reported_after < 5.0, reported_after  # well within its 60 s read timeout: no hang
+            assert reported_after < 20.0, reported_after  # real time: well within its 60 s read timeout, no hang
             message = str(info.value)
             assert "connection lost mid-request" in message or "connection refused" in message, message
             print(f"\n[kill] client error {reported_after * 1000:.0f} ms after SIGKILL: {message[:160]}")

@@ -173,7 +173,7 @@ def test_polls_need_the_token_and_an_open_request(stage):
 
 
 def test_cancel_with_progress_still_stops_the_servers_job(stage):
-    slow = SlowStage(stage, delay=10.0)
+    slow = SlowStage(stage, delay=30.0)
     with ServerThread(slow, ServerConfig(threads=SERVER_THREADS)) as srv:
         cancel = threading.Event()
         events = []
@@ -188,8 +188,8 @@ def test_cancel_with_progress_still_stops_the_servers_job(stage):
                                           cancel=cancel, on_server_progress=on_event)
         cancelled_at = time.perf_counter()
         assert [event["phase"] for event in events][:3] == ["receiving", "queued", "decode"]
-        assert wait_until(lambda: slow.cancelled == 1, 10)
-        assert time.perf_counter() - cancelled_at < 2.0
+        assert wait_until(lambda: slow.cancelled == 1, 20)
+        assert time.perf_counter() - cancelled_at < 10.0  # real time: at a checkpoint, not after the 30 s of work
         assert srv.call(lambda: srv.service.counters["client_gone"]) == 1
         assert wait_until(lambda: srv.call(lambda: len(srv.app[http_module.TRACKERS_KEY])) == 0, 5)
         assert wait_until(lambda: not [t for t in threading.enumerate() if t.name == "h3-encoder-progress"], 2)
@@ -218,7 +218,9 @@ def test_polling_overhead_is_small(stage):
     assert min(counts) >= 4
     print(f"\n[progress] overhead: median {plain_s * 1000:.0f} ms without polling, {polled_s * 1000:.0f} ms with "
           f"({counts} events per request)")
-    assert polled_s < plain_s * 1.5 + 0.3
+    # Real time, a sanity bound only (the figure above is the measurement): polling must not hold the encode up,
+    # e.g. by serialising with it. 1 s of slack covers a loaded machine's noise (load average 8 on 2 cores).
+    assert polled_s < plain_s * 1.5 + 1.0
 
 
 class HostileProgressFront(ThreadingHTTPServer):

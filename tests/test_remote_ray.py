@@ -382,7 +382,7 @@ def test_slow_upload_408_and_bytes_in_flight_capped_per_client(engine):
     sock = _authed_upload(url, 4 * MiB, b"\x89PNG\r\n\x1a\n")
     started, status = time.monotonic(), None
     sock.settimeout(0.2)
-    while time.monotonic() - started < 15 and status is None:
+    while time.monotonic() - started < 30 and status is None:
         try:
             sock.sendall(b"x" * 100)
         except OSError:
@@ -393,11 +393,12 @@ def test_slow_upload_408_and_bytes_in_flight_capped_per_client(engine):
         except socket.timeout:
             pass
     sock.close()
-    assert status == 408 and time.monotonic() - started < 6, (name, status)
+    # Real time: refused after the 1 s grace period, not at upload_timeout_s; margin for load average 8 on 2 cores.
+    assert status == 408 and time.monotonic() - started < 12, (name, status)
     # A client holding 3 MiB in flight (of a 4 MiB per-client cap) cannot start a 2 MiB request.
     first = _authed_upload(url, int(3.9 * MiB), b"\x89PNG\r\n\x1a\n" + bytes(3 * MiB))
     try:
-        time.sleep(1.0)
+        time.sleep(3.0)  # real time for the first upload's 3 MiB to reach the ingress over loopback (loaded machine)
         second = _authed_upload(url, 2 * MiB, b"")
         assert _status(second) == 429, name
         second.close()
@@ -423,9 +424,10 @@ def test_deadline_is_a_504_and_the_server_carries_on(engine, stage):
     client = _client(url, deadline_s=0.5, retries=2)
     t0 = time.perf_counter()
     with pytest.raises(RemoteEncodeError) as info:
-        client.encode(EncodeRequest(prompt="[wait 5] Too slow.", width=64, height=64))
+        client.encode(EncodeRequest(prompt="[wait 20] Too slow.", width=64, height=64))
     assert info.value.status == 504 and info.value.code == "deadline_exceeded", name
-    assert time.perf_counter() - t0 < 4.5  # not retried, and the wait was abandoned
+    # Real time: answered at the 0.5 s deadline, not retried, not after the 20 s of work; margin for a loaded machine.
+    assert time.perf_counter() - t0 < 12
     assert _client(url).encode(CASES["t2va"]).to_bytes() == stage.encode(CASES["t2va"]).to_bytes()
 
 

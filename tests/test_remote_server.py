@@ -277,7 +277,7 @@ def test_full_queue_answers_429_with_retry_after(stage):
 
 
 def test_deadline_gives_504_and_abandons_the_work(stage):
-    slow = SlowStage(stage, delay=5.0)
+    slow = SlowStage(stage, delay=30.0)
     with ServerThread(slow, ServerConfig(threads=THREADS)) as srv:
         client = EncoderClient(srv.url, deadline_s=0.5, retries=2)
         t0 = time.perf_counter()
@@ -285,14 +285,16 @@ def test_deadline_gives_504_and_abandons_the_work(stage):
             client.encode(EncodeRequest(prompt="Too slow.", width=64, height=64))
         elapsed = time.perf_counter() - t0
         assert info.value.status == 504 and info.value.code == "deadline_exceeded"
-        assert "deadline" in str(info.value) and elapsed < 4.5  # not retried (the same deadline would fail again)
-        assert wait_until(lambda: slow.cancelled == 1, 10)  # the model thread stopped at its next checkpoint
+        assert "deadline" in str(info.value)
+        assert srv.call(lambda: srv.service.counters["deadline"]) == 1  # not retried (the same deadline would fail)
+        assert elapsed < 15  # real time: answered at the 0.5 s deadline, not after the 30 s of work (loaded: 8/2)
+        assert wait_until(lambda: slow.cancelled == 1, 20)  # the model thread stopped at its next checkpoint
         slow.delay = 0.0
         assert EncoderClient(srv.url).encode(CASES["t2va"]).to_bytes() == stage.encode(CASES["t2va"]).to_bytes()
 
 
 def test_client_cancel_closes_the_connection_and_server_abandons(stage):
-    slow = SlowStage(stage, delay=10.0)
+    slow = SlowStage(stage, delay=30.0)
     with ServerThread(slow, ServerConfig(threads=THREADS)) as srv:
         cancel = threading.Event()
 
@@ -307,9 +309,9 @@ def test_client_cancel_closes_the_connection_and_server_abandons(stage):
         cancelled_at = time.perf_counter()
         watcher.join()
         assert cancel.is_set()
-        assert wait_until(lambda: slow.cancelled == 1, 10)  # the model thread stopped at its next checkpoint
+        assert wait_until(lambda: slow.cancelled == 1, 20)  # the model thread stopped at its next checkpoint
         abandoned_after = time.perf_counter() - cancelled_at
-        assert abandoned_after < 2.0, abandoned_after  # promptly, not after the 10 s of work
+        assert abandoned_after < 10.0, abandoned_after  # real time: promptly, not after the 30 s of work
         assert srv.call(lambda: srv.service.counters["client_gone"]) == 1
         assert wait_until(lambda: srv.call(lambda: srv.service.load()["running"]) == 0, 10)
         print(f"\n[cancel] server abandoned the job {abandoned_after * 1000:.0f} ms after the client's cancel")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import TYPE_CHECKING
 
 from .protocol import ProtocolError
@@ -53,12 +51,12 @@ class BodyBudget:
 
 
 class Admission:
-    """An admitted request: its body budget and its upload clock (the minimum-rate rule)."""
+    """An admitted request: its body budget and its upload clock (the minimum-rate rule, on `service.clock`)."""
 
     def __init__(self, service: "EncoderService", client: str):
         self.service = service
         self.budget = BodyBudget(service, client)
-        self.started = time.monotonic()
+        self.started = service.clock.monotonic()
 
     def read_timeout(self) -> float:
         """Seconds the next read may wait before the upload's average rate is under `min_upload_bytes_per_s`."""
@@ -68,13 +66,13 @@ class Admission:
             due = max(due, self.budget.bytes / config.min_upload_bytes_per_s)
         else:
             due = max(due, config.upload_timeout_s)
-        return self.started + due - time.monotonic()
+        return self.started + due - self.service.clock.monotonic()
 
     async def read(self, awaitable):
         """Await one read of the body; 408 once the upload's average rate is under the minimum."""
         try:
-            return await asyncio.wait_for(awaitable, max(0.0, self.read_timeout()))
-        except asyncio.TimeoutError:
+            return await self.service.clock.wait_for(awaitable, max(0.0, self.read_timeout()))
+        except TimeoutError:
             pass
         config = self.service.config
         self.service.counters["slow_upload"] += 1

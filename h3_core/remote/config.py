@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import protocol
+from .clock import SYSTEM_CLOCK, Clock
 from .protocol import Limits, is_loopback
 
 MIN_TOKEN_CHARS = 16
@@ -65,6 +66,9 @@ class ServerConfig:
     # After a batch in a client's turn took others' next jobs early, the model thread waits up to this long for that
     # client's next request, if its last one came this soon after its answer (FairQueue.wait_for_next). 0: never wait.
     anticipate_s: float = 0.01
+    # The time every scheduling rule above reads (windows, waits, deadlines, reaping; clock.py): real time, or a
+    # test's clock.ManualClock so that its decisions do not depend on how fast the machine is.
+    clock: Clock = field(default=SYSTEM_CLOCK, compare=False, repr=False)
 
     def __post_init__(self):
         if self.queue_size < 1:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from .clock import SYSTEM_CLOCK, Clock
 from .service import EncoderService
 
 log = logging.getLogger("h3_core.remote.server")
@@ -23,17 +23,19 @@ class ConnectionReaper:
     A connection must deliver complete request headers within `header_timeout_s` of opening or of its previous
     answer being sent; aiohttp itself has no such deadline (it waits for headers forever and keeps idle
     connections an hour). Connections with a request in progress are left to the request's own deadlines.
+    Timed on `service.clock` (clock.py).
     """
 
     def __init__(self, server: web.Server, service: EncoderService, interval_s: float = 0.25):
         self.server, self.service, self.interval_s = server, service, interval_s
         self.timeout_s = service.config.header_timeout_s
+        self.clock = service.clock
 
     async def run(self) -> None:
         idle_since: dict[Any, float] = {}
         while True:
-            await asyncio.sleep(self.interval_s)
-            now = time.monotonic()
+            await self.clock.sleep(self.interval_s)
+            now = self.clock.monotonic()
             live = self.server.connections
             for handler in live:
                 # aiohttp sets `_request_in_progress` from a request's headers until its answer is written;
@@ -52,10 +54,11 @@ class ConnectionReaper:
 
 class AcceptErrorLimiter:
     """The event loop's exception handler, with accept() failures (EMFILE, ENFILE, ENOBUFS storms) logged at most
-    once per `every_s` seconds, with the count of the ones not logged. asyncio retries the accept by itself."""
+    once per `every_s` seconds of `clock`, with the count of the ones not logged. asyncio retries the accept by
+    itself."""
 
-    def __init__(self, previous=None, every_s: float = 30.0):
-        self.previous, self.every_s = previous, every_s
+    def __init__(self, previous=None, every_s: float = 30.0, clock: Clock = SYSTEM_CLOCK):
+        self.previous, self.every_s, self.clock = previous, every_s, clock
         self.last, self.suppressed = -math.inf, 0
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
@@ -65,7 +68,7 @@ class AcceptErrorLimiter:
             else:
                 loop.default_exception_handler(context)
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self.last < self.every_s:
             self.suppressed += 1
             return

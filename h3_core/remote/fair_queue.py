@@ -28,7 +28,8 @@ So the model thread waits briefly for A's next request before starting B's turn 
 `anticipate_s` (10 ms), for a client whose last request came that soon after its answer or that has no record
 yet; one that let such a wait run out is not waited for again until it comes back that quickly.
 
-Every method runs on the event-loop thread. Sizes are bounded by the service's queue capacity.
+Every method runs on the event-loop thread. Sizes are bounded by the service's queue capacity. Time (the window,
+think times, the wait) comes from the injected `clock.Clock`, the service's: tests drive it by hand.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ import collections
 import heapq
 import itertools
 import math
-import time
 from typing import Any, Callable, Iterator
+
+from .clock import SYSTEM_CLOCK, Clock
 
 MAX_REMEMBERED = 4096  # idle clients whose last service time is kept (see `_forget_idle`)
 SHARE_WINDOW_S = 0.25  # a client seen this recently still counts as sharing the server (see `fair_share`)
@@ -48,7 +50,7 @@ SHARE_WINDOW_S = 0.25  # a client seen this recently still counts as sharing the
 class FairQueue:
     """Jobs (anything with a `client` attribute) waiting for the model thread."""
 
-    def __init__(self, share_window_s: float = SHARE_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, share_window_s: float = SHARE_WINDOW_S, clock: Clock = SYSTEM_CLOCK):
         self._queues: dict[str, collections.deque] = {}
         self._last_served: dict[str, int] = {}  # client -> tick of its last job taken; absent: never (or long ago)
         self._first_seen: dict[str, int] = {}  # queued client -> arrival tick, orders never-served clients
@@ -114,7 +116,7 @@ class FairQueue:
         self._size += 1
         answered = self._answered.pop(client, None)
         if answered is not None:
-            self._think[client] = self._clock() - answered
+            self._think[client] = self._clock.monotonic() - answered
         self.seen(client)
         if self._expected is not None and self._expected[0] == client:
             self._expected[1].set()
@@ -182,7 +184,7 @@ class FairQueue:
     def seen(self, client: str) -> None:
         """`client` is using the server now (a request arrived or was taken)."""
         self._seen.pop(client, None)  # re-inserted last: the dict stays ordered oldest first
-        self._seen[client] = self._clock()
+        self._seen[client] = self._clock.monotonic()
         self._forget_gone()
 
     def answered(self, client: str) -> None:
@@ -216,7 +218,7 @@ class FairQueue:
         arrived = asyncio.Event()
         self._expected = (client, arrived)
         try:
-            await asyncio.wait_for(arrived.wait(), window)
+            await self._clock.wait_for(arrived.wait(), window)
             return True
         except asyncio.TimeoutError:
             self._think[client] = math.inf  # not waited for again until it comes back quickly
@@ -256,7 +258,7 @@ class FairQueue:
 
     def _forget_gone(self) -> None:
         """Drop the clients not seen within the window (oldest first): the sharing records stay small."""
-        horizon = self._clock() - self.share_window_s
+        horizon = self._clock.monotonic() - self.share_window_s
         while self._seen:
             client, when = next(iter(self._seen.items()))
             if when >= horizon:

@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from .. import __version__, rules
 from ..progress import Cancelled
 from . import body, ingest, metrics, protocol, tracking
+from .clock import Clock
 from .ingest import Part
 from .protocol import ProtocolError
 from .service import EncoderService, Job, QueueFull, _Abandoned
@@ -321,7 +322,7 @@ class Handler:
             except TimeoutError:
                 return error_reply(408, "upload_timeout", f"the request body did not arrive within "
                                    f"upload_timeout_s={service.config.upload_timeout_s:g}", "body", rid)
-            received = time.monotonic()
+            received = service.clock.monotonic()  # the deadline counts from here (on the scheduling clock)
             incoming.task = spec.resolved_task
             service.metrics.observe_phase("receive", received - slot.started)
             if spec.model is not None and spec.model != service.fingerprint:
@@ -350,9 +351,9 @@ class Handler:
                       tracker: tracking.Tracker | None = None, client: str = "") -> Reply:
         """The conditioning for a cache miss, from this process's queue and model thread, as a `Reply`.
 
-        `deadline` is a `time.monotonic()` instant; `seconds` the deadline the request asked for (for messages);
-        `client` the client key (`EncoderService.client_key`: whose turn in the fair queue; the Ray ingress forwards
-        it to the replica).
+        `deadline` is an instant on `service.clock` (clock.py); `seconds` the deadline the request asked for (for
+        messages); `client` the client key (`EncoderService.client_key`: whose turn in the fair queue; the Ray
+        ingress forwards it to the replica).
         """
         service = self.service
         try:
@@ -366,7 +367,7 @@ class Handler:
             tracker.job, tracker.cache = job, "joined" if joined else "miss"
         job.waiters += 1
         try:
-            outcome = await _wait(job, deadline, gone)
+            outcome = await _wait(job, deadline, gone, service.clock)
         except asyncio.CancelledError:  # the engine cancels the handler when the client disconnects
             service.release(job)
             service.counters["client_gone"] += 1
@@ -403,10 +404,11 @@ class _NoRoute(Exception):
         self.status, self.code, self.headers = status, code, dict(headers or {})
 
 
-async def _wait(job: Job, deadline: float, gone: Callable[[], bool]) -> str:
-    """'done', 'gone' (client disconnected) or 'deadline'; polls the connection every 100 ms."""
+async def _wait(job: Job, deadline: float, gone: Callable[[], bool], clock: Clock) -> str:
+    """'done', 'gone' (client disconnected) or 'deadline' (`deadline` passed on `clock`); polls the connection
+    every 100 ms of real time."""
     while True:
-        remaining = deadline - time.monotonic()
+        remaining = deadline - clock.monotonic()
         if remaining <= 0:
             return "deadline"
         done, _ = await asyncio.wait({job.future}, timeout=min(0.1, remaining))

@@ -31,7 +31,6 @@ import asyncio
 import logging
 import os
 import re
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -150,8 +149,8 @@ class H3Encoder:
         received = {name: Part(name=name, content_type=content_type, data=data, sha256=digest)
                     for name, content_type, data, digest in parts}
         del parts
-        reply = await self.handler.compute(key, spec, raw, received, time.monotonic() + seconds_left, seconds, rid,
-                                           client=client)
+        deadline = self.service.clock.monotonic() + seconds_left
+        reply = await self.handler.compute(key, spec, raw, received, deadline, seconds, rid, client=client)
         data = reply.body if isinstance(reply.body, bytes) else reply.body.tobytes()  # Ray moves bytes, not views
         return reply.status, reply.headers, data, self.name, list(reply.phases)
 
@@ -245,7 +244,8 @@ class RayHandler(Handler):
             tracker.cache = "joined" if joined else "miss"
         flight.waiters += 1
         try:
-            reply = await asyncio.wait_for(asyncio.shield(flight.task), max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - service.clock.monotonic())
+            reply = await service.clock.wait_for(asyncio.shield(flight.task), left)
         except asyncio.TimeoutError:
             self._give_up(key, flight)
             service.counters["deadline"] += 1
@@ -285,7 +285,8 @@ class RayHandler(Handler):
     async def _remote(self, key: str, raw: bytes, wire: list, deadline: float, seconds: float, rid: str,
                       client: str) -> Reply:
         """One call to an encoder replica, its failures mapped onto the protocol's answers."""
-        response = self.encoder.encode.remote(rid, key, raw, wire, deadline - time.monotonic(), seconds, client)
+        response = self.encoder.encode.remote(rid, key, raw, wire, deadline - self.service.clock.monotonic(), seconds,
+                                              client)
         del wire
         try:
             status, headers, data, replica, phases = await response

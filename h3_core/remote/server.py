@@ -57,7 +57,7 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
                            shutdown_timeout=5.0, keepalive_timeout=service.config.keepalive_timeout_s)
     await runner.setup()
     loop = asyncio.get_running_loop()
-    loop.set_exception_handler(AcceptErrorLimiter(loop.get_exception_handler()))
+    loop.set_exception_handler(AcceptErrorLimiter(loop.get_exception_handler(), clock=service.clock))
     service.background.append(loop.create_task(
         ConnectionReaper(runner.server, service).run(), name="h3-connection-reaper"))
     site = web.TCPSite(runner, host, port, reuse_address=True, backlog=128)

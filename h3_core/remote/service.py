@@ -84,6 +84,7 @@ class EncoderService:
         self.config = config
         self.model_info = dict(model_info or {})
         self.limits = config.limits
+        self.clock = config.clock  # what the scheduling rules read (clock.py); measurements use time.monotonic
         self.stage: Any = None
         self.fingerprint, self.components = "", ()
         self.batcher = None
@@ -96,7 +97,7 @@ class EncoderService:
             self.threads = torch.get_num_threads()
         self.cache = ConditioningCache(config.cache_bytes, config.cache_entries)
         self.component_cache = ComponentTiers.from_config(config)  # the encoder's parts (None: off)
-        self._pending = FairQueue(config.share_window_s)
+        self._pending = FairQueue(config.share_window_s, self.clock)
         self._inflight: dict[str, Job] = {}
         self._running: list[Job] = []
         self._wakeup: asyncio.Event | None = None
@@ -180,7 +181,7 @@ class EncoderService:
         if timeout is None:
             timeout = self.config.max_deadline_s + 5
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await self.clock.wait_for(self._idle.wait(), timeout)
             return True
         except asyncio.TimeoutError:
             return False
