@@ -74,7 +74,9 @@ CHECK = textwrap.dedent("""
                 todo.append((m.group(1), tuple(x.strip() for x in (m.group(3) or "").split(",") if x.strip())))
         return {key for key, _ in seen}
     norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
-    declared = closure("minimax-h3-split", ("ray",))
+    # Declared: the install with every extra the pack offers (an optional feature imports its extra lazily, e.g.
+    # cache-dit for step caching: it must be declared as an extra, not missing).
+    declared = closure("minimax-h3-split", tuple(md.metadata("minimax-h3-split").get_all("Provides-Extra") or ()))
     torchs = closure("torch") | closure("torchvision")
     print(json.dumps({"file": h3_core.__file__, "modules": len(names), "app": type(app).__name__,
                       "undeclared": sorted(norm(d) for d in used if norm(d) not in declared | torchs),
