@@ -297,8 +297,20 @@ def test_a_short_answer_is_refused(hostile):
     from contract_cases import make
 
     body = make("t2va").to_bytes()
-    server = hostile(encode=_answering(body, declared=len(body) + 4096))
+    # The connection closes 4 KiB before the Content-Length the answer declared (and its header needs).
+    server = hostile(encode=_answering(body[:-4096], declared=len(body)))
     with pytest.raises(RemoteEncodeError, match="connection lost mid-request"):
+        EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST)
+
+
+def test_a_content_length_the_header_does_not_fill_is_refused_from_the_header(hostile):
+    from contract_cases import make
+
+    body = make("t2va").to_bytes()
+    # A Content-Length 4 KiB longer than the tensors the header lists: refused as soon as the header is read,
+    # without waiting for bytes that will never come.
+    server = hostile(encode=_answering(body, declared=len(body) + 4096))
+    with pytest.raises(RemoteEncodeError, match="tensors need [0-9]+ data bytes, the payload holds"):
         EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST)
 
 
