@@ -29,13 +29,14 @@ from test_hostile_server import _status  # noqa: E402
 from test_remote_server import CASES, _hostile_cases, _raw, _wire  # noqa: E402
 
 from h3_core.encoder import EncoderStage  # noqa: E402
+from h3_core.facts import AUDIO_SAMPLE_RATE  # noqa: E402
 from h3_core.models import ModelSource  # noqa: E402
 from h3_core.remote import protocol  # noqa: E402
 from h3_core.remote.client import EncoderClient, RemoteAuthError, RemoteEncodeError  # noqa: E402
 from h3_core.remote.protocol import Limits  # noqa: E402
 from h3_core.remote.server import ServerConfig, ServerThread  # noqa: E402
-from h3_core.request import EncodeRequest  # noqa: E402
-from h3_core.testing import SERVER_THREADS, PromptPaced, wait_until  # noqa: E402
+from h3_core.request import AudioInput, EncodeRequest  # noqa: E402
+from h3_core.testing import SERVER_THREADS, PromptPaced, image, tone, wait_until  # noqa: E402
 
 PV = protocol.PROTOCOL_VERSION  # the request JSON's "protocol" field
 
@@ -161,8 +162,12 @@ def test_a_repeat_is_a_hit_whichever_replica_computed_it(stage, ray_url):
 def test_a_part_one_replica_computed_is_a_hit_on_the_other(stage, ray_url, ray_cache_dir):
     """Both replicas share the disk tier: a reference encoded by one is read by the other (its memory never saw it),
     and each answer is bitwise the local encode."""
-    base = CASES["ref2va"]  # its image and audio (small bodies: CONFIG caps a client's bytes in flight at 4 MiB)
-    requests = [base.__class__(**{**base.__dict__, "ref_videos": [],
+    base = CASES["ref2va"]  # an image and an audio (small bodies: CONFIG caps a client's bytes in flight at 4 MiB)
+    # Media no other test of this module sends: the replicas share the module's cache directory, so the canonical
+    # case's parts may already be there, and the first request must find none.
+    fresh = {"ref_videos": [], "ref_images": [image(2027, 64, 96)],
+             "ref_audios": [AudioInput(tone(3.0, freq=523.25), AUDIO_SAMPLE_RATE)]}
+    requests = [base.__class__(**{**base.__dict__, **fresh,
                                   "prompt": f"[wait 0.4] <Picture 1> shared parts {i}."}) for i in range(7)]
     before = _health(ray_url)["load"]["served_by"]
 
