@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from h3_core import configs, offload, planner  # noqa: E402
+from h3_core import configs, facts, offload, planner  # noqa: E402
 from h3_core.safetensors_header import DTYPE_TAGS  # noqa: E402
 from h3_core.weights.headers import TensorInfo  # noqa: E402
 
@@ -56,7 +56,7 @@ def _meta_text_encoder(tiny: bool):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     config = configs.get("text_encoder", tiny=tiny)
-    config["text_config"]["num_hidden_layers"] = configs.TEXT_ENCODER_LAYER
+    config["text_config"]["num_hidden_layers"] = facts.TEXT_ENCODER_LAYER
     with init_empty_weights(include_buffers=False):
         model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config))
     model.lm_head = torch.nn.Identity()  # H3 never runs the head

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import copy
 
-# H3 facts the configs are built around; defined once in facts.py, re-exported for the config users.
-from .facts import AUDIO_SHIFT, TEXT_ENCODER_LAYER, VIDEO_SHIFT  # noqa: F401
-
 # --- DiT (diffusers MiniMaxH3Transformer3DModel): 50 blocks, hidden 5376, 56 heads x 128 ------------------------------
 RELEASE_TRANSFORMER = {
     "num_attention_heads": 56,

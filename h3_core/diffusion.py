@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import configs, dtypes, previews, progress, rules, step_cache, vae_stream
+from . import dtypes, facts, previews, progress, rules, step_cache, vae_stream
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning
 from .lora import LoRA
@@ -57,8 +57,8 @@ class AVLatents:
 class Decoded:
     video: torch.Tensor  # float32 [F, H, W, 3] in 0..1
     audio: torch.Tensor  # float32 [2, S] at 32 kHz, trimmed to the video's duration
-    sample_rate: int = rules.AUDIO_SAMPLE_RATE
-    fps: int = rules.FPS
+    sample_rate: int = facts.AUDIO_SAMPLE_RATE
+    fps: int = facts.FPS
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class DiffusionStage:
         self.offload = offload  # DiT placement: none / block / auto (h3_core.offload)
         self.parallel = parallel if parallel is not None and parallel.degree > 1 else None
         self.streaming: dict[str, Streaming] = {}
-        self._job = {"width": 0, "height": 0, "frames": rules.MIN_FRAMES, "text_tokens": 0}
+        self._job = {"width": 0, "height": 0, "frames": facts.MIN_FRAMES, "text_tokens": 0}
         self.pipeline_config = dict(pipeline_config if pipeline_config is not None else source.pipeline_config)
         modules = modules or {}
         self._transformers = {
@@ -221,11 +221,11 @@ class DiffusionStage:
         transformer = self.transformer(cond.task)
         file_identity.check_unchanged(transformer, "DiT")  # an in-place rewrite of a mapped file: refuse, not SIGBUS
         cond.check_compatible(text_dim=transformer.config.text_dim, latent_channels=transformer.config.in_channels)
-        video_scheduler = MiniMaxH3Scheduler(shift=_or(options.video_shift, configs.VIDEO_SHIFT))
+        video_scheduler = MiniMaxH3Scheduler(shift=_or(options.video_shift, facts.VIDEO_SHIFT))
         components = {
             "transformer_ref" if cond.task == "ref2va" else "transformer": transformer,
             "scheduler": video_scheduler,
-            "audio_scheduler": MiniMaxH3Scheduler(shift=_or(options.audio_shift, configs.AUDIO_SHIFT)),
+            "audio_scheduler": MiniMaxH3Scheduler(shift=_or(options.audio_shift, facts.AUDIO_SHIFT)),
         }
         pipe = self._pipeline(cond.task, ("denoise",), components)
 
@@ -291,8 +291,8 @@ class DiffusionStage:
         from . import media
 
         geometry = vae_stream.plan(self.vae, latents.video.shape)
-        with media.streamed_mp4(path, geometry.width, geometry.height, fps=rules.FPS, with_audio=True,
-                                sample_rate=rules.AUDIO_SAMPLE_RATE, **mp4_options) as writer:
+        with media.streamed_mp4(path, geometry.width, geometry.height, fps=facts.FPS, with_audio=True,
+                                sample_rate=facts.AUDIO_SAMPLE_RATE, **mp4_options) as writer:
             self.decode_video(latents, vae_stream.WriterSink(writer.write), cancel)
             writer.finish(self.decode_audio(latents, task, geometry.frames))
         return str(path)
@@ -318,7 +318,7 @@ class DiffusionStage:
         with _AudioReporter(self.audio_vae):
             state = pipe(audio_latents=latents.audio.to(self.device))
         audio = state.get("audio")[0].float().cpu()  # [2, S], S = audio_t * 800 (not trimmed by diffusers)
-        samples = round(num_frames / rules.FPS * rules.AUDIO_SAMPLE_RATE)
+        samples = round(num_frames / facts.FPS * facts.AUDIO_SAMPLE_RATE)
         return audio[:, :samples].contiguous()
 
     def generate(self, cond: H3Conditioning, options: SamplingOptions) -> tuple[AVLatents, Decoded]:

@@ -79,18 +79,18 @@ def _to_diffusers_references(request: EncodeRequest) -> list:
     for video in request.ref_videos:
         audio = None
         if video.audio is not None:
-            audio = torch.from_numpy(media.resample_audio(video.audio, video.sample_rate, rules.AUDIO_SAMPLE_RATE))
+            audio = torch.from_numpy(media.resample_audio(video.audio, video.sample_rate, facts.AUDIO_SAMPLE_RATE))
         references.append(
             MiniMaxH3VideoReference(
                 frames=video.frames,
                 fps=float(video.fps),
                 audio=audio,
-                sample_rate=None if audio is None else rules.AUDIO_SAMPLE_RATE,
+                sample_rate=None if audio is None else facts.AUDIO_SAMPLE_RATE,
             )
         )
     for audio in request.ref_audios:
-        waveform = torch.from_numpy(media.resample_audio(audio.waveform, audio.sample_rate, rules.AUDIO_SAMPLE_RATE))
-        references.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=rules.AUDIO_SAMPLE_RATE))
+        waveform = torch.from_numpy(media.resample_audio(audio.waveform, audio.sample_rate, facts.AUDIO_SAMPLE_RATE))
+        references.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=facts.AUDIO_SAMPLE_RATE))
     return references
 
 

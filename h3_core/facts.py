@@ -64,6 +64,14 @@ KEYFRAME_ENCODE_SEED = 42  # the conditioning posterior is sampled under this se
 # The DiT is conditioned on the residual stream after this Qwen3-VL layer (diffusers' `text_encoder_layer`,
 # a fixed pipeline property; diffusers refuses a text model of 50 layers or fewer).
 TEXT_ENCODER_LAYER = 50
+# Qwen3-VL's vision tower cuts images into 16 px patches and merges 2 x 2 of them into one token (and 2 frames into
+# one temporal patch); diffusers reads a reference video at 2 fps (its `video_sample_fps`), so one vision block
+# covers 2 of the 24 fps frames read 1 in 12: one block per second of reference video.
+VISION_PATCH_PX = 16
+VISION_MERGE = 2  # spatial merge (2 x 2 patches per token) and temporal patch (2 frames per block)
+VISION_TOKEN_PX = VISION_PATCH_PX * VISION_MERGE  # 32: one vision token per 32 x 32 px
+REFERENCE_VIDEO_READ_FPS = 2.0
+VIDEO_BLOCKS_PER_FRAME = REFERENCE_VIDEO_READ_FPS / FPS / VISION_MERGE  # 1/24
 
 # --- sampling -----------------------------------------------------------------------------------
 VIDEO_SHIFT = 12.0  # flow-matching sigma shift of the video schedule

@@ -49,7 +49,7 @@ import av
 import numpy as np
 from PIL import Image, ImageOps
 
-from .facts import AUDIO_SAMPLE_RATE, FPS
+from . import facts
 from .media_audio import (
     MAX_AUDIO_CHANNELS,
     MAX_SAMPLE_RATE,
@@ -190,8 +190,8 @@ def write_mp4(
     path: str | os.PathLike,
     frames: Any,
     audio: Any = None,
-    fps: float = FPS,
-    sample_rate: int = AUDIO_SAMPLE_RATE,
+    fps: float = facts.FPS,
+    sample_rate: int = facts.AUDIO_SAMPLE_RATE,
     crf: int = 18,
     audio_bitrate: int = 192_000,
 ) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import av
 import numpy as np
 
-from .facts import AUDIO_SAMPLE_RATE
+from . import facts
 from .media_base import MediaError, Source, _av_open, _load_source, _releases_on_failure, _to_numpy, _wrap_errors
 
 
@@ -61,7 +61,7 @@ def _check_audio_format(kind: str, label: str, sample_rate: int, channels: int) 
         )
 
 
-def resampled_length(num_samples: int, sample_rate: int, target_rate: int = AUDIO_SAMPLE_RATE) -> int:
+def resampled_length(num_samples: int, sample_rate: int, target_rate: int = facts.AUDIO_SAMPLE_RATE) -> int:
     """Length :func:`resample_audio` returns: ``ceil(S * target / rate)``, evaluated like ``torchaudio``'s
     ``Resample`` (rates reduced by their gcd, the quotient rounded to float32 before the ceiling), so lengths
     match what diffusers' torchaudio path would produce."""
@@ -70,7 +70,7 @@ def resampled_length(num_samples: int, sample_rate: int, target_rate: int = AUDI
     return int(np.ceil(quotient))
 
 
-def resample_audio(waveform: Any, sample_rate: int, target_rate: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
+def resample_audio(waveform: Any, sample_rate: int, target_rate: int = facts.AUDIO_SAMPLE_RATE) -> np.ndarray:
     """A waveform ``[C, S]`` (numpy or torch, float) -> float32 stereo ``[2, S']`` at ``target_rate``.
 
     Mono is duplicated to both channels and channels beyond two are dropped (the reference implementation duplicates

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import av
 import numpy as np
 
-from .facts import AUDIO_SAMPLE_RATE, FPS
+from . import facts
 from .media_audio import _check_rate, _to_stereo, _waveform_to_numpy
 from .media_base import MediaError, _wrap_errors
 
@@ -35,8 +35,8 @@ class Mp4Writer:
     array is encoded before the call returns, so the caller may reuse it); :meth:`finish` flushes the video, adds
     the soundtrack (trimmed or zero-padded to exactly the video's duration) and closes the file."""
 
-    def __init__(self, target: str, width: int, height: int, *, fps: Any = FPS, with_audio: bool = False,
-                 sample_rate: int = AUDIO_SAMPLE_RATE, crf: int = 18, audio_bitrate: int = 192_000):
+    def __init__(self, target: str, width: int, height: int, *, fps: Any = facts.FPS, with_audio: bool = False,
+                 sample_rate: int = facts.AUDIO_SAMPLE_RATE, crf: int = 18, audio_bitrate: int = 192_000):
         if height % 2 or width % 2 or height <= 0 or width <= 0:
             raise MediaError(f"H.264 yuv420p needs an even, non-zero width and height, got {width}x{height}")
         self.rate = _fps_fraction(fps)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from .facts import FPS
+from . import facts
 from .media_audio import _decode_audio_stream
 from .media_base import MediaError, Source, _av_open, _check_pixels, _load_source, _releases_on_failure, _wrap_errors
 
@@ -74,7 +74,7 @@ class VideoTarget:
     canvas_short_edge: int
     canvas_max_pixels: int
     canvas_multiple: int = 32
-    fps: float = float(FPS)
+    fps: float = float(facts.FPS)
 
 
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0

@@ -17,6 +17,7 @@ on top of its widest phase, the MLP (gate, up and their product: 3 x intermediat
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -84,6 +85,28 @@ def dit_tokens(*, width: int, height: int, frames: int, text_tokens: int = DEFAU
     video = (facts.video_latent_frames(frames) + condition_frames) // patch_t * grid_h * grid_w
     audio = facts.audio_latent_frames(frames) * facts.AUDIO_CHANNELS
     return video + audio + int(text_tokens)
+
+
+def _image_tokens(width: int, height: int) -> int:
+    return math.ceil(width / facts.VISION_TOKEN_PX) * math.ceil(height / facts.VISION_TOKEN_PX)
+
+
+def text_tokens(prepared, tokenizer) -> int:
+    """The Qwen presentation's length for a stage-0 `Prepared` request, estimated from above: the prompt's tokens
+    plus one vision block per keyframe or reference image and per second of reference video (each block one token
+    per 32 x 32 px), plus labels. The `text_tokens` the text encoder's `activation_bytes` take."""
+    tokens = len(tokenizer(prepared.prompt)["input_ids"]) + 64
+    for image in prepared.keyframes:
+        tokens += _image_tokens(*image.size) + 16
+    for ref in prepared.references:
+        if getattr(ref, "image", None) is not None:
+            tokens += _image_tokens(*ref.image.size) + 16
+        frames = getattr(ref, "frames", None)
+        if frames is not None and len(frames):
+            height, width = frames.shape[1:3] if hasattr(frames, "shape") else frames[0].size[::-1]
+            blocks = math.ceil(len(frames) * facts.VIDEO_BLOCKS_PER_FRAME)
+            tokens += blocks * (_image_tokens(width, height) + 16)
+    return tokens
 
 
 def _dtype_bytes(dtype) -> int:

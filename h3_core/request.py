@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from . import rules
+from . import facts, rules
 
 
 @dataclass
@@ -65,7 +65,7 @@ class EncodeRequest:
     task: str | None = None  # None: inferred from the media (h3_core.rules.infer_task)
     width: int | None = None  # None: H3's canvas rule picks it (16:9, or the first keyframe's aspect)
     height: int | None = None
-    num_frames: int = rules.MIN_FRAMES
+    num_frames: int = facts.MIN_FRAMES
     first_frame: np.ndarray | None = None  # uint8 [H, W, 3]
     last_frame: np.ndarray | None = None
     ref_images: list[np.ndarray] = field(default_factory=list)
@@ -80,7 +80,7 @@ class EncodeRequest:
         task: str | None = None,
         width: int | None = None,
         height: int | None = None,
-        num_frames: int = rules.MIN_FRAMES,
+        num_frames: int = facts.MIN_FRAMES,
         first_frame: Any = None,
         last_frame: Any = None,
         ref_images: Iterable[Any] = (),
@@ -173,5 +173,5 @@ def _check_rgb(image: np.ndarray, label: str) -> None:
         shape, dtype = getattr(image, "shape", None), getattr(image, "dtype", type(image))
         raise rules.H3InputError(f"{label} must be uint8 RGB pixels [H, W, 3], got {dtype} {shape}")
     height, width = image.shape[:2]
-    if min(height, width) < 1 or max(width / height, height / width) > rules.MAX_ASPECT:
+    if min(height, width) < 1 or max(width / height, height / width) > facts.MAX_ASPECT:
         raise rules.H3InputError(f"{label} must have an aspect ratio within 1:4 and 4:1, got {width}x{height}")

@@ -11,39 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# The numbers are H3's model facts (one home, `facts`); they are re-exported here because every entry
-# point reads them as `rules.X` next to the checks that use them.
-from .facts import (  # noqa: F401
-    AUDIO_CHANNELS,
-    AUDIO_LATENTS_PER_SECOND,
-    AUDIO_SAMPLE_RATE,
-    CANVAS_MULTIPLE,
-    EMBEDDED_AUDIO_BUDGET_S,
-    FPS,
-    FRAMES_PER_CLIP,
-    LATENTS_PER_CLIP,
-    MAX_ASPECT,
-    MAX_AUDIO_CLIP_S,
-    MAX_CANVAS_EDGE,
-    MAX_CANVAS_PIXELS,
-    MAX_DURATION_S,
-    MAX_FRAMES,
-    MAX_KEYFRAMES,
-    MAX_REF_AUDIOS,
-    MAX_REF_IMAGES,
-    MAX_REF_VIDEOS,
-    MAX_REFS,
-    MIN_ASPECT,
-    MIN_AUDIO_CLIP_S,
-    MIN_DURATION_S,
-    MIN_FRAMES,
-    MIN_REFERENCE_VIDEO_S,
-    STANDALONE_AUDIO_BUDGET_S,
-    VAE_SPATIAL_FACTOR,
-    audio_latent_frames,
-    is_on_frame_grid,
-    video_latent_frames,
-)
+from . import facts
 
 TASKS = ("t2va", "fl2va", "ref2va")
 
@@ -59,29 +27,30 @@ def snap_frames_up(num_frames: int) -> int:
     """The next frame count of the form 17k+5 at or above `num_frames`."""
     if num_frames < 1:
         raise H3InputError(f"frame count must be positive, got {num_frames}")
-    k = max(0, math.ceil((num_frames - LATENTS_PER_CLIP) / FRAMES_PER_CLIP))
-    return FRAMES_PER_CLIP * k + LATENTS_PER_CLIP
+    k = max(0, math.ceil((num_frames - facts.LATENTS_PER_CLIP) / facts.FRAMES_PER_CLIP))
+    return facts.FRAMES_PER_CLIP * k + facts.LATENTS_PER_CLIP
 
 
 def snap_frames_down(num_frames: int) -> int:
     """The largest frame count of the form 17k+5 not above `num_frames` (at least 5)."""
-    k = max(0, (num_frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP)
-    return FRAMES_PER_CLIP * k + LATENTS_PER_CLIP
+    k = max(0, (num_frames - facts.LATENTS_PER_CLIP) // facts.FRAMES_PER_CLIP)
+    return facts.FRAMES_PER_CLIP * k + facts.LATENTS_PER_CLIP
 
 
 def check_output_frames(num_frames: int) -> int:
     """Validate an output length: on the 17k+5 grid and 5-15 s long. Returns it unchanged."""
     if not isinstance(num_frames, int) or isinstance(num_frames, bool):
         raise H3InputError(f"frame count must be an integer, got {num_frames!r}")
-    if not is_on_frame_grid(num_frames):
+    if not facts.is_on_frame_grid(num_frames):
         raise H3InputError(
             f"frame count must be of the form 17k+5 (the video VAE's clip grid), got {num_frames}; "
             f"nearest valid: {snap_frames_down(num_frames)} or {snap_frames_up(num_frames)}"
         )
-    if not MIN_FRAMES <= num_frames <= MAX_FRAMES:
+    if not facts.MIN_FRAMES <= num_frames <= facts.MAX_FRAMES:
         raise H3InputError(
-            f"H3 generates {MIN_DURATION_S:g}-{MAX_DURATION_S:g} s at {FPS} fps, i.e. {MIN_FRAMES}-{MAX_FRAMES} frames "
-            f"on the 17k+5 grid, got {num_frames} frames ({num_frames / FPS:.2f} s)"
+            f"H3 generates {facts.MIN_DURATION_S:g}-{facts.MAX_DURATION_S:g} s at {facts.FPS} fps, "
+            f"i.e. {facts.MIN_FRAMES}-{facts.MAX_FRAMES} frames "
+            f"on the 17k+5 grid, got {num_frames} frames ({num_frames / facts.FPS:.2f} s)"
         )
     return num_frames
 
@@ -89,7 +58,7 @@ def check_output_frames(num_frames: int) -> int:
 # --- canvas --------------------------------------------------------------------------------------
 
 
-def check_canvas(width: int, height: int, multiple: int = CANVAS_MULTIPLE) -> tuple[int, int]:
+def check_canvas(width: int, height: int, multiple: int = facts.CANVAS_MULTIPLE) -> tuple[int, int]:
     """Validate an output canvas: positive multiples of 32 px with an aspect within 1:4..4:1, within H3's trained
     size."""
     for name, value in (("width", width), ("height", height)):
@@ -101,7 +70,7 @@ def check_canvas(width: int, height: int, multiple: int = CANVAS_MULTIPLE) -> tu
                 f"nearest valid: {max(multiple, value // multiple * multiple)} or {-(-value // multiple) * multiple}"
             )
     ratio = width / height
-    if not MIN_ASPECT <= ratio <= MAX_ASPECT:
+    if not facts.MIN_ASPECT <= ratio <= facts.MAX_ASPECT:
         raise H3InputError(f"canvas aspect ratio must be within 1:4 and 4:1, got {width}x{height} ({ratio:.3g})")
     check_canvas_size(width, height)
     return width, height
@@ -109,9 +78,9 @@ def check_canvas(width: int, height: int, multiple: int = CANVAS_MULTIPLE) -> tu
 
 def canvas_size_error(width: int, height: int) -> str | None:
     """Why a canvas is larger than H3 was trained for (`facts.MAX_CANVAS_EDGE`, `MAX_CANVAS_PIXELS`), or None."""
-    if max(width, height) > MAX_CANVAS_EDGE or width * height > MAX_CANVAS_PIXELS:
-        return (f"canvas {width}x{height} is larger than H3's trained range (at most {MAX_CANVAS_EDGE} px a side "
-                f"and {MAX_CANVAS_PIXELS} pixels, e.g. 1344x768, 1856x576 or 2016x512)")
+    if max(width, height) > facts.MAX_CANVAS_EDGE or width * height > facts.MAX_CANVAS_PIXELS:
+        return (f"canvas {width}x{height} is larger than H3's trained range (at most {facts.MAX_CANVAS_EDGE} px a side "
+                f"and {facts.MAX_CANVAS_PIXELS} pixels, e.g. 1344x768, 1856x576 or 2016x512)")
     return None
 
 
@@ -126,7 +95,7 @@ def resolve_canvas(aspect_w: float, aspect_h: float, short_edge: int, max_pixels
     from .diffusers_adapter import resolve_canvas_size
 
     try:
-        height, width = resolve_canvas_size(aspect_w, aspect_h, CANVAS_MULTIPLE, short_edge, max_pixels)
+        height, width = resolve_canvas_size(aspect_w, aspect_h, facts.CANVAS_MULTIPLE, short_edge, max_pixels)
     except ValueError as error:
         raise H3InputError(str(error)) from None
     return width, height
@@ -169,7 +138,7 @@ def check_request(task: str, prompt: str, summary: MediaSummary, num_frames: int
     if task == "fl2va":
         if n_refs:
             raise H3InputError("fl2va takes first/last keyframes only; references need task ref2va")
-        if not 1 <= summary.keyframes <= MAX_KEYFRAMES:
+        if not 1 <= summary.keyframes <= facts.MAX_KEYFRAMES:
             raise H3InputError(f"fl2va needs 1 or 2 keyframes (first and/or last frame), got {summary.keyframes}")
     if task == "ref2va":
         if summary.keyframes:
@@ -179,14 +148,15 @@ def check_request(task: str, prompt: str, summary: MediaSummary, num_frames: int
 
 
 def check_reference_counts(images: int, videos: int, audios: int) -> None:
-    if images > MAX_REF_IMAGES:
-        raise H3InputError(f"ref2va accepts at most {MAX_REF_IMAGES} image references, got {images}")
-    if videos > MAX_REF_VIDEOS:
-        raise H3InputError(f"ref2va accepts at most {MAX_REF_VIDEOS} video references, got {videos}")
-    if audios > MAX_REF_AUDIOS:
-        raise H3InputError(f"ref2va accepts at most {MAX_REF_AUDIOS} audio references, got {audios}")
-    if images + videos + audios > MAX_REFS:
-        raise H3InputError(f"ref2va accepts at most {MAX_REFS} references in total, got {images + videos + audios}")
+    if images > facts.MAX_REF_IMAGES:
+        raise H3InputError(f"ref2va accepts at most {facts.MAX_REF_IMAGES} image references, got {images}")
+    if videos > facts.MAX_REF_VIDEOS:
+        raise H3InputError(f"ref2va accepts at most {facts.MAX_REF_VIDEOS} video references, got {videos}")
+    if audios > facts.MAX_REF_AUDIOS:
+        raise H3InputError(f"ref2va accepts at most {facts.MAX_REF_AUDIOS} audio references, got {audios}")
+    if images + videos + audios > facts.MAX_REFS:
+        total = images + videos + audios
+        raise H3InputError(f"ref2va accepts at most {facts.MAX_REFS} references in total, got {total}")
     if images + videos == 0:
         raise H3InputError(
             "ref2va needs at least one image or video reference (an audio reference cannot be the only one)"
@@ -199,11 +169,11 @@ def check_reference_durations(summary: MediaSummary, num_frames: int) -> None:
     Soundtracks and standalone audio are cut to the output duration before encoding (as the
     reference does), so the budgets are checked on what is actually encoded.
     """
-    output_s = num_frames / FPS
+    output_s = num_frames / facts.FPS
     for index, seconds in enumerate(summary.video_ref_seconds, start=1):
-        if not MIN_REFERENCE_VIDEO_S <= seconds <= MAX_AUDIO_CLIP_S:
+        if not facts.MIN_REFERENCE_VIDEO_S <= seconds <= facts.MAX_AUDIO_CLIP_S:
             raise H3InputError(
-                f"reference video {index} must be {MIN_REFERENCE_VIDEO_S:g}-{MAX_AUDIO_CLIP_S:g} s long, "
+                f"reference video {index} must be {facts.MIN_REFERENCE_VIDEO_S:g}-{facts.MAX_AUDIO_CLIP_S:g} s long, "
                 f"got {seconds:.2f} s"
             )
     embedded = []
@@ -211,21 +181,23 @@ def check_reference_durations(summary: MediaSummary, num_frames: int) -> None:
         if seconds is None:
             continue
         encoded = min(seconds, output_s)
-        if not MIN_AUDIO_CLIP_S <= seconds <= MAX_AUDIO_CLIP_S or encoded < MIN_AUDIO_CLIP_S:
+        if not facts.MIN_AUDIO_CLIP_S <= seconds <= facts.MAX_AUDIO_CLIP_S or encoded < facts.MIN_AUDIO_CLIP_S:
             raise H3InputError(
-                f"the soundtrack of reference video {index} must be {MIN_AUDIO_CLIP_S:g}-{MAX_AUDIO_CLIP_S:g} s long, "
+                f"the soundtrack of reference video {index} must be "
+                f"{facts.MIN_AUDIO_CLIP_S:g}-{facts.MAX_AUDIO_CLIP_S:g} s long, "
                 f"got {seconds:.2f} s"
             )
         embedded.append(encoded)
     standalone = []
     for index, seconds in enumerate(summary.audio_ref_seconds, start=1):
-        if not MIN_AUDIO_CLIP_S <= seconds <= MAX_AUDIO_CLIP_S:
+        if not facts.MIN_AUDIO_CLIP_S <= seconds <= facts.MAX_AUDIO_CLIP_S:
             raise H3InputError(
-                f"reference audio {index} must be {MIN_AUDIO_CLIP_S:g}-{MAX_AUDIO_CLIP_S:g} s long, got {seconds:.2f} s"
+                f"reference audio {index} must be {facts.MIN_AUDIO_CLIP_S:g}-{facts.MAX_AUDIO_CLIP_S:g} s long, "
+                f"got {seconds:.2f} s"
             )
         standalone.append(min(seconds, output_s))
-    for label, clips, budget in (("reference video soundtracks", embedded, EMBEDDED_AUDIO_BUDGET_S),
-                                 ("standalone reference audios", standalone, STANDALONE_AUDIO_BUDGET_S)):
+    for label, clips, budget in (("reference video soundtracks", embedded, facts.EMBEDDED_AUDIO_BUDGET_S),
+                                 ("standalone reference audios", standalone, facts.STANDALONE_AUDIO_BUDGET_S)):
         if sum(clips) > budget + 1e-9:
             raise H3InputError(
                 f"{label} must total at most {budget:g} s (a separate budget from the other audio kind), "

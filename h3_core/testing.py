@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .facts import AUDIO_SAMPLE_RATE
+from . import facts
 from .request import AudioInput, EncodeRequest, VideoInput
 
 
@@ -27,7 +27,7 @@ def image(seed: int, height: int, width: int) -> np.ndarray:
     return np.clip(base + rng.integers(-20, 20, base.shape), 0, 255).astype(np.uint8)
 
 
-def tone(seconds: float, rate: int = AUDIO_SAMPLE_RATE, freq: float = 440.0) -> np.ndarray:
+def tone(seconds: float, rate: int = facts.AUDIO_SAMPLE_RATE, freq: float = 440.0) -> np.ndarray:
     """float32 stereo [2, S]: `freq` left, 1.5 x `freq` right."""
     t = np.arange(int(seconds * rate)) / rate
     return np.stack([0.3 * np.sin(2 * np.pi * freq * t), 0.3 * np.sin(2 * np.pi * freq * 1.5 * t)]).astype(np.float32)
@@ -37,7 +37,7 @@ def video(seconds: float, height: int = 64, width: int = 64, fps: float = 24.0, 
     """A scrolling test card at `fps`, with a 220 Hz stereo soundtrack at 32 kHz unless `audio` is False."""
     frames = np.stack([np.roll(image(7, height, width), 3 * i, axis=1) for i in range(int(seconds * fps))])
     return VideoInput(frames=frames, fps=fps, audio=tone(seconds, freq=220.0) if audio else None,
-                      sample_rate=AUDIO_SAMPLE_RATE if audio else None)
+                      sample_rate=facts.AUDIO_SAMPLE_RATE if audio else None)
 
 
 def ref2va_request(num_frames: int = 124) -> EncodeRequest:
@@ -46,7 +46,7 @@ def ref2va_request(num_frames: int = 124) -> EncodeRequest:
         prompt="<Picture 1> walks in, <Video 1> moves, <Audio 2> plays.",
         ref_images=[image(3, 64, 96)],
         ref_videos=[video(2.0)],
-        ref_audios=[AudioInput(tone(3.0), AUDIO_SAMPLE_RATE)],
+        ref_audios=[AudioInput(tone(3.0), facts.AUDIO_SAMPLE_RATE)],
         num_frames=num_frames,
     )
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import configs, tiny_pruned, tiny_twins
+from . import configs, facts, tiny_pruned, tiny_twins
 
 # Salts keep the components' draws independent: changing one component's config must not
 # change another component's weights.
@@ -150,8 +150,8 @@ def write_diffusers_root(models: dict[str, torch.nn.Module], root: Path, *, tiny
     models["text_encoder"].save_pretrained(root / "text_encoder", safe_serialization=True)
     qwen_assets.write_tokenizer(root / "tokenizer")
     qwen_assets.write_processor(root / "processor", tiny=tiny)
-    MiniMaxH3Scheduler(shift=configs.VIDEO_SHIFT).save_pretrained(root / "scheduler")
-    MiniMaxH3Scheduler(shift=configs.AUDIO_SHIFT).save_pretrained(root / "audio_scheduler")
+    MiniMaxH3Scheduler(shift=facts.VIDEO_SHIFT).save_pretrained(root / "scheduler")
+    MiniMaxH3Scheduler(shift=facts.AUDIO_SHIFT).save_pretrained(root / "audio_scheduler")
 
     import diffusers
 
@@ -188,7 +188,7 @@ def write_comfy_models(models: dict[str, torch.nn.Module], models_dir: Path) -> 
         path.parent.mkdir(parents=True, exist_ok=True)
     save_comfy_transformer(models["transformer"], paths["transformer"])
     save_comfy_transformer(models["transformer_ref"], paths["transformer_ref"])
-    save_comfy_text_encoder(models["text_encoder"], paths["text_encoder"], num_layers=configs.TEXT_ENCODER_LAYER)
+    save_comfy_text_encoder(models["text_encoder"], paths["text_encoder"], num_layers=facts.TEXT_ENCODER_LAYER)
     save_comfy_video_vae(models["vae"], paths["vae"])
     save_comfy_audio_vae(models["audio_vae"], paths["audio_vae"])
 

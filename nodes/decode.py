@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..h3_core import rules
+from ..h3_core import facts
 from ..h3_core.diffusion import AVLatents, DiffusionStage
 from . import comfy_bridge as bridge
 from .types import CATEGORY, AudioVAE, VideoVAE
@@ -39,7 +39,7 @@ class Decode(io.ComfyNode):
         # VIDEO's frames, shared, not copied): the node holds the video once plus one tile's work.
         with bridge.phase_progress(None):  # decode tiles, then the audio decode
             decoded = bridge.run_interruptible(stage.decode, latents, cancel=bridge.InterruptFlag())
-        return io.NodeOutput(*bridge.to_video(decoded.video, decoded.audio, decoded.sample_rate, rules.FPS))
+        return io.NodeOutput(*bridge.to_video(decoded.video, decoded.audio, decoded.sample_rate, facts.FPS))
 
 
 NODES = [Decode]

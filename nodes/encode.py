@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..h3_core import assembly, component_cache, rules
+from ..h3_core import assembly, component_cache, facts, rules
 from ..h3_core.encoder import EncoderStage
 from . import comfy_bridge as bridge
 from . import memory
@@ -47,23 +47,23 @@ def numbers_inputs() -> list:
             "width",
             default=0,
             min=0,
-            max=rules.MAX_CANVAS_EDGE,
+            max=facts.MAX_CANVAS_EDGE,
             step=32,
-            tooltip=f"Output width in px, a multiple of 32 (VAE /16 x patch 2), at most {rules.MAX_CANVAS_EDGE} px "
-            f"and {rules.MAX_CANVAS_PIXELS} px in area (H3's trained range). 0 = H3's canvas rule: 16:9, or the "
+            tooltip=f"Output width in px, a multiple of 32 (VAE /16 x patch 2), at most {facts.MAX_CANVAS_EDGE} px "
+            f"and {facts.MAX_CANVAS_PIXELS} px in area (H3's trained range). 0 = H3's canvas rule: 16:9, or the "
             "first keyframe's aspect, at a 768 px short edge (64 px for the tiny model).",
         ),
         io.Int.Input(
-            "height", default=0, min=0, max=rules.MAX_CANVAS_EDGE, step=32,
-            tooltip=f"Output height in px, a multiple of 32, at most {rules.MAX_CANVAS_EDGE} px; 0 = auto.",
+            "height", default=0, min=0, max=facts.MAX_CANVAS_EDGE, step=32,
+            tooltip=f"Output height in px, a multiple of 32, at most {facts.MAX_CANVAS_EDGE} px; 0 = auto.",
         ),
         io.Int.Input(
             # min 5 + step 17 keeps the widget on the 17k+5 grid; validate_inputs holds the 124..345 range.
             "length",
-            default=rules.MIN_FRAMES,
-            min=rules.LATENTS_PER_CLIP,
-            max=rules.MAX_FRAMES,
-            step=rules.FRAMES_PER_CLIP,
+            default=facts.MIN_FRAMES,
+            min=facts.LATENTS_PER_CLIP,
+            max=facts.MAX_FRAMES,
+            step=facts.FRAMES_PER_CLIP,
             tooltip="Frames at 24 fps on the video VAE's 17k+5 grid; H3 generates 124 (5.2 s) to 345 (14.4 s).",
         ),
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io
 
-from ..h3_core import assembly, configs, step_cache
+from ..h3_core import assembly, facts, step_cache
 from ..h3_core.diffusion import DiffusionStage, SamplingOptions
 from ..h3_core.lora import LoRA
 from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
@@ -42,7 +42,7 @@ class Sampler(io.ComfyNode):
                 ),
                 io.Float.Input(
                     "video_shift",
-                    default=configs.VIDEO_SHIFT,
+                    default=facts.VIDEO_SHIFT,
                     min=0.1,
                     max=100.0,
                     step=0.1,
@@ -50,7 +50,7 @@ class Sampler(io.ComfyNode):
                 ),
                 io.Float.Input(
                     "audio_shift",
-                    default=configs.AUDIO_SHIFT,
+                    default=facts.AUDIO_SHIFT,
                     min=0.1,
                     max=100.0,
                     step=0.1,

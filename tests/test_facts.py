@@ -82,7 +82,6 @@ def test_frame_range_is_diffusers_duration_after_snapping(pipe):
     snapped = sorted({mp.align_num_frames(n, 17, 5) for n in accepted})
     assert (facts.MIN_FRAMES, facts.MAX_FRAMES) == (snapped[0], snapped[-1]) == (124, 345)
     assert facts.MIN_FRAMES == mp.align_num_frames(math.ceil(pipe.min_duration * pipe.fps), 17, 5)
-    assert (rules.MIN_FRAMES, rules.MAX_FRAMES) == (facts.MIN_FRAMES, facts.MAX_FRAMES)
 
 
 def test_reference_limits():
@@ -111,9 +110,44 @@ def test_flow_shifts():
     doc = " ".join(mp.MiniMaxH3ModularPipeline.__doc__.split())
     assert re.search(r"`shift = 12\.0` for video, `shift = 3\.0` for audio", doc)
     assert facts.AUDIO_SHIFT == 3.0
-    assert (configs.VIDEO_SHIFT, configs.AUDIO_SHIFT) == (facts.VIDEO_SHIFT, facts.AUDIO_SHIFT)
 
 
 def test_text_encoder_layer(pipe):
     assert facts.TEXT_ENCODER_LAYER == pipe.text_encoder_layer == 50
-    assert configs.TEXT_ENCODER_LAYER == facts.TEXT_ENCODER_LAYER
+
+
+def test_vision_token_geometry():
+    """Qwen3-VL's patch and merge sizes (transformers' defaults, and the release config the pack builds) and the
+    rate diffusers reads reference videos at: the numbers the text encoder's memory estimate counts tokens with."""
+    import inspect
+
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+
+    for vision in (Qwen3VLVisionConfig().to_dict(), configs.RELEASE_TEXT_ENCODER["vision_config"]):
+        assert vision["patch_size"] == facts.VISION_PATCH_PX == 16
+        assert vision["spatial_merge_size"] == vision["temporal_patch_size"] == facts.VISION_MERGE == 2
+    assert facts.VISION_TOKEN_PX == 32
+    default = inspect.signature(MiniMaxH3Ref2VATextEncoderStep.__init__).parameters["video_sample_fps"].default
+    assert facts.REFERENCE_VIDEO_READ_FPS == default == MiniMaxH3Ref2VATextEncoderStep().video_sample_fps == 2.0
+    assert facts.VIDEO_BLOCKS_PER_FRAME == 1 / 24  # one vision block per second of 24 fps reference video
+
+
+def test_facts_have_one_name():
+    """Every module reads a fact as `facts.X`: nothing imports a name out of `facts` (which would give the fact a
+    second spelling, e.g. `rules.FPS`), and no module but `facts` defines one of its names at module level."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    names = {name for name in vars(facts) if name.isupper()}
+    for path in [*root.glob("h3_core/**/*.py"), *root.glob("nodes/**/*.py"), *root.glob("bench/**/*.py")]:
+        if path.name == "facts.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").endswith("facts"), f"{path}: import facts, read facts.X"
+            if isinstance(node, ast.Assign):
+                defined = {t.id for t in node.targets if isinstance(t, ast.Name)}
+                assert not defined & names, f"{path}:{node.lineno} redefines {defined & names}"

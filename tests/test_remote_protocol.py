@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from h3_core import media, rules
+from h3_core import facts, media, rules
 from h3_core.remote import ingest, packing, protocol
 from h3_core.remote.ingest import Part
 from h3_core.remote.protocol import Limits, ProtocolError
@@ -36,7 +36,7 @@ def _error(**fields) -> ProtocolError:
 
 def test_minimal_request_defaults():
     spec = _parse()
-    assert spec.resolved_task == "t2va" and spec.num_frames == rules.MIN_FRAMES and spec.media() == []
+    assert spec.resolved_task == "t2va" and spec.num_frames == facts.MIN_FRAMES and spec.media() == []
 
 
 @pytest.mark.parametrize(

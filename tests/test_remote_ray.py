@@ -28,8 +28,8 @@ pytest.importorskip("ray.serve")
 from test_hostile_server import _status  # noqa: E402
 from test_remote_server import CASES, _hostile_cases, _raw, _wire  # noqa: E402
 
+from h3_core import facts  # noqa: E402
 from h3_core.encoder import EncoderStage  # noqa: E402
-from h3_core.facts import AUDIO_SAMPLE_RATE  # noqa: E402
 from h3_core.models import ModelSource  # noqa: E402
 from h3_core.remote import protocol  # noqa: E402
 from h3_core.remote.client import EncoderClient, RemoteAuthError, RemoteEncodeError  # noqa: E402
@@ -166,7 +166,7 @@ def test_a_part_one_replica_computed_is_a_hit_on_the_other(stage, ray_url, ray_c
     # Media no other test of this module sends: the replicas share the module's cache directory, so the canonical
     # case's parts may already be there, and the first request must find none.
     fresh = {"ref_videos": [], "ref_images": [image(2027, 64, 96)],
-             "ref_audios": [AudioInput(tone(3.0, freq=523.25), AUDIO_SAMPLE_RATE)]}
+             "ref_audios": [AudioInput(tone(3.0, freq=523.25), facts.AUDIO_SAMPLE_RATE)]}
     requests = [base.__class__(**{**base.__dict__, **fresh,
                                   "prompt": f"[wait 0.4] <Picture 1> shared parts {i}."}) for i in range(7)]
     before = _health(ray_url)["load"]["served_by"]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from h3_core import rules
+from h3_core import facts, rules
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
 from h3_core.rules import H3InputError, MediaSummary
 
@@ -11,9 +11,9 @@ from h3_core.rules import H3InputError, MediaSummary
 def test_frame_grid():
     assert [rules.snap_frames_up(n) for n in (1, 5, 6, 22, 23, 120, 124)] == [5, 5, 22, 22, 39, 124, 124]
     assert rules.snap_frames_down(123) == 107 and rules.snap_frames_down(3) == 5
-    assert rules.video_latent_frames(124) == 37 and rules.video_latent_frames(1) == 1
-    assert rules.video_latent_frames(345) == 102
-    assert rules.audio_latent_frames(124) == 207 and rules.audio_latent_frames(209) == 348
+    assert facts.video_latent_frames(124) == 37 and facts.video_latent_frames(1) == 1
+    assert facts.video_latent_frames(345) == 102
+    assert facts.audio_latent_frames(124) == 207 and facts.audio_latent_frames(209) == 348
 
 
 @pytest.mark.parametrize("frames", [23, 100, 125])

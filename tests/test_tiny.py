@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3_core import configs, tiny
+from h3_core import facts, tiny
 from h3_core.models import ModelSource
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def test_layout_on_disk(tiny_dir):
 
 def test_faithful_shapes(tiny_dir):
     te_config = json.loads((tiny_dir / "diffusers" / "text_encoder" / "config.json").read_text())
-    assert te_config["text_config"]["num_hidden_layers"] > configs.TEXT_ENCODER_LAYER  # diffusers taps layer 50
+    assert te_config["text_config"]["num_hidden_layers"] > facts.TEXT_ENCODER_LAYER  # diffusers taps layer 50
     dit = json.loads((tiny_dir / "diffusers" / "transformer" / "config.json").read_text())
     assert dit["text_dim"] == te_config["text_config"]["hidden_size"]
     assert dit["in_channels"] == 24 and dit["audio_in_channels"] == 32 and dit["patch_size"] == [1, 2, 2]

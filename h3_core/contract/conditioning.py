@@ -21,26 +21,7 @@ from typing import Any
 
 import torch
 
-from .. import rules
-from ..facts import (
-    AUDIO_CHANNELS,
-    AUDIO_LATENT_CHANNELS,
-    AUDIO_LATENTS_PER_SECOND,
-    CANVAS_MULTIPLE,
-    EMBEDDED_AUDIO_BUDGET_S,
-    FPS,
-    FRAMES_PER_CLIP,
-    LATENTS_PER_CLIP,
-    MAX_AUDIO_CLIP_S,
-    MAX_FRAMES,
-    MIN_AUDIO_CLIP_S,
-    MIN_FRAMES,
-    STANDALONE_AUDIO_BUDGET_S,
-    VAE_SPATIAL_FACTOR,
-    audio_latent_frames,
-    audio_latents,
-    video_latent_frames,
-)
+from .. import facts, rules
 from . import comfy, comfy_edits, files, vllm, wire
 from .errors import check_tensor, fail, is_int, shape
 
@@ -49,10 +30,10 @@ KEYFRAME_ANCHOR_SETS = (("first",), ("last",), ("first", "last"))
 REFERENCE_KINDS = ("image", "video", "audio")
 PROMPT_EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Every audio condition is 2-15 s; the embedded soundtracks and the standalone audios are budgeted separately.
-MIN_AUDIO_LATENTS = audio_latents(MIN_AUDIO_CLIP_S)  # 80
-MAX_AUDIO_LATENTS = audio_latents(MAX_AUDIO_CLIP_S)  # 600
-AUDIO_BUDGETS = (("embedded video soundtracks", audio_latents(EMBEDDED_AUDIO_BUDGET_S)),
-                 ("standalone audio references", audio_latents(STANDALONE_AUDIO_BUDGET_S)))
+MIN_AUDIO_LATENTS = facts.audio_latents(facts.MIN_AUDIO_CLIP_S)  # 80
+MAX_AUDIO_LATENTS = facts.audio_latents(facts.MAX_AUDIO_CLIP_S)  # 600
+AUDIO_BUDGETS = (("embedded video soundtracks", facts.audio_latents(facts.EMBEDDED_AUDIO_BUDGET_S)),
+                 ("standalone audio references", facts.audio_latents(facts.STANDALONE_AUDIO_BUDGET_S)))
 
 
 @dataclass(frozen=True)
@@ -140,17 +121,18 @@ class H3Conditioning:
             raise fail("task", f"must be one of {TASKS}, got {self.task!r:.60}")
         for name in ("height", "width"):
             value = getattr(self, name)
-            if not is_int(value) or value <= 0 or value % CANVAS_MULTIPLE:
-                raise fail(name, f"must be a positive int multiple of {CANVAS_MULTIPLE} px, got {value!r:.60}")
+            if not is_int(value) or value <= 0 or value % facts.CANVAS_MULTIPLE:
+                raise fail(name, f"must be a positive int multiple of {facts.CANVAS_MULTIPLE} px, got {value!r:.60}")
         too_large = rules.canvas_size_error(self.width, self.height)
         if too_large:  # a file may claim any canvas; a sampler would allocate for it
             raise fail("width" if self.width > self.height else "height", too_large)
         nf = self.num_frames
-        if not is_int(nf) or nf < LATENTS_PER_CLIP or (nf - LATENTS_PER_CLIP) % FRAMES_PER_CLIP:
+        if not is_int(nf) or nf < facts.LATENTS_PER_CLIP or (nf - facts.LATENTS_PER_CLIP) % facts.FRAMES_PER_CLIP:
             raise fail("num_frames", f"must be an int of the form 17n+5, got {nf!r:.60}")
-        if not MIN_FRAMES <= nf <= MAX_FRAMES:
-            raise fail("num_frames", f"must be within [{MIN_FRAMES}, {MAX_FRAMES}] frames "
-                                     f"({MIN_FRAMES / FPS:g}-{MAX_FRAMES / FPS:g} s at {FPS} fps), got {nf}")
+        if not facts.MIN_FRAMES <= nf <= facts.MAX_FRAMES:
+            raise fail("num_frames", f"must be within [{facts.MIN_FRAMES}, {facts.MAX_FRAMES}] frames "
+                                     f"({facts.MIN_FRAMES / facts.FPS:g}-{facts.MAX_FRAMES / facts.FPS:g} s "
+                                     f"at {facts.FPS} fps), got {nf}")
 
         # text
         pe = check_tensor("prompt_embeds", self.prompt_embeds, PROMPT_EMBED_DTYPES)
@@ -182,14 +164,15 @@ class H3Conditioning:
         for i, rows in enumerate(self.audio_condition_latents):
             name = f"audio_condition_latents[{i}]"
             check_tensor(name, rows, torch.float32)
-            if rows.ndim != 2 or rows.shape[1] != AUDIO_LATENT_CHANNELS:
-                raise fail(name, f"must have shape [2*T, {AUDIO_LATENT_CHANNELS}], got {shape(rows)}")
-            if rows.shape[0] == 0 or rows.shape[0] % AUDIO_CHANNELS:
+            if rows.ndim != 2 or rows.shape[1] != facts.AUDIO_LATENT_CHANNELS:
+                raise fail(name, f"must have shape [2*T, {facts.AUDIO_LATENT_CHANNELS}], got {shape(rows)}")
+            if rows.shape[0] == 0 or rows.shape[0] % facts.AUDIO_CHANNELS:
                 raise fail(name, f"row count must be even and positive (2 stereo channels x T), got {rows.shape[0]}")
-            t = rows.shape[0] // AUDIO_CHANNELS
+            t = rows.shape[0] // facts.AUDIO_CHANNELS
             if not MIN_AUDIO_LATENTS <= t <= MAX_AUDIO_LATENTS:
                 raise fail(name, f"clip must be {MIN_AUDIO_LATENTS}-{MAX_AUDIO_LATENTS} latents "
-                                 f"({MIN_AUDIO_CLIP_S:g}-{MAX_AUDIO_CLIP_S:g} s at {AUDIO_LATENTS_PER_SECOND}/s), "
+                                 f"({facts.MIN_AUDIO_CLIP_S:g}-{facts.MAX_AUDIO_CLIP_S:g} s "
+                                 f"at {facts.AUDIO_LATENTS_PER_SECOND}/s), "
                                  f"got {t}")
 
         for i, anchor in enumerate(self.keyframe_anchors):
@@ -242,7 +225,7 @@ class H3Conditioning:
             t = lat.shape[2]
             if ref.kind == "image" and t != 1:
                 raise fail(f"condition_latents[{i}]", f"an image reference latent has T=1, got T={t}")
-            if ref.kind == "video" and (t - 2) % LATENTS_PER_CLIP:
+            if ref.kind == "video" and (t - 2) % facts.LATENTS_PER_CLIP:
                 raise fail(f"condition_latents[{i}]", f"a video reference latent has T of the form 5n+2, got T={t}")
 
         audio_refs = [r for r in self.references if r.has_audio]
@@ -251,35 +234,35 @@ class H3Conditioning:
                                                   f"({len(audio_refs)}), got {len(self.audio_condition_latents)}")
         totals = [0, 0]  # embedded soundtracks, standalone audios
         for ref, rows in zip(audio_refs, self.audio_condition_latents, strict=False):
-            totals[ref.kind != "video"] += rows.shape[0] // AUDIO_CHANNELS
+            totals[ref.kind != "video"] += rows.shape[0] // facts.AUDIO_CHANNELS
         for (label, budget), total in zip(AUDIO_BUDGETS, totals, strict=False):
             if total > budget:
                 raise fail("audio_condition_latents", f"{label} total {total} latents, over the separate "
-                                                      f"{budget}-latent ({budget / AUDIO_LATENTS_PER_SECOND:g} s) "
-                                                      f"budget")
+                                                      f"{budget}-latent "
+                                                      f"({budget / facts.AUDIO_LATENTS_PER_SECOND:g} s) budget")
 
     # ---- derived values -------------------------------------------------------------------------
     @property
     def latent_t(self) -> int:
         """Target video latent frames, `5n + 2`."""
-        return video_latent_frames(self.num_frames)
+        return facts.video_latent_frames(self.num_frames)
 
     @property
     def audio_t(self) -> int:
         """Target audio latents per channel, `round(num_frames / 24 * 40)`."""
-        return audio_latent_frames(self.num_frames)
+        return facts.audio_latent_frames(self.num_frames)
 
     @property
     def latent_height(self) -> int:
-        return self.height // VAE_SPATIAL_FACTOR
+        return self.height // facts.VAE_SPATIAL_FACTOR
 
     @property
     def latent_width(self) -> int:
-        return self.width // VAE_SPATIAL_FACTOR
+        return self.width // facts.VAE_SPATIAL_FACTOR
 
     @property
     def duration_s(self) -> float:
-        return self.num_frames / FPS
+        return self.num_frames / facts.FPS
 
     @property
     def text_len(self) -> int:
@@ -305,8 +288,9 @@ class H3Conditioning:
                 if lat.shape[1] != latent_channels:
                     raise fail(f"condition_latents[{i}]", f"C={lat.shape[1]} does not match the model's "
                                                           f"latent channels {latent_channels}")
-        if audio_channels is not None and audio_channels != AUDIO_LATENT_CHANNELS and self.audio_condition_latents:
-            raise fail("audio_condition_latents", f"width {AUDIO_LATENT_CHANNELS} does not match the model's "
+        wrong_audio_width = audio_channels is not None and audio_channels != facts.AUDIO_LATENT_CHANNELS
+        if wrong_audio_width and self.audio_condition_latents:
+            raise fail("audio_condition_latents", f"width {facts.AUDIO_LATENT_CHANNELS} does not match the model's "
                                                   f"audio channels {audio_channels}")
 
     # ---- equality / repr --------------------------------------------------------------------------

@@ -17,16 +17,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..facts import AUDIO_CHANNELS, PATCH_SIZE, audio_latent_frames, video_latent_frames
+from .. import facts
 from .errors import ContractError
 
 __all__ = [
-    "audio_latent_frames",
     "audio_latent_to_rows",
     "audio_rows_to_latent",
     "patchify_video_latent",
     "unpatchify_video_rows",
-    "video_latent_frames",
 ]
 
 
@@ -34,7 +32,7 @@ def _got(value: object) -> object:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
-def patchify_video_latent(latent: torch.Tensor, patch_size: Sequence[int] = PATCH_SIZE) -> torch.Tensor:
+def patchify_video_latent(latent: torch.Tensor, patch_size: Sequence[int] = facts.PATCH_SIZE) -> torch.Tensor:
     """`[1, C, T, H, W]` -> `[(T/pt)*(H/ph)*(W/pw), C*pt*ph*pw]` rows, t-major then h then w, each patch
     flattened channel-major (`einsum("nctrhpwq->nthwcrpq")`). Contiguous; a pure reshuffle (bit exact)."""
     if not isinstance(latent, torch.Tensor) or latent.ndim != 5 or latent.shape[0] != 1:
@@ -55,7 +53,7 @@ def unpatchify_video_rows(
     latent_h: int,
     latent_w: int,
     channels: int,
-    patch_size: Sequence[int] = PATCH_SIZE,
+    patch_size: Sequence[int] = facts.PATCH_SIZE,
 ) -> torch.Tensor:
     """Inverse of `patchify_video_latent`: rows -> `[1, channels, latent_t, latent_h, latent_w]`, contiguous."""
     pt, ph, pw = (int(p) for p in patch_size)
@@ -74,15 +72,15 @@ def unpatchify_video_rows(
 def audio_latent_to_rows(latent: torch.Tensor) -> torch.Tensor:
     """ComfyUI-layout audio latent `[1, A, 2, T]` -> channel-major rows `[2*T, A]` (ch0 t0..T-1, then ch1)."""
     if not isinstance(latent, torch.Tensor) or latent.ndim != 4 or latent.shape[0] != 1 \
-            or latent.shape[2] != AUDIO_CHANNELS:
+            or latent.shape[2] != facts.AUDIO_CHANNELS:
         raise ContractError(f"audio_latent: must be a [1, A, 2, T] tensor, got {_got(latent)}", field="audio_latent")
     a, _, t = latent.shape[1:]
-    return latent[0].permute(1, 2, 0).reshape(AUDIO_CHANNELS * t, a).contiguous()
+    return latent[0].permute(1, 2, 0).reshape(facts.AUDIO_CHANNELS * t, a).contiguous()
 
 
 def audio_rows_to_latent(rows: torch.Tensor) -> torch.Tensor:
     """Channel-major rows `[2*T, A]` -> ComfyUI-layout audio latent `[1, A, 2, T]`, contiguous."""
-    if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or rows.shape[0] % AUDIO_CHANNELS:
+    if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or rows.shape[0] % facts.AUDIO_CHANNELS:
         raise ContractError(f"audio rows: must be [2*T, A], got {_got(rows)}", field="audio_rows")
-    t = rows.shape[0] // AUDIO_CHANNELS
-    return rows.reshape(AUDIO_CHANNELS, t, rows.shape[1]).permute(2, 0, 1).unsqueeze(0).contiguous()
+    t = rows.shape[0] // facts.AUDIO_CHANNELS
+    return rows.reshape(facts.AUDIO_CHANNELS, t, rows.shape[1]).permute(2, 0, 1).unsqueeze(0).contiguous()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..facts import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS
+from .. import facts
 from .comfy import COMFY_PACK_KEY
 from .errors import fail, shape
 from .layout import patchify_video_latent, unpatchify_video_rows
@@ -69,18 +69,18 @@ def encode(cond, *, include_pack_metadata: bool = False) -> dict[str, Any]:
             ref_rows.append([REF_KIND_CODES["image"], 0, 0, int(lat.shape[3]), int(lat.shape[4])])
         elif ref.kind == "video":
             lat = next(visual)
-            rt = int(next(audio).shape[0]) // AUDIO_CHANNELS if ref.has_audio else 0
+            rt = int(next(audio).shape[0]) // facts.AUDIO_CHANNELS if ref.has_audio else 0
             ref_rows.append([REF_KIND_CODES["video_audio" if ref.has_audio else "video"], rt,
                              int(lat.shape[2]), int(lat.shape[3]), int(lat.shape[4])])
         else:
-            rt = int(next(audio).shape[0]) // AUDIO_CHANNELS
+            rt = int(next(audio).shape[0]) // facts.AUDIO_CHANNELS
             ref_rows.append([REF_KIND_CODES["audio"], rt, 0, 0, 0])
 
     layout = [VLLM_WIRE_SCHEMA_ID, VLLM_STAGE_SCHEMA_VERSION, TASK_CODES[cond.task], cond.height,
               cond.width, cond.num_frames, cond.latent_t, cond.audio_t, len(cond.condition_latents),
               len(cond.audio_condition_latents), len(ref_rows), len(cond.keyframe_anchors), 0, 0, 0]
     layout += [int(d) for lat in cond.condition_latents for d in lat.shape[2:]]
-    layout += [int(rows.shape[0]) // AUDIO_CHANNELS for rows in cond.audio_condition_latents]
+    layout += [int(rows.shape[0]) // facts.AUDIO_CHANNELS for rows in cond.audio_condition_latents]
     layout += [v for row in ref_rows for v in row]
     layout += [KEYFRAME_INDEX[a] for a in cond.keyframe_anchors]
 
@@ -188,14 +188,14 @@ def decode(cls, payload: Mapping[str, Any], *, metadata: Mapping[str, str] | Non
             raise fail("embed.speech_feat", f"empty slot must be fp32 [0], got {speech.dtype} {shape(speech)}")
         audio_rows = []
     else:
-        n_rows = AUDIO_CHANNELS * sum(lengths)
+        n_rows = facts.AUDIO_CHANNELS * sum(lengths)
         if speech.dtype != torch.float32 or speech.ndim != 2 or speech.shape[0] != n_rows:
-            raise fail("embed.speech_feat", f"must be fp32 [{n_rows}, {AUDIO_LATENT_CHANNELS}], got "
+            raise fail("embed.speech_feat", f"must be fp32 [{n_rows}, {facts.AUDIO_LATENT_CHANNELS}], got "
                                            f"{speech.dtype} {shape(speech)}")
         audio_rows, start = [], 0
         for length in lengths:
-            audio_rows.append(speech[start:start + AUDIO_CHANNELS * length].contiguous())
-            start += AUDIO_CHANNELS * length
+            audio_rows.append(speech[start:start + facts.AUDIO_CHANNELS * length].contiguous())
+            start += facts.AUDIO_CHANNELS * length
 
     # references / keyframes
     anchors = []

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import xxhash
 
+from .. import facts
 from .. import safetensors_header as st
-from ..facts import MAX_KEYFRAMES, MAX_REF_AUDIOS, MAX_REF_VIDEOS, MAX_REFS
 from .errors import ChecksumError, ContractError, is_int, preview
 
 FORMAT_ID = "minimax-h3-conditioning"
@@ -48,8 +48,8 @@ HEADER_FIELDS = {1: _BASE_FIELDS | {"sha256"}, 2: _BASE_FIELDS}
 WIRE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 # Upper bounds a valid conditioning never exceeds (a latent per visual reference, audio rows per soundtrack
 # and standalone audio); a header claiming more is refused before any list of names is built from it.
-MAX_CONDITION_LATENTS = MAX_REFS
-MAX_AUDIO_CONDITIONS = MAX_REF_VIDEOS + MAX_REF_AUDIOS
+MAX_CONDITION_LATENTS = facts.MAX_REFS
+MAX_AUDIO_CONDITIONS = facts.MAX_REF_VIDEOS + facts.MAX_REF_AUDIOS
 _ALIGN = 8  # the data starts on this boundary (safetensors pads its header with spaces to it)
 MAX_TENSORS = 2 + MAX_CONDITION_LATENTS + MAX_AUDIO_CONDITIONS  # 20
 # A conditioning's header is a few KB: at most `MAX_TENSORS` table entries (short names, <= 5 dims, two offsets:
@@ -232,7 +232,7 @@ def _checked_counts(header: dict[str, Any]) -> list[str]:
     if n_cond > MAX_CONDITION_LATENTS or n_audio > MAX_AUDIO_CONDITIONS:
         raise _bad(f"corrupted header: {n_cond} condition latents and {n_audio} audio conditions, a conditioning "
                    f"holds at most {MAX_CONDITION_LATENTS} and {MAX_AUDIO_CONDITIONS}")
-    for name, limit in (("references", MAX_REFS), ("keyframe_anchors", MAX_KEYFRAMES)):
+    for name, limit in (("references", facts.MAX_REFS), ("keyframe_anchors", facts.MAX_KEYFRAMES)):
         if not isinstance(header[name], list) or len(header[name]) > limit:
             got = len(header[name]) if isinstance(header[name], list) else type(header[name]).__name__
             raise _bad(f"corrupted header: {name} must be a list of at most {limit} entries, got {got}")

@@ -17,21 +17,21 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .. import media
+from .. import facts, media
 from ..progress import check_cancel
 from ..request import EncodeRequest
 from .protocol import PROTOCOL_VERSION, REQUEST_PART, Limits
 
 __all__ = ["request_to_wire", "encode_multipart", "json_part", "conditioning_bound"]
 
-# Generous per-item sizes for the answer bound (`conditioning_bound`): twice the released model's text width
-# (4096) in float32, and more latent channels than any H3 VAE has.
+# Generous per-item sizes for the answer bound (`conditioning_bound`): more than the released model's text width
+# (5120, `configs.RELEASE_TRANSFORMER["text_dim"]`) in float32, and more latent channels than any H3 VAE has.
 _MAX_TEXT_WIDTH = 8192
 _MAX_LATENT_CHANNELS = 128
-_PIXELS_PER_TOKEN = 16 * 16  # a vision token covers at least a 16x16 patch (Qwen3-VL merges 2x2 of them)
-_PIXELS_PER_LATENT = 16 * 16  # the video VAE's spatial factor
-_REFERENCE_FPS = 24  # reference videos are resampled to the output's 24 fps
-_AUDIO_CLIP_BYTES = 600 * 2 * 32 * 4  # the most latents an audio clip may have x stereo x width x float32
+_PIXELS_PER_TOKEN = facts.VISION_PATCH_PX**2  # a vision token covers at least one patch (Qwen3-VL merges 2x2)
+_PIXELS_PER_LATENT = facts.VAE_SPATIAL_FACTOR**2
+# The most latents an audio clip may have x stereo x width x float32.
+_AUDIO_CLIP_BYTES = facts.audio_latents(facts.MAX_AUDIO_CLIP_S) * facts.AUDIO_CHANNELS * facts.AUDIO_LATENT_CHANNELS * 4
 
 
 def _lossless_mp4(frames: np.ndarray, fps: float) -> bytes:
@@ -171,7 +171,7 @@ def conditioning_bound(request: EncodeRequest) -> int:
     for video in request.ref_videos:
         count, height, width = video.frames.shape[:3]
         tokens += count * height * width // _PIXELS_PER_TOKEN + 64
-        latent_frames += math.ceil(video.seconds * _REFERENCE_FPS) // 4 + 2
+        latent_frames += math.ceil(video.seconds * facts.FPS) // 4 + 2
         audio_clips += int(video.audio is not None)
     audio_clips += len(request.ref_audios)
     return (1 << 20) + tokens * (_MAX_TEXT_WIDTH * 4 + 8) + latent_frames * latent_frame_bytes + \

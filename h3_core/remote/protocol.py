@@ -83,7 +83,7 @@ class Limits:
     max_image_bytes: int = 64 * MiB
     max_video_bytes: int = 384 * MiB
     max_audio_bytes: int = 64 * MiB
-    max_parts: int = 1 + rules.MAX_KEYFRAMES + rules.MAX_REFS + rules.MAX_REF_VIDEOS  # request + media + soundtracks
+    max_parts: int = 1 + facts.MAX_KEYFRAMES + facts.MAX_REFS + facts.MAX_REF_VIDEOS  # request + media + soundtracks
     max_prompt_chars: int = 16384
     max_image_pixels: int = 4096 * 4096
     max_video_pixels: int = 3840 * 2160  # per frame
@@ -92,7 +92,7 @@ class Limits:
     # All decoded media of ONE request (frames x H x W x 3 + samples x channels x 4 over every part), counted from
     # the headers before decoding: with max_body_bytes it bounds the memory a request can make the server take.
     max_request_decoded_bytes: int = 3 * 1024 * MiB
-    max_media_seconds: float = rules.MAX_AUDIO_CLIP_S  # videos and audio clips (H3 refuses longer ones anyway)
+    max_media_seconds: float = facts.MAX_AUDIO_CLIP_S  # videos and audio clips (H3 refuses longer ones anyway)
     decode_slack_seconds: float = 1.0  # decoded past max_media_seconds before refusing, so H3's message wins
     max_sample_rate: int = 192_000
     max_audio_channels: int = 8
@@ -103,14 +103,14 @@ class Limits:
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out.update(
-            max_keyframes=rules.MAX_KEYFRAMES,
-            max_ref_images=rules.MAX_REF_IMAGES,
-            max_ref_videos=rules.MAX_REF_VIDEOS,
-            max_ref_audios=rules.MAX_REF_AUDIOS,
-            max_refs=rules.MAX_REFS,
-            num_frames=[rules.MIN_FRAMES, rules.MAX_FRAMES],
+            max_keyframes=facts.MAX_KEYFRAMES,
+            max_ref_images=facts.MAX_REF_IMAGES,
+            max_ref_videos=facts.MAX_REF_VIDEOS,
+            max_ref_audios=facts.MAX_REF_AUDIOS,
+            max_refs=facts.MAX_REFS,
+            num_frames=[facts.MIN_FRAMES, facts.MAX_FRAMES],
             frame_grid="17k+5",
-            canvas_multiple=rules.CANVAS_MULTIPLE,
+            canvas_multiple=facts.CANVAS_MULTIPLE,
         )
         return out
 
@@ -201,7 +201,7 @@ class RequestSpec:
     task: str | None = None
     width: int | None = None
     height: int | None = None
-    num_frames: int = rules.MIN_FRAMES
+    num_frames: int = facts.MIN_FRAMES
     first_frame: MediaRef | None = None
     last_frame: MediaRef | None = None
     ref_images: tuple[MediaRef, ...] = ()
@@ -380,7 +380,7 @@ def _media_list(obj: Mapping, key: str, kind: str, limits: Limits) -> tuple[Medi
     if not isinstance(value, list):
         raise _bad(f"{key} must be a list, got {type(value).__name__}", key)
     if len(value) > _MAX_LIST:
-        raise _invalid(f"{key} has {len(value)} entries; H3 accepts at most {rules.MAX_REFS} references", key)
+        raise _invalid(f"{key} has {len(value)} entries; H3 accepts at most {facts.MAX_REFS} references", key)
     return tuple(_media_ref(item, f"{key}[{index}]", kind, limits) for index, item in enumerate(value))
 
 
@@ -423,7 +423,7 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
         shown = task[:32] if isinstance(task, str) else type(task).__name__
         raise _invalid(f"task must be one of {', '.join(rules.TASKS)} or null (inferred), got {shown!r}", "task")
 
-    num_frames = _int(obj, "num_frames", rules.MIN_FRAMES)
+    num_frames = _int(obj, "num_frames", facts.MIN_FRAMES)
     try:
         rules.check_output_frames(num_frames)
     except rules.H3InputError as error:
@@ -472,9 +472,9 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
     summary = rules.MediaSummary(
         keyframes=keyframes,
         image_refs=len(images),
-        video_ref_seconds=(rules.MIN_REFERENCE_VIDEO_S,) * len(videos),
+        video_ref_seconds=(facts.MIN_REFERENCE_VIDEO_S,) * len(videos),
         soundtrack_seconds=(None,) * len(videos),
-        audio_ref_seconds=(rules.MIN_AUDIO_CLIP_S,) * len(audios),
+        audio_ref_seconds=(facts.MIN_AUDIO_CLIP_S,) * len(audios),
     )
     resolved = task or rules.infer_task(summary)
     try:

@@ -32,7 +32,7 @@ import copy
 from torch import nn
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextDecoderLayer, Qwen3VLTextRMSNorm
 
-from ..configs import TEXT_ENCODER_LAYER as H3_TEXT_ENCODER_LAYER
+from .. import facts
 
 
 class PassThroughDecoderLayer(Qwen3VLTextDecoderLayer):
@@ -65,8 +65,8 @@ class MissingLanguageModelHead(nn.Module):
     def forward(self, hidden_states):
         raise RuntimeError(
             "this Qwen3-VL is the MiniMax-H3 conditioner truncated to its first "
-            f"{H3_TEXT_ENCODER_LAYER} decoder layers: it has no language-model head. Read "
-            f"`model.model(..., output_hidden_states=True).hidden_states[{H3_TEXT_ENCODER_LAYER}]` instead."
+            f"{facts.TEXT_ENCODER_LAYER} decoder layers: it has no language-model head. Read "
+            f"`model.model(..., output_hidden_states=True).hidden_states[{facts.TEXT_ENCODER_LAYER}]` instead."
         )
 
 
@@ -80,7 +80,7 @@ def _refuse_save_pretrained(*args, **kwargs):
 def arrangement_config(config, num_file_layers: int):
     """The config of the H3 arrangement for a file with `num_file_layers` decoder layers."""
     config = copy.deepcopy(config)
-    config.text_config.num_hidden_layers = max(num_file_layers, H3_TEXT_ENCODER_LAYER + 1)
+    config.text_config.num_hidden_layers = max(num_file_layers, facts.TEXT_ENCODER_LAYER + 1)
     # There is no head to tie: keep transformers from trying to share the embedding with it.
     config.tie_word_embeddings = False
     return config
@@ -109,7 +109,6 @@ def is_arrangement(model) -> bool:
 
 
 __all__ = [
-    "H3_TEXT_ENCODER_LAYER",
     "IdentityNorm",
     "MissingLanguageModelHead",
     "PassThroughDecoderLayer",

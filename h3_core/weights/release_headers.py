@@ -24,7 +24,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from .. import configs
+from .. import configs, facts
 from ..safetensors_header import DTYPES
 from . import audio_vae_keys, text_encoder_keys, transformer_keys, video_vae_keys
 from .errors import H3WeightsError
@@ -110,7 +110,7 @@ def _comfy_shapes(component: str) -> tuple:
     elif component == "audio_vae":
         tensors = audio_vae_keys.from_diffusers(state, config)
     else:
-        tensors = text_encoder_keys.from_transformers(state, configs.TEXT_ENCODER_LAYER)
+        tensors = text_encoder_keys.from_transformers(state, facts.TEXT_ENCODER_LAYER)
     return tuple(sorted((name, tuple(t.shape)) for name, t in tensors.items()))
 
 

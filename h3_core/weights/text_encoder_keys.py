@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from .. import configs
+from .. import configs, facts
 from . import config_merge
 from .errors import H3WeightsError
 from .keymap import ComponentHandler, KeyFamily, count_indices, rename
@@ -170,9 +170,9 @@ def _build(cls, det, config: dict):
         model.tie_weights()
         return model
     layers = layer_count(det.header.tensors, det.key_format)
-    if layers < qwen_h3.H3_TEXT_ENCODER_LAYER:
+    if layers < facts.TEXT_ENCODER_LAYER:
         raise H3WeightsError(
-            f"{det.path}: H3 reads the residual stream after decoder layer {qwen_h3.H3_TEXT_ENCODER_LAYER}, "
+            f"{det.path}: H3 reads the residual stream after decoder layer {facts.TEXT_ENCODER_LAYER}, "
             f"but this truncated text encoder has only {layers} layers"
         )
     with init_empty_weights(include_buffers=False):

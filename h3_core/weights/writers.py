@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..configs import AUDIO_SHIFT, TEXT_ENCODER_LAYER, VIDEO_SHIFT
+from .. import facts
 from . import audio_vae_keys, config_merge, text_encoder_keys, transformer_keys, video_vae_keys
 from .errors import H3WeightsError
 from .safetensors_io import write_file, write_json, write_sharded
@@ -57,7 +57,11 @@ def _native_model_index(root: str, partition: str) -> None:
             raise H3WeightsError(f"{path} declares partition {stated!r}, not {partition!r}")
     index.setdefault(
         "_minimax_h3",
-        {"partition": name, "tasks": tasks, "sigma_shift_scales": {"video": VIDEO_SHIFT, "audio": AUDIO_SHIFT}},
+        {
+            "partition": name,
+            "tasks": tasks,
+            "sigma_shift_scales": {"video": facts.VIDEO_SHIFT, "audio": facts.AUDIO_SHIFT},
+        },
     )
     index.setdefault("scheduler", None)
     write_json(path, index)
@@ -127,7 +131,7 @@ def _text_config_for_metadata(model, num_layers: int) -> dict:
     return {**top, "text_config": text, "vision_config": vision}
 
 
-def save_comfy_text_encoder(model, path: str, num_layers: int = TEXT_ENCODER_LAYER) -> None:
+def save_comfy_text_encoder(model, path: str, num_layers: int = facts.TEXT_ENCODER_LAYER) -> None:
     """`Qwen3VLForConditionalGeneration` -> Comfy-Org file: `model.layers.{0..num_layers-1}`,
     `model.embed_tokens`, `visual.*`; no final norm, no lm_head."""
     from . import qwen_h3  # imports transformers' Qwen3-VL modelling; only needed here
