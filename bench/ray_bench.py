@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 def _deploy(models: Path, replicas: int, threads: int, port: int) -> str:
     from h3_core.remote import ray_engine, ray_run
-    from h3_core.remote.service import ServerConfig
+    from h3_core.remote.config import ServerConfig
 
     settings = ray_engine.RaySettings(models=str(models), replicas=replicas, threads=threads,
                                       config=ServerConfig(threads=threads), max_ongoing_requests=2,

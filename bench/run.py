@@ -32,29 +32,6 @@ if str(REPO) not in sys.path:
 
 SECTIONS = ("split", "wire", "remote", "vae", "ray", "fairness", "components", "cache")
 
-FULL = {
-    "split": dict(pairs=20, steps=50, width=64, height=64, frames=124, load_rounds=3),
-    "wire": dict(reps={"0.2MB": 30, "10MB": 30, "70MB": 60}),  # the target's size: the most rounds (interval)
-    "remote": dict(reps={"text": 30, "refs": 10}, plan={1: 50, 4: 12, 16: 4}, passes=4,
-                   hits={"sequential": 400, "concurrent": 20, "under_load": 100, "busy_per_client": 15}),
-    "components": dict(rounds=4, restarts=2),
-    "cache": dict(steps=20, pairs=3),
-    "vae": dict(canvas=[256, 384, 512, 768, 1024], canvas_frames=22, frames=[22, 56, 124, 209], frames_canvas=384,
-                encode_canvas=[256, 384, 512, 768, 1024], encode_frames=[22, 39, 56, 73], encode_frames_canvas=128,
-                audio_seconds=[2.5, 5.0, 10.0, 15.0], reps=2, per_process=True),
-}
-QUICK = {
-    "split": dict(pairs=10, steps=50, width=64, height=64, frames=124, load_rounds=1),
-    "wire": dict(reps={"0.2MB": 10, "10MB": 6, "70MB": 4}),
-    "remote": dict(reps={"text": 8, "refs": 3}, plan={1: 16, 4: 4, 16: 2}, passes=2,
-                   hits={"sequential": 150, "concurrent": 5, "under_load": 30, "busy_per_client": 5}),
-    "components": dict(rounds=2, restarts=1),
-    "cache": dict(steps=20, pairs=1, presets=["every:2", "fast"]),
-    "vae": dict(canvas=[256, 384, 512, 768], canvas_frames=22, frames=[22, 56, 124], frames_canvas=256,
-                encode_canvas=[256, 512], encode_frames=[22, 39], encode_frames_canvas=64,
-                audio_seconds=[2.5, 10.0], reps=1, per_process=False, compare_canvas=[192, 384], compare_rounds=2),
-}
-
 NOTES = [
     "Threads: every process (bench, encoder server, workers) runs torch with the same thread count (`--threads`, "
     "default 1). On this shared 2-core machine 2 threads made the same job 2.5-17x slower and wildly noisy "
@@ -115,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import common, report
 
     common.set_threads(args.threads)
-    plan = QUICK if args.quick else FULL
+    plan = common.RUN_QUICK if args.quick else common.RUN_FULL
     out = Path(args.out) if args.out else REPO / "bench" / "results" / ("quick" if args.quick else "")
     started = time.perf_counter()
     results: dict = {"meta": {"mode": "quick" if args.quick else "full",

@@ -299,9 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {','.join(SIZES)}")
     parser.add_argument("--reps", type=int, help="interleaved rounds per size (overrides --quick)")
     args = parser.parse_args(argv)
-    from bench.run import FULL, QUICK
 
-    reps = dict((QUICK if args.quick else FULL)["wire"]["reps"])
+    reps = dict((common.RUN_QUICK if args.quick else common.RUN_FULL)["wire"]["reps"])
     if args.reps:
         reps = {name: args.reps for name in reps}
     sizes = {name: SIZES[name] for name in args.sizes.split(",") if name}

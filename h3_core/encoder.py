@@ -222,7 +222,7 @@ class EncoderStage:
             inputs["keyframes"] = prepared.keyframes
         elif prepared.task == "ref2va":
             inputs["normalized_references"] = prepared.references
-        with _LayerCounter(self.text_encoder, "text"):
+        with LayerCounter(self.text_encoder, "text"):
             state = run_blocks(pipe, **inputs)
         prompt_embeds, tags = state.get("prompt_embeds").cpu(), state.get("text_token_tags").cpu()
         component_cache.store(address, {"prompt_embeds": prompt_embeds, "text_token_tags": tags})
@@ -361,7 +361,7 @@ class EncoderStage:
         )
 
 
-class _LayerCounter:
+class LayerCounter:
     """Reports a model's forward as a progress phase, one unit per decoder layer (the text encoder's
     `layers` stack: 50 at release), through forward hooks that read nothing; inert without a sink."""
 

@@ -62,12 +62,12 @@ from .media_audio import (
 from .media_base import (
     MediaError,
     Source,
-    _av_open,
-    _check_pixels,
-    _load_source,
-    _releases_on_failure,
-    _to_numpy,
-    _wrap_errors,
+    av_open,
+    check_pixels,
+    load_source,
+    releases_on_failure,
+    to_numpy,
+    wrap_errors,
 )
 from .media_mp4 import Mp4Writer, encode_frames, streamed_mp4
 from .media_video import VideoClip, VideoTarget, canvas_size, read_video
@@ -123,7 +123,7 @@ def frames_to_uint8(frames: Any) -> np.ndarray:
     (ComfyUI ``IMAGE`` batches go through here). uint8 input is returned as is (made contiguous). Non-finite
     values raise :class:`MediaError`.
     """
-    x = _to_numpy(frames)
+    x = to_numpy(frames)
     if x.ndim != 4 or x.shape[-1] != 3:
         raise MediaError(f"video frames must be [frames, height, width, 3] RGB, got shape {tuple(x.shape)}")
     return _float_to_uint8(x, "video frames")
@@ -132,7 +132,7 @@ def frames_to_uint8(frames: Any) -> np.ndarray:
 def image_to_uint8(image: Any) -> np.ndarray:
     """One image ``[H, W, 3]`` (or a batch of one, ``[1, H, W, 3]``) -> uint8 ``[H, W, 3]``, same rounding as
     :func:`frames_to_uint8`."""
-    x = _to_numpy(image)
+    x = to_numpy(image)
     if x.ndim == 4 and x.shape[0] == 1:
         x = x[0]
     if x.ndim != 3 or x.shape[-1] != 3:
@@ -144,7 +144,7 @@ def image_to_uint8(image: Any) -> np.ndarray:
 # images
 
 
-@_releases_on_failure
+@releases_on_failure
 def read_image(src: Source, max_pixels: int | None = None) -> np.ndarray:
     """Decode an image file (PNG, JPEG, WEBP, ... whatever Pillow reads) to uint8 RGB ``[H, W, 3]``.
 
@@ -154,15 +154,15 @@ def read_image(src: Source, max_pixels: int | None = None) -> np.ndarray:
     frame. ``max_pixels`` is checked against the header's size before any pixel data is decoded (decompression-bomb
     guard); Pillow's own guard (``Image.MAX_IMAGE_PIXELS``, twice that is an error) applies on top.
     """
-    data, label = _load_source(src, "image")
-    with _wrap_errors("image", label), warnings.catch_warnings():
+    data, label = load_source(src, "image")
+    with wrap_errors("image", label), warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             image = Image.open(data if isinstance(data, str) else io.BytesIO(data))
         except Image.DecompressionBombError as error:
             raise MediaError(f"image {label} is over Pillow's decompression-bomb limit: {error}") from error
         with image:
-            _check_pixels("image", label, image.width, image.height, max_pixels)
+            check_pixels("image", label, image.width, image.height, max_pixels)
             image.load()
             image = ImageOps.exif_transpose(image)
             if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
@@ -237,7 +237,7 @@ def _seconds(value, time_base) -> float | None:
     return float(value * time_base)
 
 
-@_releases_on_failure
+@releases_on_failure
 def probe(src: Source) -> dict[str, Any]:
     """Container facts from the headers only (no frame is decoded), for cheap validation.
 
@@ -248,8 +248,8 @@ def probe(src: Source) -> dict[str, Any]:
     size: a display-matrix rotation (applied by :func:`read_video`) is not visible in the headers PyAV exposes.
     Images open too (one video stream).
     """
-    data, label = _load_source(src, "media")
-    with _wrap_errors("media", label), _av_open(data) as container:
+    data, label = load_source(src, "media")
+    with wrap_errors("media", label), av_open(data) as container:
         streams = []
         for stream in container.streams:
             entry: dict[str, Any] = {

@@ -14,11 +14,11 @@ import av
 import numpy as np
 
 from . import facts
-from .media_base import MediaError, Source, _av_open, _load_source, _releases_on_failure, _to_numpy, _wrap_errors
+from .media_base import MediaError, Source, av_open, load_source, releases_on_failure, to_numpy, wrap_errors
 
 
-def _waveform_to_numpy(waveform: Any, kind: str = "waveform") -> np.ndarray:
-    x = _to_numpy(waveform)
+def waveform_to_numpy(waveform: Any, kind: str = "waveform") -> np.ndarray:
+    x = to_numpy(waveform)
     if x.ndim == 1:
         x = x[None]
     if x.ndim != 2 or x.shape[0] < 1:
@@ -28,14 +28,14 @@ def _waveform_to_numpy(waveform: Any, kind: str = "waveform") -> np.ndarray:
     return x.astype(np.float32, copy=False)
 
 
-def _to_stereo(x: np.ndarray) -> np.ndarray:
+def to_stereo(x: np.ndarray) -> np.ndarray:
     """Mono duplicated to both channels; channels beyond the first two dropped (the reference rule). A new array."""
     if x.shape[0] == 1:
         return np.repeat(x, 2, axis=0)
     return np.array(x[:2], dtype=np.float32, copy=True, order="C")
 
 
-def _check_rate(sample_rate: Any, what: str) -> int:
+def check_rate(sample_rate: Any, what: str) -> int:
     if isinstance(sample_rate, bool) or not float(sample_rate).is_integer() or int(sample_rate) <= 0:
         raise MediaError(f"{what} must be a positive whole number of Hz, got {sample_rate!r}")
     return int(sample_rate)
@@ -81,9 +81,9 @@ def resample_audio(waveform: Any, sample_rate: int, target_rate: int = facts.AUD
     ``ceil(S * target / rate)`` samples, time-aligned with the input (no leading delay). The values are not
     torchaudio's (different filter), the length is.
     """
-    x = _to_stereo(_waveform_to_numpy(waveform))
-    sample_rate = _check_rate(sample_rate, "sample_rate")
-    target_rate = _check_rate(target_rate, "target_rate")
+    x = to_stereo(waveform_to_numpy(waveform))
+    sample_rate = check_rate(sample_rate, "sample_rate")
+    target_rate = check_rate(target_rate, "target_rate")
     if x.shape[1] == 0:
         raise MediaError("cannot resample a zero-length waveform (0 samples)")
     if sample_rate == target_rate:
@@ -114,7 +114,7 @@ def resample_audio(waveform: Any, sample_rate: int, target_rate: int = facts.AUD
     return np.ascontiguousarray(out[:, :length], dtype=np.float32)
 
 
-def _decode_audio_stream(container, stream, kind: str, label: str, max_samples: int | None) -> np.ndarray:
+def decode_audio_stream(container, stream, kind: str, label: str, max_samples: int | None) -> np.ndarray:
     """All samples of ``stream`` as float32 ``[C, S]`` at the stream's own rate and channel count, stopping once
     ``max_samples`` are in hand.
 
@@ -154,7 +154,7 @@ def _decode_audio_stream(container, stream, kind: str, label: str, max_samples: 
     return np.ascontiguousarray(interleaved.T, dtype=np.float32)
 
 
-@_releases_on_failure
+@releases_on_failure
 def read_audio(src: Source, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
     """Decode the first audio stream of a file (WAV, FLAC, MP3, AAC/M4A, or a video's soundtrack) to
     ``(float32 [C, S], sample_rate)`` at the file's own rate and channel count (pass it to :func:`resample_audio`
@@ -164,8 +164,8 @@ def read_audio(src: Source, max_seconds: float | None = None) -> tuple[np.ndarra
     diffusers applies). Lossy codecs may carry up to one codec frame of encoder padding past the declared
     duration; it is kept, as FFmpeg and diffusers keep it.
     """
-    data, label = _load_source(src, "audio")
-    with _wrap_errors("audio", label), _av_open(data) as container:
+    data, label = load_source(src, "audio")
+    with wrap_errors("audio", label), av_open(data) as container:
         if not container.streams.audio:
             raise MediaError(f"audio {label} has no audio stream")
         stream = container.streams.audio[0]
@@ -173,7 +173,7 @@ def read_audio(src: Source, max_seconds: float | None = None) -> tuple[np.ndarra
         if rate <= 0:
             raise MediaError(f"audio {label} has no sample rate in its header")
         max_samples = None if max_seconds is None else int(max_seconds * rate)
-        waveform = _decode_audio_stream(container, stream, "audio", label, max_samples)
+        waveform = decode_audio_stream(container, stream, "audio", label, max_samples)
     if waveform.shape[1] == 0:
         raise MediaError(f"audio {label} is zero-length (no samples decoded)")
     return waveform, rate
@@ -183,8 +183,8 @@ def encode_wav_bytes(waveform: Any, sample_rate: int, sample_format: str = "f32"
     """WAV bytes of a waveform ``[C, S]`` (or ``[S]``). ``sample_format="f32"`` (IEEE float, lossless:
     ``read_audio`` gives the same float32 samples back) or ``"s16"`` (16-bit PCM, ``round(x * 32768)`` clipped to
     the int16 range)."""
-    x = _waveform_to_numpy(waveform)
-    sample_rate = _check_rate(sample_rate, "sample_rate")
+    x = waveform_to_numpy(waveform)
+    sample_rate = check_rate(sample_rate, "sample_rate")
     channels = x.shape[0]
     if sample_format == "f32":
         fmt_tag, width, payload = 3, 4, np.ascontiguousarray(x.T).astype("<f4").tobytes()

@@ -26,7 +26,7 @@ class MediaError(ValueError):
 # sources and error mapping
 
 
-def _load_source(src: Source, kind: str) -> tuple[str | bytes, str]:
+def load_source(src: Source, kind: str) -> tuple[str | bytes, str]:
     """``(path or bytes, label for messages)``; a file object is read to its end so it can be opened twice."""
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
@@ -55,11 +55,11 @@ def _load_source(src: Source, kind: str) -> tuple[str | bytes, str]:
     return path, repr(path)
 
 
-def _av_open(data: str | bytes):
+def av_open(data: str | bytes):
     return av.open(data if isinstance(data, str) else io.BytesIO(data), mode="r")
 
 
-class _wrap_errors:
+class wrap_errors:
     """Turn PyAV/Pillow/OS failures inside the block into :class:`MediaError` naming ``kind`` and ``label``."""
 
     def __init__(self, kind: str, label: str, action: str = "decode"):
@@ -87,7 +87,7 @@ def _release_traceback(error: BaseException | None) -> None:
         error = error.__cause__ or error.__context__
 
 
-def _releases_on_failure(function):
+def releases_on_failure(function):
     """Raise a decoder's :class:`MediaError` as a fresh one carrying the message only.
 
     A traceback references every frame the failure went through, and with them the decoded pixels or samples, the
@@ -115,7 +115,7 @@ def _releases_on_failure(function):
     return wrapper
 
 
-def _check_pixels(kind: str, label: str, width: int, height: int, max_pixels: int | None) -> None:
+def check_pixels(kind: str, label: str, width: int, height: int, max_pixels: int | None) -> None:
     if width <= 0 or height <= 0:
         raise MediaError(f"{kind} {label} has no pixels ({width}x{height})")
     if max_pixels is not None and width * height > max_pixels:
@@ -124,7 +124,7 @@ def _check_pixels(kind: str, label: str, width: int, height: int, max_pixels: in
         )
 
 
-def _to_numpy(x: Any) -> np.ndarray:
+def to_numpy(x: Any) -> np.ndarray:
     """numpy view of a numpy array or a torch tensor (any device; bfloat16 widened to float32, exactly)."""
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor, duck-typed so torch is never imported here
         x = x.detach()

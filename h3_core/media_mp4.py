@@ -18,8 +18,8 @@ import av
 import numpy as np
 
 from . import facts
-from .media_audio import _check_rate, _to_stereo, _waveform_to_numpy
-from .media_base import MediaError, _wrap_errors
+from .media_audio import check_rate, to_stereo, waveform_to_numpy
+from .media_base import MediaError, wrap_errors
 
 
 def _fps_fraction(fps: Any) -> Fraction:
@@ -40,9 +40,9 @@ class Mp4Writer:
         if height % 2 or width % 2 or height <= 0 or width <= 0:
             raise MediaError(f"H.264 yuv420p needs an even, non-zero width and height, got {width}x{height}")
         self.rate = _fps_fraction(fps)
-        self.sample_rate = _check_rate(sample_rate, "sample_rate") if with_audio else None
+        self.sample_rate = check_rate(sample_rate, "sample_rate") if with_audio else None
         self.target, self.width, self.height, self.count = target, int(width), int(height), 0
-        self._errors = _wrap_errors("mp4", repr(target), "encode")
+        self._errors = wrap_errors("mp4", repr(target), "encode")
         codec = "libx264" if "libx264" in av.codecs_available else "h264"
         with self._errors:
             self.container = av.open(target, mode="w", format="mp4", options={"movflags": "+faststart"})
@@ -83,7 +83,7 @@ class Mp4Writer:
         if self.astream is not None:
             if audio is None:
                 raise MediaError("this mp4 was opened with an audio track: give finish() the soundtrack")
-            stereo = _to_stereo(_waveform_to_numpy(audio, "soundtrack"))
+            stereo = to_stereo(waveform_to_numpy(audio, "soundtrack"))
             wanted = int(round(Fraction(self.count) * self.sample_rate / self.rate))  # exactly F / fps
             if stereo.shape[1] >= wanted:
                 stereo = np.ascontiguousarray(stereo[:, :wanted])
@@ -140,8 +140,8 @@ def encode_frames(target: str, frames: np.ndarray, audio: Any, fps: Any, sample_
     if count == 0:
         raise MediaError("cannot write a zero-length video (0 frames)")
     if audio is not None:  # checked before the file is opened, as before
-        _check_rate(sample_rate, "sample_rate")
-        _waveform_to_numpy(audio, "soundtrack")
+        check_rate(sample_rate, "sample_rate")
+        waveform_to_numpy(audio, "soundtrack")
     writer = Mp4Writer(target, width, height, fps=fps, with_audio=audio is not None, sample_rate=sample_rate,
                        crf=crf, audio_bitrate=audio_bitrate)
     try:

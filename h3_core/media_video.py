@@ -12,8 +12,8 @@ import numpy as np
 from PIL import Image
 
 from . import facts
-from .media_audio import _decode_audio_stream
-from .media_base import MediaError, Source, _av_open, _check_pixels, _load_source, _releases_on_failure, _wrap_errors
+from .media_audio import decode_audio_stream
+from .media_base import MediaError, Source, av_open, check_pixels, load_source, releases_on_failure, wrap_errors
 
 
 @dataclass
@@ -153,7 +153,7 @@ def _decode_video_frames(
         raise MediaError(f"video {label} has no video stream")
     stream = container.streams.video[0]
     width, height = stream.codec_context.width, stream.codec_context.height
-    _check_pixels("video", label, width, height, max_pixels)
+    check_pixels("video", label, width, height, max_pixels)
     declared = int(stream.frames or 0)
     if max_frames is not None and not truncate and declared > max_frames:
         raise MediaError(f"video {label} has {declared} frames, over the limit of max_frames={max_frames}")
@@ -173,7 +173,7 @@ def _decode_video_frames(
     for frame in container.decode(stream):
         if size is None:
             size = (frame.width, frame.height)
-            _check_pixels("video", label, frame.width, frame.height, max_pixels)
+            check_pixels("video", label, frame.width, frame.height, max_pixels)
         elif (frame.width, frame.height) != size:
             raise MediaError(
                 f"video {label} changes size mid-stream ({size[0]}x{size[1]} -> {frame.width}x{frame.height})"
@@ -230,7 +230,7 @@ def _target_size(upright: tuple[int, int], target: VideoTarget) -> tuple[int, in
     return (height, width) if stable else upright
 
 
-@_releases_on_failure
+@releases_on_failure
 def read_video(
     src: Source,
     max_frames: int | None = None,
@@ -261,7 +261,7 @@ def read_video(
         raise MediaError(f"max_frames must be at least 1, got {max_frames}")
     if target is not None and target.num_frames < 1:
         raise MediaError(f"target.num_frames must be at least 1, got {target.num_frames}")
-    data, label = _load_source(src, "video")
+    data, label = load_source(src, "video")
     return _read_video_streams(data, label, max_frames, max_pixels, truncate, target, fps)
 
 
@@ -269,20 +269,20 @@ def _read_video_streams(
     data: str | bytes, label: str, max_frames: int | None, max_pixels: int | None, truncate: bool,
     target: VideoTarget | None, fps: float | None,
 ) -> VideoClip:
-    with _wrap_errors("video", label), _av_open(data) as container:
+    with wrap_errors("video", label), av_open(data) as container:
         frames, count, fps = _decode_video_frames(container, label, max_frames, max_pixels, truncate, target, fps)
         has_audio = bool(container.streams.audio)
     audio, sample_rate = None, None
     if has_audio:
         # A fresh open rather than a seek: the soundtrack is then exactly what read_audio(src) decodes.
-        with _wrap_errors("video soundtrack", label), _av_open(data) as container:
+        with wrap_errors("video soundtrack", label), av_open(data) as container:
             astream = container.streams.audio[0]
             sample_rate = int(astream.codec_context.sample_rate or 0)
             if sample_rate > 0:
                 cut = None
                 if truncate and max_frames is not None and count == max_frames:
                     cut = int(max_frames / fps * sample_rate)
-                audio = _decode_audio_stream(container, astream, "video soundtrack", label, cut)
+                audio = decode_audio_stream(container, astream, "video soundtrack", label, cut)
         if audio is None or audio.shape[1] == 0:
             audio, sample_rate = None, None
     out_fps = fps if target is None else float(target.fps)

@@ -19,93 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from . import planner, rules
-
-GB = 1e9
+from . import plan_tables, planner, rules
 
 # The largest sequence-parallel degree the planner suggests (one 8-GPU node).
 MAX_RANKS = 8
-
-# Published Comfy-Org files (bytes; docs/REAL_WEIGHTS.md): the alternatives a refusal suggests.
-PUBLISHED = {
-    "transformer": (
-        ("minimax_h3_{p}_bf16", 66_280_000_000),
-        ("minimax_h3_{p}_pruned_bf16", 40_230_000_000),
-        ("minimax_h3_{p}_int8_convrot", 34_038_892_334),
-        ("minimax_h3_{p}_pruned_int8_convrot", 20_970_379_616),
-        ("minimax_h3_{p}_pruned_fp8_scaled", 20_958_205_608),
-        ("minimax_h3_{p}_pruned_w6a8", 15_980_000_000),
-    ),
-    "text_encoder": (
-        ("qwen3vl_32b_minimax_h3_bf16", 51_500_000_000),
-        ("qwen3vl_32b_minimax_h3_int8_convrot", 27_141_342_152),
-        ("qwen3vl_32b_minimax_h3_nvfp4_awq", 15_687_142_551),
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Verdict:
-    role: str
-    offload: str | None  # "none" / "block" / None (does not fit)
-    peak: int
-    host: int
-    advice: str
-    ranks: int = 1  # sequence-parallel ranks the peak is per GPU of
-    resident_from: int | None = None  # DiT: smallest sequence-parallel degree that fits resident (None: none <= 8)
-
-    @property
-    def label(self) -> str:
-        return {"none": "fits resident", "block": "fits streamed", None: "does not fit"}[self.offload]
-
-
-def _fits(peak: int, host: int, vram: int, ram: int | None) -> bool:
-    return peak <= vram and (ram is None or host <= ram)
-
-
-def _scaled(plan: planner.ComponentPlan, stored: int) -> planner.ComponentPlan:
-    """`plan` with its weights scaled to another published file of the same component (same layer
-    structure, different bytes per weight): an estimate for advice only."""
-    ratio = stored / max(plan.stored_bytes, 1)
-    return planner.ComponentPlan(
-        component=plan.component, name="", stored_bytes=stored, device_bytes=int(plan.device_bytes * ratio),
-        rest_bytes=int(plan.rest_bytes * ratio), largest_block=int(plan.largest_block * ratio), blocks=plan.blocks,
-        activation=plan.activation, dtype=plan.dtype,
-    )
-
-
-def _alternatives(plan: planner.ComponentPlan, extra: int, vram: int, ram: int | None) -> str:
-    partition = "ref2va" if plan.component == "transformer_ref" else "fl2va"
-    key = "text_encoder" if plan.component == "text_encoder" else "transformer"
-    for pattern, stored in sorted(PUBLISHED[key], key=lambda item: -item[1]):
-        if stored >= plan.stored_bytes:
-            continue
-        other = _scaled(plan, stored)
-        for offload in ("none", "block"):
-            if _fits(other.peak(offload) + extra, other.host_bytes(offload), vram, ram):
-                name = pattern.format(p=partition)
-                return f"use {name}.safetensors ({stored / GB:.1f} GB) with --offload {offload}"
-    return ""
-
-
-def _decide(role: str, plan: planner.ComponentPlan, extra_for, vram: int, ram: int | None) -> Verdict:
-    """First of resident / streamed that fits; `extra_for(offload)` adds what shares the device."""
-    for offload in ("none", "block") if plan.streamable else ("none",):
-        peak = max(plan.peak(offload), extra_for(offload))
-        host = plan.host_bytes(offload)
-        if _fits(peak, host, vram, ram):
-            return Verdict(role, offload, peak, host, "")
-    offload = "block" if plan.streamable else "none"
-    peak, host = max(plan.peak(offload), extra_for(offload)), plan.host_bytes(offload)
-    advice = [_alternatives(plan, max(0, extra_for(offload) - plan.peak(offload)), vram, ram)]
-    if plan.component == "text_encoder":
-        advice.append("or run the text encoder on an encoder server (`serve`) and `encode --server URL`")
-    if ram is not None and host > ram:
-        advice.append(f"streaming this file needs {host / GB:.0f} GB host RAM")
-    return Verdict(role, None, peak, host, "; ".join(a for a in advice if a) or "no published file fits")
-
 
 def smallest_resident_ranks(plan: planner.ComponentPlan, extra_for, vram: int, ram: int | None) -> int | None:
     """The fewest sequence-parallel ranks (dividing the DiT's heads, up to MAX_RANKS) at which `plan` fits resident on
@@ -114,12 +33,12 @@ def smallest_resident_ranks(plan: planner.ComponentPlan, extra_for, vram: int, r
     for ranks in range(1, MAX_RANKS + 1):
         if not plan.divides(ranks):
             continue
-        if _decide("", plan.per_rank(ranks), extra_for, vram, ram).offload == "none":
+        if planner.decide("", plan.per_rank(ranks), extra_for, vram, ram).offload == "none":
             return ranks
     return None
 
 
-def verdicts(plans: list[planner.ComponentPlan], vram: int, ram: int | None, ranks: int = 1) -> list[Verdict]:
+def verdicts(plans: list[planner.ComponentPlan], vram: int, ram: int | None, ranks: int = 1) -> list[planner.Verdict]:
     """One verdict per DiT file (the diffusion machine, per GPU of `ranks` sequence-parallel ranks) and per
     text-encoder file (a local encoder), with the first video / audio VAE given sharing the device."""
     vae = next((p for p in plans if p.component == "vae"), None)
@@ -138,12 +57,12 @@ def verdicts(plans: list[planner.ComponentPlan], vram: int, ram: int | None, ran
                 return kept + decoders + decode_work + planner.RESERVE_BYTES
 
             role = f"diffusion ({plan.name})" + (f" per GPU of {ranks}" if ranks > 1 else "")
-            verdict = _decide(role, plan.per_rank(ranks), decode_phase, vram, ram)
+            verdict = planner.decide(role, plan.per_rank(ranks), decode_phase, vram, ram)
             out.append(replace(verdict, ranks=ranks,
                                resident_from=smallest_resident_ranks(plan, decode_phase, vram, ram)))
         elif plan.component == "text_encoder":
             # the VAEs' weights share the device with the text encoder (their work comes after it)
-            out.append(_decide(f"local encoder ({plan.name})", plan,
+            out.append(planner.decide(f"local encoder ({plan.name})", plan,
                                lambda offload, te=plan: te.peak(offload) + decoders, vram, ram))
     return out
 
@@ -162,24 +81,22 @@ def _plans_from_args(args) -> list[planner.ComponentPlan]:
 
 
 def _gb(value: int) -> str:
-    return f"{value / GB:.1f}"
+    return f"{value / planner.GB:.1f}"
 
 
 def run(args) -> int:
     rules.check_canvas(args.width, args.height)  # H3's canvas and frame rules, as encode and generate apply them
     rules.check_output_frames(args.frames)
     if args.table:
-        from .plan_tables import machine_choices, machine_table
-
         job = {"width": args.width, "height": args.height, "frames": args.frames, "text_tokens": args.text_tokens}
-        print(machine_table(**job) + "\n\n" + machine_choices(**job))
+        print(plan_tables.machine_table(**job) + "\n\n" + plan_tables.machine_choices(**job))
         return 0
     if args.vram is None:
         raise ValueError("plan needs --vram GB (the GPU's memory)")
     if args.sp < 1:
         raise ValueError(f"--sp must be an integer >= 1 (GPUs), got {args.sp}")
     plans = _plans_from_args(args)
-    vram, ram = int(args.vram * GB), None if args.ram is None else int(args.ram * GB)
+    vram, ram = int(args.vram * planner.GB), None if args.ram is None else int(args.ram * planner.GB)
     results = verdicts(plans, vram, ram, args.sp)
     if args.json:
         print(json.dumps({

@@ -6,6 +6,7 @@ and markers as the published files have them; no data, no file written).
 from __future__ import annotations
 
 from . import planner
+from .planner import GB
 from .weights.headers import TensorInfo
 
 
@@ -48,16 +49,21 @@ def release_plans(*, width: int, height: int, frames: int, text_tokens: int) -> 
     return plans
 
 
+def _extra(plan, decoders):
+    """What shares the device with `plan`, per offload mode: a text encoder sits beside both VAEs' weights (a local
+    encoder); a DiT stays loaded (resident) or not (streamed) while the VAEs decode."""
+
+    def extra(offload):
+        if plan.component == "text_encoder":
+            return plan.peak(offload) + decoders[0]
+        return (plan.device_bytes if offload == "none" else 0) + decoders[0] + decoders[1] + planner.RESERVE_BYTES
+
+    return extra
+
+
 def _cell(plan, decoders, gpu: int) -> str:
-    from .plan_report import GB, _decide
-
     for ram in RAMS:
-        def extra(offload, plan=plan):
-            if plan.component == "text_encoder":
-                return plan.peak(offload) + decoders[0]
-            return (plan.device_bytes if offload == "none" else 0) + decoders[0] + decoders[1] + planner.RESERVE_BYTES
-
-        verdict = _decide("", plan, extra, int(gpu * GB), int(ram * GB))
+        verdict = planner.decide("", plan, _extra(plan, decoders), int(gpu * GB), int(ram * GB))
         if verdict.offload is not None:
             how = "resident" if verdict.offload == "none" else "streamed"
             return f"{how} {verdict.peak / GB:.0f} GB" + ("" if ram == RAMS[0] else f" (RAM ≥ {ram})")
@@ -65,8 +71,6 @@ def _cell(plan, decoders, gpu: int) -> str:
 
 
 def machine_table(*, width: int = 1344, height: int = 768, frames: int = 124, text_tokens: int = 512) -> str:
-    from .plan_report import GB
-
     plans = release_plans(width=width, height=height, frames=frames, text_tokens=text_tokens)
     vae, audio = plans[-2], plans[-1]
     decoders = (vae.device_bytes + audio.device_bytes, max(vae.activation, audio.activation))
@@ -96,15 +100,8 @@ def machine_table(*, width: int = 1344, height: int = 768, frames: int = 124, te
 
 def _best(plans, decoders, vram: int, ram: int):
     """The first plan (in the caller's quality order) that fits the machine, with its verdict."""
-    from .plan_report import GB, _decide
-
     for plan in plans:
-        def extra(offload, plan=plan):
-            if plan.component == "text_encoder":
-                return plan.peak(offload) + decoders[0]
-            return (plan.device_bytes if offload == "none" else 0) + decoders[0] + decoders[1] + planner.RESERVE_BYTES
-
-        verdict = _decide("", plan, extra, int(vram * GB), int(ram * GB))
+        verdict = planner.decide("", plan, _extra(plan, decoders), int(vram * GB), int(ram * GB))
         if verdict.offload is not None:
             return plan, verdict
     return None, None
@@ -113,8 +110,6 @@ def _best(plans, decoders, vram: int, ram: int):
 def machine_choices(*, width: int = 1344, height: int = 768, frames: int = 124, text_tokens: int = 512) -> str:
     """Per machine (GPU x RAM): the highest-precision DiT and text encoder that run there, how, and at what
     planned peak; a text encoder that fits nowhere locally is run remotely."""
-    from .plan_report import GB
-
     plans = release_plans(width=width, height=height, frames=frames, text_tokens=text_tokens)
     vae, audio = plans[-2], plans[-1]
     decoders = (vae.device_bytes + audio.device_bytes, max(vae.activation, audio.activation))

@@ -331,3 +331,90 @@ def plan_file(path, *, width: int, height: int, frames: int, text_tokens: int = 
     return plan_component(det.slot, det.header.tensors, name=os.path.basename(os.fspath(path).rstrip("/")),
                           width=width, height=height, frames=frames, text_tokens=text_tokens, device=device,
                           dtype=dtype, config=config)
+
+
+# --- verdicts: does a plan fit a machine ------------------------------------------------------------------------------
+
+GB = 1e9  # the plan command and tables state sizes in GB of 1e9 bytes
+
+# Published Comfy-Org files (bytes; docs/REAL_WEIGHTS.md): the alternatives a refusal suggests.
+PUBLISHED = {
+    "transformer": (
+        ("minimax_h3_{p}_bf16", 66_280_000_000),
+        ("minimax_h3_{p}_pruned_bf16", 40_230_000_000),
+        ("minimax_h3_{p}_int8_convrot", 34_038_892_334),
+        ("minimax_h3_{p}_pruned_int8_convrot", 20_970_379_616),
+        ("minimax_h3_{p}_pruned_fp8_scaled", 20_958_205_608),
+        ("minimax_h3_{p}_pruned_w6a8", 15_980_000_000),
+    ),
+    "text_encoder": (
+        ("qwen3vl_32b_minimax_h3_bf16", 51_500_000_000),
+        ("qwen3vl_32b_minimax_h3_int8_convrot", 27_141_342_152),
+        ("qwen3vl_32b_minimax_h3_nvfp4_awq", 15_687_142_551),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one file fits a machine, how (resident or streamed), at what device peak and host RAM, and if not,
+    what to do instead."""
+
+    role: str
+    offload: str | None  # "none" / "block" / None (does not fit)
+    peak: int
+    host: int
+    advice: str
+    ranks: int = 1  # sequence-parallel ranks the peak is per GPU of
+    resident_from: int | None = None  # DiT: smallest sequence-parallel degree that fits resident (None: none <= 8)
+
+    @property
+    def label(self) -> str:
+        return {"none": "fits resident", "block": "fits streamed", None: "does not fit"}[self.offload]
+
+
+def _fits(peak: int, host: int, vram: int, ram: int | None) -> bool:
+    return peak <= vram and (ram is None or host <= ram)
+
+
+def _scaled(plan: ComponentPlan, stored: int) -> ComponentPlan:
+    """`plan` with its weights scaled to another published file of the same component (same layer
+    structure, different bytes per weight): an estimate for advice only."""
+    ratio = stored / max(plan.stored_bytes, 1)
+    return ComponentPlan(
+        component=plan.component, name="", stored_bytes=stored, device_bytes=int(plan.device_bytes * ratio),
+        rest_bytes=int(plan.rest_bytes * ratio), largest_block=int(plan.largest_block * ratio), blocks=plan.blocks,
+        activation=plan.activation, dtype=plan.dtype,
+    )
+
+
+def _alternatives(plan: ComponentPlan, extra: int, vram: int, ram: int | None) -> str:
+    partition = "ref2va" if plan.component == "transformer_ref" else "fl2va"
+    key = "text_encoder" if plan.component == "text_encoder" else "transformer"
+    for pattern, stored in sorted(PUBLISHED[key], key=lambda item: -item[1]):
+        if stored >= plan.stored_bytes:
+            continue
+        other = _scaled(plan, stored)
+        for offload in ("none", "block"):
+            if _fits(other.peak(offload) + extra, other.host_bytes(offload), vram, ram):
+                name = pattern.format(p=partition)
+                return f"use {name}.safetensors ({stored / GB:.1f} GB) with --offload {offload}"
+    return ""
+
+
+def decide(role: str, plan: ComponentPlan, extra_for, vram: int, ram: int | None) -> Verdict:
+    """First of resident / streamed that fits; `extra_for(offload)` adds what shares the device. The one rule the
+    `plan` command (`plan_report`) and the published tables (`plan_tables`) both judge a machine by."""
+    for offload in ("none", "block") if plan.streamable else ("none",):
+        peak = max(plan.peak(offload), extra_for(offload))
+        host = plan.host_bytes(offload)
+        if _fits(peak, host, vram, ram):
+            return Verdict(role, offload, peak, host, "")
+    offload = "block" if plan.streamable else "none"
+    peak, host = max(plan.peak(offload), extra_for(offload)), plan.host_bytes(offload)
+    advice = [_alternatives(plan, max(0, extra_for(offload) - plan.peak(offload)), vram, ram)]
+    if plan.component == "text_encoder":
+        advice.append("or run the text encoder on an encoder server (`serve`) and `encode --server URL`")
+    if ram is not None and host > ram:
+        advice.append(f"streaming this file needs {host / GB:.0f} GB host RAM")
+    return Verdict(role, None, peak, host, "; ".join(a for a in advice if a) or "no published file fits")

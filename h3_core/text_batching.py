@@ -32,7 +32,7 @@ import torch
 from . import progress
 from .blocks import pipeline_for, workflow_blocks
 from .contract import H3Conditioning
-from .encoder import EncoderStage, Prepared, _LayerCounter, assemble
+from .encoder import EncoderStage, LayerCounter, Prepared, assemble
 
 MAX_BATCH = 8
 MAX_SHAPES = 1024  # verdicts kept (LRU); a forgotten shape is simply checked again
@@ -148,7 +148,7 @@ class TextBatcher:
         hook = getattr(encoder, "_hf_hook", None)  # an offload hook wraps only the top-level forward
         if hook is not None and hasattr(hook, "pre_forward"):
             hook.pre_forward(encoder)
-        with _LayerCounter(encoder, "text"):
+        with LayerCounter(encoder, "text"):
             outputs = encoder.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                     mm_token_type_ids=token_types, use_cache=False, output_hidden_states=True)
         hidden = outputs.hidden_states[layer]

@@ -17,11 +17,13 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
+from h3_core.remote.admission import Admission
 from h3_core.remote.clock import SYSTEM_CLOCK, ManualClock
+from h3_core.remote.config import ServerConfig
 from h3_core.remote.connections import AcceptErrorLimiter, ConnectionReaper
 from h3_core.remote.handler import _wait
 from h3_core.remote.protocol import ProtocolError
-from h3_core.remote.service import Admission, EncoderService, ServerConfig
+from h3_core.remote.service import EncoderService
 
 REAL_LIMIT_S = 30.0  # real seconds allowed for loopback I/O that takes milliseconds (load average 8 on 2 cores)
 

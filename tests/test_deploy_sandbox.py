@@ -135,7 +135,8 @@ def test_a_decode_stopped_mid_request_is_retried_by_the_client(tiny_dir):
     from h3_core.encoder import EncoderStage
     from h3_core.models import ModelSource
     from h3_core.remote.client import EncoderClient
-    from h3_core.remote.server import ServerConfig, ServerThread
+    from h3_core.remote.config import ServerConfig
+    from h3_core.remote.server import ServerThread
     from h3_core.request import EncodeRequest
 
     stage = EncoderStage(ModelSource.from_path(tiny_dir))

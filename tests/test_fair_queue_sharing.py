@@ -22,9 +22,9 @@ from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import protocol
 from h3_core.remote.clock import ManualClock
-from h3_core.remote.config import ServerConfigError
+from h3_core.remote.config import ServerConfig, ServerConfigError
 from h3_core.remote.fair_queue import FairQueue
-from h3_core.remote.service import EncoderService, ServerConfig
+from h3_core.remote.service import EncoderService
 from h3_core.request import EncodeRequest
 
 

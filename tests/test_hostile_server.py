@@ -26,8 +26,9 @@ from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import packing, protocol
 from h3_core.remote.client import EncoderClient
+from h3_core.remote.config import ServerConfig
 from h3_core.remote.protocol import Limits
-from h3_core.remote.server import ServerConfig, ServerThread, config_from_args
+from h3_core.remote.server import ServerThread, config_from_args
 from h3_core.request import EncodeRequest, VideoInput
 
 MiB = 1 << 20

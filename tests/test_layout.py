@@ -97,3 +97,87 @@ def test_h3_core_imports_itself_relatively():
         if "h3_core" in _imported_modules(path)
     ]
     assert offenders == []
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute name an `ImportFrom` reads from, seen from `module`."""
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Imports that run when the module is imported: top level and inside top-level `try` / `if` (but not
+    `if TYPE_CHECKING:`, which never runs); imports inside functions are not module-level."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + [s for h in getattr(node, "handlers", []) for s in h.body]
+            todo += getattr(node, "finalbody", [])
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+    return found
+
+
+# A private import the `remote` work package removes (encode-ahead's client factory, injected at install).
+_PRIVATE_IMPORTS_BEING_REMOVED = {("nodes/encode_ahead.py", "_client")}
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name that two modules share is public: an underscore import across modules means the underscore lies."""
+    offenders = []
+    for path in sorted([*(REPO / "h3_core").rglob("*.py"), *(REPO / "nodes").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                where = str(path.relative_to(REPO))
+                if private and (where, alias.name) not in _PRIVATE_IMPORTS_BEING_REMOVED:
+                    offenders.append(f"{where}:{node.lineno} imports {alias.name}")
+    assert offenders == []
+
+
+def test_h3_core_module_imports_have_no_cycle():
+    """h3_core's modules form layers: no cycle among the imports that run at import time. (A cycle hidden by
+    function-local imports is a layering error too, but a lazy import of torch-heavy code is not: this checks the
+    module-level graph.) A package's `from . import x` counts as an import of the submodule `x`."""
+    paths = {_module_name(p): p for p in sorted((REPO / "h3_core").rglob("*.py"))}
+    graph = {name: set() for name in paths}
+    for name, path in paths.items():
+        for node in _module_level_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = _absolute(name, path.name == "__init__.py", node)
+                modules = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in paths]
+                targets = modules + ([base] if len(modules) < len(node.names) else [])
+            graph[name].update(t for t in targets if t in paths and t != name)
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack, on_path = [(start, iter(sorted(graph[start])))], [start]
+        while stack:
+            _, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                on_path.pop()
+            elif child == start:
+                return [*on_path, start]
+            elif child not in on_path and child > start:  # each cycle is reported from its smallest member
+                stack.append((child, iter(sorted(graph[child]))))
+                on_path.append(child)
+        return None
+
+    cycles = [cycle for cycle in map(cycle_from, sorted(graph)) if cycle]
+    assert cycles == []

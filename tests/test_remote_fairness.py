@@ -17,9 +17,10 @@ from service_support import run_service
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import protocol
+from h3_core.remote.config import ServerConfig
 from h3_core.remote.fair_queue import FairQueue
 from h3_core.remote.protocol import ProtocolError
-from h3_core.remote.service import EncoderService, QueueFull, ServerConfig
+from h3_core.remote.service import EncoderService, QueueFull
 from h3_core.request import EncodeRequest
 from h3_core.text_batching import TextBatcher
 

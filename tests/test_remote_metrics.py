@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import protocol
-from h3_core.remote.server import ServerConfig, ServerThread
+from h3_core.remote.config import ServerConfig
+from h3_core.remote.server import ServerThread
 from h3_core.testing import SERVER_THREADS
 
 TOKEN = "metrics-token-" + "x" * 24

@@ -7,9 +7,9 @@ import pytest
 
 from h3_core import facts, media, rules
 from h3_core.remote import ingest, packing, protocol
+from h3_core.remote.config import ServerConfigError, check_bind
 from h3_core.remote.ingest import Part
-from h3_core.remote.protocol import Limits, ProtocolError
-from h3_core.remote.server import ServerConfigError, check_bind, is_loopback
+from h3_core.remote.protocol import Limits, ProtocolError, is_loopback
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
 from h3_core.testing import png_bomb
 

@@ -33,8 +33,9 @@ from h3_core.encoder import EncoderStage  # noqa: E402
 from h3_core.models import ModelSource  # noqa: E402
 from h3_core.remote import protocol  # noqa: E402
 from h3_core.remote.client import EncoderClient, RemoteAuthError, RemoteEncodeError  # noqa: E402
+from h3_core.remote.config import ServerConfig  # noqa: E402
 from h3_core.remote.protocol import Limits  # noqa: E402
-from h3_core.remote.server import ServerConfig, ServerThread  # noqa: E402
+from h3_core.remote.server import ServerThread  # noqa: E402
 from h3_core.request import AudioInput, EncodeRequest  # noqa: E402
 from h3_core.testing import SERVER_THREADS, PromptPaced, image, tone, wait_until  # noqa: E402
 

@@ -15,8 +15,9 @@ from service_support import run_service
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import protocol
+from h3_core.remote.config import ServerConfig
 from h3_core.remote.protocol import ProtocolError
-from h3_core.remote.service import EncoderService, ServerConfig
+from h3_core.remote.service import EncoderService
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,10 @@ from aiohttp import MultipartReader
 from aiohttp.http_exceptions import HttpProcessingError
 
 from . import ingest, protocol
+from .admission import Admission
 from .ingest import Part
 from .protocol import Limits, ProtocolError
-from .service import Admission, EncoderService
+from .service import EncoderService
 
 # aiohttp raises these when the body itself is broken (bad chunked framing, corrupt Content-Encoding): the
 # caller answers 400 bad_encoding. Engines add their own (`aiohttp.web.RequestPayloadError`).

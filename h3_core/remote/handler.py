@@ -31,7 +31,7 @@ from . import body, ingest, metrics, protocol, tracking
 from .clock import Clock
 from .ingest import Part
 from .protocol import ProtocolError
-from .service import EncoderService, Job, QueueFull, _Abandoned
+from .service import Abandoned, EncoderService, Job, QueueFull
 
 log = logging.getLogger("h3_core.remote.server")
 
@@ -431,7 +431,7 @@ def job_error_reply(error: BaseException, rid: str, service: EncoderService) -> 
         retry = ({"Retry-After": str(service.retry_after())} if mapped.status == 429  # pushed out of the queue
                  else {"Retry-After": "1"} if mapped.status == 503 else {})  # the decoder was stopped: retry
         return json_reply(mapped.body(rid), status=mapped.status, headers={protocol.H_REQUEST_ID: rid, **retry})
-    if isinstance(error, (_Abandoned, Cancelled)):
+    if isinstance(error, (Abandoned, Cancelled)):
         return error_reply(503, "abandoned", "the work was abandoned", None, rid, {"Retry-After": "1"})
     log.error("request %s: encode failed: %s: %s (traceback logged with the job)", rid, type(error).__name__,
               str(error)[:200])

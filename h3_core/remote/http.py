@@ -16,10 +16,10 @@ from aiohttp import web
 
 from . import handler as handling
 from . import protocol
-from .connections import AcceptErrorLimiter, ConnectionReaper  # noqa: F401 - re-exported for server.py
-from .handler import Handler, Incoming, Reply, capabilities  # noqa: F401 - capabilities re-exported
+from .config import ServerConfig
+from .handler import Handler, Incoming, Reply
 from .sending import EncodedPayload
-from .service import EncoderService, ServerConfig
+from .service import EncoderService
 
 log = logging.getLogger("h3_core.remote.server")
 

@@ -30,10 +30,7 @@ import numpy as np
 from .. import media, media_sandbox, rules
 from ..progress import check_cancel
 from ..request import AudioInput, EncodeRequest, VideoInput
-from .protocol import Limits, MediaRef, ProtocolError, RequestSpec
-from .protocol import _bad as bad
-from .protocol import _invalid as invalid
-from .protocol import _too_large as too_large
+from .protocol import Limits, MediaRef, ProtocolError, RequestSpec, bad, invalid, too_large
 
 __all__ = ["Part", "sniff", "check_filename", "content_type_family", "check_part", "max_part_bytes",
            "allowed_content_types", "decode_media", "DecodeSettings", "build_request"]

@@ -33,7 +33,8 @@ from .. import facts, media, rules
 
 __all__ = ["PROTOCOL_NAME", "PROTOCOL_VERSION", "HEALTH_PATH", "CAPABILITIES_PATH", "ENCODE_PATH", "DEFAULT_TOKEN_ENV",
            "CONDITIONING_CONTENT_TYPE", "Limits", "ProtocolError", "MediaRef", "RequestSpec", "parse_request_json",
-           "parse_request", "cache_key", "is_loopback", "error_body", "error_from_exception"]
+           "parse_request", "cache_key", "is_loopback", "error_body", "error_from_exception", "bad", "invalid",
+           "too_large"]
 
 
 PROTOCOL_NAME = "h3-encoder"
@@ -130,15 +131,18 @@ class ProtocolError(ValueError):
         return error_body(self.code, self.message, self.field, request_id)
 
 
-def _bad(message: str, field: str | None = None, code: str = "bad_request") -> ProtocolError:
+def bad(message: str, field: str | None = None, code: str = "bad_request") -> ProtocolError:
+    """400: the request is malformed (wrong type, unknown field, unreadable part)."""
     return ProtocolError(400, code, message, field)
 
 
-def _invalid(message: str, field: str | None = None, code: str = "invalid_request") -> ProtocolError:
+def invalid(message: str, field: str | None = None, code: str = "invalid_request") -> ProtocolError:
+    """422: the request is well formed but breaks a rule (a value out of range, media H3 refuses)."""
     return ProtocolError(422, code, message, field)
 
 
-def _too_large(message: str, field: str | None = None, code: str = "too_large") -> ProtocolError:
+def too_large(message: str, field: str | None = None, code: str = "too_large") -> ProtocolError:
+    """413: the request or one of its parts is over a size limit."""
     return ProtocolError(413, code, message, field)
 
 
@@ -291,84 +295,84 @@ def parse_request_json(data: bytes | str, limits: Limits = Limits()) -> Any:
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogatepass")
     if len(data) > limits.max_json_bytes:
-        raise _too_large(
+        raise too_large(
             f"the JSON request is {len(data)} bytes, over the limit of max_json_bytes={limits.max_json_bytes}",
             REQUEST_PART,
         )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise _bad(f"the JSON request is not valid UTF-8 ({error.reason} at byte {error.start})",
+        raise bad(f"the JSON request is not valid UTF-8 ({error.reason} at byte {error.start})",
                    REQUEST_PART) from None
     try:
         return json.loads(
             text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
         )
     except RecursionError:
-        raise _bad("the JSON request is nested too deeply", REQUEST_PART) from None
+        raise bad("the JSON request is nested too deeply", REQUEST_PART) from None
     except ValueError as error:
-        raise _bad(f"the JSON request is not valid JSON: {str(error)[:200]}", REQUEST_PART) from None
+        raise bad(f"the JSON request is not valid JSON: {str(error)[:200]}", REQUEST_PART) from None
 
 
 def _int(obj: Mapping, key: str, default: Any = None, *, required: bool = False) -> Any:
     if key not in obj or obj[key] is None:
         if required:
-            raise _bad(f"{key} is required", key)
+            raise bad(f"{key} is required", key)
         return default
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{key} must be an integer, got {type(value).__name__}", key)
+        raise bad(f"{key} must be an integer, got {type(value).__name__}", key)
     if abs(value) > 10**9:
-        raise _invalid(f"{key} is out of range, got {value}", key)
+        raise invalid(f"{key} is out of range, got {value}", key)
     return value
 
 
 def _check_keys(obj: Mapping, allowed: frozenset, where: str) -> None:
     unknown = sorted(str(key)[:64] for key in obj if key not in allowed)
     if unknown:
-        raise _bad(f"unknown field(s) {unknown} in {where}; allowed: {sorted(allowed)}", where)
+        raise bad(f"unknown field(s) {unknown} in {where}; allowed: {sorted(allowed)}", where)
 
 
 def _part_name(value: Any, where: str) -> str:
     if not isinstance(value, str):
-        raise _bad(f"{where} must be a part name (string), got {type(value).__name__}", where)
+        raise bad(f"{where} must be a part name (string), got {type(value).__name__}", where)
     if not _PART_NAME.match(value) or ".." in value:
-        raise _bad(
+        raise bad(
             f"{where} {value[:80]!r} is not a safe part name: 1-64 characters from [A-Za-z0-9_.-], "
             "starting with a letter or digit, no '..'",
             where,
         )
     if value == REQUEST_PART:
-        raise _bad(f"{where} may not be {REQUEST_PART!r} (reserved for the JSON request)", where)
+        raise bad(f"{where} may not be {REQUEST_PART!r} (reserved for the JSON request)", where)
     return value
 
 
 def _media_ref(value: Any, where: str, kind: str, limits: Limits) -> MediaRef:
     if not isinstance(value, dict):
-        raise _bad(f"{where} must be an object {{\"part\": NAME}}, got {type(value).__name__}", where)
+        raise bad(f"{where} must be an object {{\"part\": NAME}}, got {type(value).__name__}", where)
     allowed = _VIDEO_KEYS if kind == "video" else _MEDIA_KEYS
     _check_keys(value, allowed, where)
     if "part" not in value:
-        raise _bad(f"{where}.part is required", f"{where}.part")
+        raise bad(f"{where}.part is required", f"{where}.part")
     part = _part_name(value["part"], f"{where}.part")
     fps, soundtrack = None, None
     if kind == "video":
         fps = value.get("fps")
         if fps is not None:
             if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps):
-                raise _bad(f"{where}.fps must be a number, got {type(fps).__name__}", f"{where}.fps")
+                raise bad(f"{where}.fps must be a number, got {type(fps).__name__}", f"{where}.fps")
             if not 0 < fps <= limits.max_fps:
-                raise _invalid(f"{where}.fps must be in (0, {limits.max_fps:g}] frames per second, got {fps}",
+                raise invalid(f"{where}.fps must be in (0, {limits.max_fps:g}] frames per second, got {fps}",
                                f"{where}.fps")
             fps = float(fps)
         soundtrack = value.get("soundtrack")
         if soundtrack is True:
-            raise _bad(f"{where}.soundtrack must be a part name, false (no soundtrack) or absent/null "
+            raise bad(f"{where}.soundtrack must be a part name, false (no soundtrack) or absent/null "
                        "(the container's own audio)", f"{where}.soundtrack")
         if isinstance(soundtrack, str):
             soundtrack = _part_name(soundtrack, f"{where}.soundtrack")
         elif soundtrack not in (None, False):
-            raise _bad(f"{where}.soundtrack must be a part name, false or null, got {type(soundtrack).__name__}",
+            raise bad(f"{where}.soundtrack must be a part name, false or null, got {type(soundtrack).__name__}",
                        f"{where}.soundtrack")
     return MediaRef(field=where, part=part, kind=kind, fps=fps, soundtrack=soundtrack)
 
@@ -378,9 +382,9 @@ def _media_list(obj: Mapping, key: str, kind: str, limits: Limits) -> tuple[Medi
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise _bad(f"{key} must be a list, got {type(value).__name__}", key)
+        raise bad(f"{key} must be a list, got {type(value).__name__}", key)
     if len(value) > _MAX_LIST:
-        raise _invalid(f"{key} has {len(value)} entries; H3 accepts at most {facts.MAX_REFS} references", key)
+        raise invalid(f"{key} has {len(value)} entries; H3 accepts at most {facts.MAX_REFS} references", key)
     return tuple(_media_ref(item, f"{key}[{index}]", kind, limits) for index, item in enumerate(value))
 
 
@@ -390,14 +394,14 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
     Raises `ProtocolError` (400 malformed, 413 over a size cap, 422 against an H3 rule).
     """
     if not isinstance(obj, dict):
-        raise _bad(f"the JSON request must be an object, got {type(obj).__name__}", REQUEST_PART)
+        raise bad(f"the JSON request must be an object, got {type(obj).__name__}", REQUEST_PART)
     _check_keys(obj, _TOP_KEYS, "the request")
     version = obj.get("protocol")
     if version is None:
-        raise _bad(f"protocol is required (this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION})",
+        raise bad(f"protocol is required (this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION})",
                    "protocol")
     if isinstance(version, bool) or not isinstance(version, int):
-        raise _bad(f"protocol must be an integer, got {type(version).__name__}", "protocol")
+        raise bad(f"protocol must be an integer, got {type(version).__name__}", "protocol")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(400, "protocol_mismatch",
                             f"this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION}; the request declares "
@@ -405,46 +409,46 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
 
     prompt = obj.get("prompt")
     if not isinstance(prompt, str):
-        raise _bad(f"prompt is required and must be a string, got {type(prompt).__name__}", "prompt")
+        raise bad(f"prompt is required and must be a string, got {type(prompt).__name__}", "prompt")
     if len(prompt) > limits.max_prompt_chars:
-        raise _too_large(f"prompt has {len(prompt)} characters, over the limit of "
+        raise too_large(f"prompt has {len(prompt)} characters, over the limit of "
                          f"max_prompt_chars={limits.max_prompt_chars}", "prompt")
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:
-        raise _bad("prompt contains unpaired UTF-16 surrogates (not encodable as UTF-8)", "prompt") from None
+        raise bad("prompt contains unpaired UTF-16 surrogates (not encodable as UTF-8)", "prompt") from None
     if "\x00" in prompt:
-        raise _bad("prompt contains a NUL character", "prompt")
+        raise bad("prompt contains a NUL character", "prompt")
     if not prompt.strip():
-        raise _invalid("prompt must be a non-empty string", "prompt")
+        raise invalid("prompt must be a non-empty string", "prompt")
 
     task = obj.get("task")
     if task is not None and task not in rules.TASKS:
         shown = task[:32] if isinstance(task, str) else type(task).__name__
-        raise _invalid(f"task must be one of {', '.join(rules.TASKS)} or null (inferred), got {shown!r}", "task")
+        raise invalid(f"task must be one of {', '.join(rules.TASKS)} or null (inferred), got {shown!r}", "task")
 
     num_frames = _int(obj, "num_frames", facts.MIN_FRAMES)
     try:
         rules.check_output_frames(num_frames)
     except rules.H3InputError as error:
-        raise _invalid(str(error), "num_frames") from None
+        raise invalid(str(error), "num_frames") from None
 
     width, height = _int(obj, "width"), _int(obj, "height")
     if (width is None) != (height is None):
-        raise _invalid("width and height must be given together, or neither", "width" if width is None else "height")
+        raise invalid("width and height must be given together, or neither", "width" if width is None else "height")
     if width is not None:
         if width > 0 and height > 0:  # sizes first: a canvas too large is 413, whatever else is wrong with it
-            too_large = rules.canvas_size_error(width, height)
-            if too_large:
-                raise _too_large(too_large, "width")
+            oversize = rules.canvas_size_error(width, height)
+            if oversize:
+                raise too_large(oversize, "width")
             if max(width, height) > limits.max_canvas_edge or width * height > limits.max_canvas_pixels:
-                raise _too_large(
+                raise too_large(
                     f"canvas {width}x{height} is over this server's limits (max_canvas_edge={limits.max_canvas_edge}, "
                     f"max_canvas_pixels={limits.max_canvas_pixels})", "width")
         try:
             rules.check_canvas(width, height)
         except rules.H3InputError as error:
-            raise _invalid(str(error), "width") from None
+            raise invalid(str(error), "width") from None
 
     first = None if obj.get("first_frame") is None else _media_ref(obj["first_frame"], "first_frame", "image", limits)
     last = None if obj.get("last_frame") is None else _media_ref(obj["last_frame"], "last_frame", "image", limits)
@@ -454,14 +458,14 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
 
     model = obj.get("model")
     if model is not None and (not isinstance(model, str) or not re.fullmatch(r"[0-9a-f]{1,64}", model)):
-        raise _bad("model must be the hex model fingerprint from /v1/capabilities, or null", "model")
+        raise bad("model must be the hex model fingerprint from /v1/capabilities, or null", "model")
 
     deadline = obj.get("deadline_s")
     if deadline is not None:
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
-            raise _bad(f"deadline_s must be a number of seconds, got {type(deadline).__name__}", "deadline_s")
+            raise bad(f"deadline_s must be a number of seconds, got {type(deadline).__name__}", "deadline_s")
         if deadline <= 0 or (max_deadline_s is not None and deadline > max_deadline_s):
-            raise _invalid(f"deadline_s must be in (0, {max_deadline_s:g}] seconds, got {deadline}"
+            raise invalid(f"deadline_s must be in (0, {max_deadline_s:g}] seconds, got {deadline}"
                            if max_deadline_s is not None else f"deadline_s must be positive, got {deadline}",
                            "deadline_s")
         deadline = float(deadline)
@@ -480,7 +484,7 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
     try:
         rules.check_request(resolved, prompt, summary, num_frames)
     except rules.H3InputError as error:
-        raise _invalid(str(error), "task" if task else None) from None
+        raise invalid(str(error), "task" if task else None) from None
 
     spec = RequestSpec(
         prompt=prompt,
@@ -504,11 +508,11 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
             if not isinstance(name, str):
                 continue
             if name in seen:
-                raise _bad(f"part {name!r} is named twice ({seen[name]} and {where}); each media item needs its "
+                raise bad(f"part {name!r} is named twice ({seen[name]} and {where}); each media item needs its "
                            "own part", where)
             seen[name] = where
     if len(seen) + 1 > limits.max_parts:
-        raise _too_large(f"the request names {len(seen)} media parts, over the limit of "
+        raise too_large(f"the request names {len(seen)} media parts, over the limit of "
                          f"max_parts={limits.max_parts - 1}", REQUEST_PART)
     return spec
 

@@ -41,9 +41,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from . import body, handler, protocol
+from .config import ServerConfig, check_bind
 from .handler import Handler, Incoming, Reply
 from .ingest import Part
-from .service import EncoderService, ServerConfig, check_bind
+from .service import EncoderService
 from .streams import FedStream
 
 log = logging.getLogger("h3_core.remote.server")

@@ -13,8 +13,8 @@ import time
 from ray import serve
 
 from . import protocol
+from .config import check_bind
 from .ray_engine import APP_NAME, RaySettings, application, parse_autoscale
-from .service import check_bind
 
 log = logging.getLogger("h3_core.remote.server")
 
@@ -87,7 +87,7 @@ def main(args) -> int:
     import sys
     import threading
 
-    from .service import ServerConfigError
+    from .config import ServerConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

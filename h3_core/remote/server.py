@@ -37,12 +37,13 @@ from typing import Any
 from aiohttp import web
 
 from . import protocol
-from .http import SERVICE_KEY, AcceptErrorLimiter, ConnectionReaper, capabilities, create_app
+from .config import ServerConfig, ServerConfigError, check_bind
+from .connections import AcceptErrorLimiter, ConnectionReaper
+from .http import SERVICE_KEY, create_app
 from .protocol import Limits, is_loopback
-from .service import EncoderService, ServerConfig, ServerConfigError, check_bind, check_token
+from .service import EncoderService
 
-__all__ = ["ServerThread", "ServerConfig", "ServerConfigError", "EncoderService", "create_app", "capabilities",
-           "check_bind", "check_token", "is_loopback", "start_site", "shutdown", "main"]
+__all__ = ["ServerThread", "config_from_args", "start_site", "shutdown", "main"]
 
 log = logging.getLogger("h3_core.remote.server")
 

@@ -31,17 +31,16 @@ from typing import Any, AsyncIterator
 from .. import component_cache
 from .. import progress as progress_phases
 from . import ingest, protocol
-from .admission import Admission, BodyBudget
+from .admission import Admission
 from .cache import ComponentTiers, ConditioningCache
-from .config import ServerConfig, ServerConfigError, check_bind, check_token
+from .config import ServerConfig
 from .fair_queue import FairQueue
 from .ingest import Part
 from .metrics import ServerMetrics, Timeline
 from .protocol import ProtocolError, is_loopback
 from .tracking import PhaseLog
 
-__all__ = ["Admission", "BodyBudget", "ConditioningCache", "EncoderService", "Job", "QueueFull", "ServerConfig",
-           "ServerConfigError", "check_bind", "check_token"]
+__all__ = ["Abandoned", "EncoderService", "Job", "QueueFull"]
 
 MAX_CLIENT_KEY_CHARS = 64
 
@@ -70,7 +69,7 @@ class Job:
     components: component_cache.CacheRecord = field(default_factory=component_cache.CacheRecord)  # parts found
 
 
-class _Abandoned(Exception):
+class Abandoned(Exception):
     """The job lost all its waiters (disconnect or deadline) before it ran."""
 
 
@@ -264,7 +263,7 @@ class EncoderService:
                 owner = None
             job = self._pending.pop()
             if job.cancel.is_set():
-                self._finish(job, exception=_Abandoned())
+                self._finish(job, exception=Abandoned())
                 continue
             jobs = [job]
             if job.batch_key is not None and self.batcher is not None:
@@ -457,7 +456,7 @@ class EncoderService:
         self._forget(job)
         if job.state == "queued":
             self._pending.remove(job)
-            self._finish(job, exception=_Abandoned())
+            self._finish(job, exception=Abandoned())
         self.counters["abandoned"] += 1
 
 
@@ -475,7 +474,7 @@ def _without_frames(error: BaseException, job: Job) -> BaseException:
     import logging
     import traceback
 
-    if protocol.error_from_exception(error) is None and not isinstance(error, (_Abandoned, asyncio.CancelledError)):
+    if protocol.error_from_exception(error) is None and not isinstance(error, (Abandoned, asyncio.CancelledError)):
         from ..progress import Cancelled
 
         if not isinstance(error, Cancelled):

@@ -161,7 +161,7 @@ def from_diffusers(state: dict, config: dict, naming: str, inv_freq: torch.Tenso
 
 
 # Native partitions' config.json uses the reference (sglang) argument names for some fields.
-_NATIVE_CONFIG_NAMES = {
+NATIVE_CONFIG_NAMES = {
     "token_refiner_num_layers": "num_refiner_layers",
     "ffn_hidden_size": "ffn_dim",
     "latents_dim": "in_channels",
@@ -174,7 +174,7 @@ _NATIVE_CONFIG_NAMES = {
 
 def stated_config(raw: dict) -> dict:
     """A checkpoint's own config in diffusers argument names (native names translated)."""
-    return {_NATIVE_CONFIG_NAMES.get(key, key): value for key, value in raw.items()}
+    return {NATIVE_CONFIG_NAMES.get(key, key): value for key, value in raw.items()}
 
 
 def derive_config(shapes: dict, naming: str, stated: dict | None, source: str) -> dict:

@@ -40,7 +40,7 @@ def save_comfy_transformer(model, path: str) -> None:
 
 
 # Reference (sglang) names the native partitions use in transformer/config.json.
-_NATIVE_CONFIG_NAMES = {v: k for k, v in transformer_keys._NATIVE_CONFIG_NAMES.items()}
+_DIFFUSERS_TO_NATIVE = {v: k for k, v in transformer_keys.NATIVE_CONFIG_NAMES.items()}
 _NATIVE_PARTITIONS = {"fl2va": ("FL2VA", ["t2va", "fl2va"]), "ref2va": ("Ref2VA", ["ref2va"])}
 
 
@@ -90,7 +90,7 @@ def save_native_transformer(
     files = write_sharded(
         folder, tensors, config_merge.config_metadata("transformer", config), "model", max_shard_bytes
     )
-    write_json(os.path.join(folder, "config.json"), {_NATIVE_CONFIG_NAMES.get(k, k): v for k, v in config.items()})
+    write_json(os.path.join(folder, "config.json"), {_DIFFUSERS_TO_NATIVE.get(k, k): v for k, v in config.items()})
     _native_model_index(os.fspath(directory), partition)
     return files
 
