@@ -1,12 +1,12 @@
-"""Oversized safetensors headers (issue 22, item 4): time and peak memory to refuse one, per reader.
+"""Oversized safetensors headers: time and peak memory to refuse one, per reader.
 
     python bench/hostile_headers.py [--mb 93] [--answer-mb 23.7] [--timeout 600]
 
 Each case runs in its own process and reports the seconds the reader took and its peak RSS over the process's
 baseline (`ru_maxrss` after the imports): `H3Conditioning.load` of a file whose header is `--mb` MB of valid JSON
-(empty tensor entries, the issue's attack), `weights.check` and the weights header reader on the same file as a
+(empty tensor entries, the attack), `weights.check` and the weights header reader on the same file as a
 model, and the remote client receiving an answer whose header is `--answer-mb` MB. Prints one JSON object.
-Run it on two checkouts to compare (the issue's figures before the caps: 135 s / 2.3 GB for `load`, 107 s for
+Run it on two checkouts to compare (the figures before the caps: 135 s / 2.3 GB for `load`, 107 s for
 `check`, 48.6 s / +226 MB for the client).
 """
 

@@ -156,7 +156,7 @@ def overhead(models: Path, pairs: int, steps: int, width: int, height: int, fram
         t.append(time.perf_counter())
         latents = diffusion.sample(received, SamplingOptions(steps=steps, seed=seed))
         t.append(time.perf_counter())
-        decoded = diffusion.decode(latents, received.task)
+        decoded = diffusion.decode(latents)
         t.append(time.perf_counter())
         if i >= 0:
             for key, a, b in zip(parts, t, t[1:]):

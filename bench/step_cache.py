@@ -64,11 +64,11 @@ def run(models, *, steps: int = 20, pairs: int = 3, presets=None, threads: int =
     timed = common.interleaved({name: arm(name) for name in names}, pairs)
     off = last[step_cache.OFF]
     with torch.no_grad():
-        off_video = stage.decode(off, cond.task).video
+        off_video = stage.decode(off).video
     rows = {}
     for name in names:
         latents = last[name]
-        video = off_video if name == step_cache.OFF else stage.decode(latents, cond.task).video
+        video = off_video if name == step_cache.OFF else stage.decode(latents).video
         rows[name] = {
             "wall_s": common.summary(timed[name]["wall"]),
             "wall_ratio": common.paired(timed[step_cache.OFF]["wall"], timed[name]["wall"]),
@@ -191,13 +191,13 @@ def full_size(models, *, device, job: dict, steps: int, presets, cond_path=None,
 
     sample(step_cache.OFF if steps <= 3 else "every:2")  # warm-up: kernels, allocator, the streamed prefetch order
     off, off_s = sample(step_cache.OFF)
-    off_video = stage.decode(off, cond.task).video
+    off_video = stage.decode(off).video
     rows = {step_cache.OFF: {"seconds": off_s, "wall_ratio": 1.0, "passes": str(off.passes)}}
     for preset in presets:
         if preset == step_cache.OFF:
             continue
         latents, seconds = sample(preset)
-        video = stage.decode(latents, cond.task).video
+        video = stage.decode(latents).video
         rows[preset] = {"seconds": seconds, "wall_ratio": seconds / off_s, "speedup": off_s / seconds,
                         "passes": str(latents.passes), "latent_rel_err": rel_err(latents.video, off.video),
                         "video_psnr_db": psnr(video, off_video), "video_ssim": ssim(video, off_video)}

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     size, lengths = (128, (22, 73)) if args.quick else (256, (22, 73, 124, 175))
     with common.tiny_models(args.models) as models:
         result = run(models, size=size, lengths=lengths, threads=args.threads)
-    out = common.REPO / "bench" / "results" / "issue14"
+    out = common.REPO / "bench" / "results"
     (out / "vae_encode.json").write_text(json.dumps(result, indent=1))
     (out / "vae_encode.md").write_text(f"# {__doc__.splitlines()[0]}\n\n{table(result)}\n")
     print(table(result))

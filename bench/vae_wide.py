@@ -8,7 +8,7 @@ on the values; one block, since blocks run one after another and their activatio
 the very same `vae_stream.decode_video` -> `WriterSink` path real weights take, one fresh process per canvas (glibc's
 mmap threshold pinned, `common.LIVE_MEMORY_ENV`, as in bench/vae.py's comparison).
 
-    python -m bench.vae_wide [--quick]                 writes bench/results/issue14/vae_wide.json, prints the ratios
+    python -m bench.vae_wide [--quick]                 writes bench/results/vae_wide.json, prints the ratios
     python -m bench.vae_wide --device cuda             the same decode on a GPU: device peaks (vae_wide_cuda.json)
 """
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                      device=args.device)
     if not args.quick:
         name = "vae_wide.json" if args.device == "cpu" else f"vae_wide_{args.device.split(':')[0]}.json"
-        (common.REPO / "bench" / "results" / "issue14" / name).write_text(json.dumps(result, indent=1))
+        (common.REPO / "bench" / "results" / name).write_text(json.dumps(result, indent=1))
     print(json.dumps(result["peak_ratios"]))
     return 0
 

@@ -153,9 +153,9 @@ def _generate(args, layout=None, rank: int = 0) -> None:
         latents = stage.sample(cond, options)
         _log(f"cache: {latents.passes}")
         if not args.dump:  # streamed: each decoded clip goes to the mp4 encoder, the video is never held whole
-            stage.decode_to_mp4(latents, args.out, cond.task)
+            stage.decode_to_mp4(latents, args.out)
         else:
-            decoded = stage.decode(latents, cond.task)
+            decoded = stage.decode(latents)
     if args.dump:
         media.write_mp4(args.out, decoded.video, decoded.audio, fps=decoded.fps, sample_rate=decoded.sample_rate)
         from safetensors.torch import save_file

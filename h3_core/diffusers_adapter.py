@@ -110,6 +110,18 @@ def parameter_dtype(module):
     return _helper("parameter_dtype")(module)
 
 
+def run_offload_hook(module) -> None:
+    """Bring an offloaded `module` onto its execution device before calling one of its parts directly.
+
+    accelerate's offload hooks (diffusers' model CPU offload) live in `module._hf_hook`; diffusers'
+    `apply_forward_hook` runs their `pre_forward` before `vae.encode` / `vae.decode`, and a hook wraps only the
+    top-level `forward`. The pack calls a VAE's clips and the text encoder's inner `model` directly, so it runs the
+    hook itself, here: a private attribute of accelerate's convention, read in this one place."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and hasattr(hook, "pre_forward"):
+        hook.pre_forward(module)
+
+
 def adaln_modulation_class():
     """diffusers' per-block AdaLN modulation module (a class to subclass)."""
     return _helper("adaln_modulation")

@@ -41,7 +41,6 @@ PreviewFn = Callable[[int, int, torch.Tensor], None]
 class AVLatents:
     video: torch.Tensor  # [1, 24, latent_t, H/16, W/16], normalised (diffusers' `latents`)
     audio: torch.Tensor  # [2, 32, audio_t]: stereo as the batch of the mono audio VAE
-    num_frames: int
     passes: step_cache.Passes | None = None  # block passes computed / total in the run that made these latents
 
     def to_comfy_audio(self) -> torch.Tensor:
@@ -271,20 +270,18 @@ class DiffusionStage:
         finally:
             for handle in handles:
                 handle.remove()
-        return AVLatents(video=state.get("latents"), audio=state.get("audio_latents"), num_frames=cond.num_frames,
-                         passes=passes)
+        return AVLatents(video=state.get("latents"), audio=state.get("audio_latents"), passes=passes)
 
     # --- decoding --------------------------------------------------------------------------------
 
-    def decode(self, latents: AVLatents, task: str = "t2va", cancel: threading.Event | None = None) -> Decoded:
+    def decode(self, latents: AVLatents, *, cancel: threading.Event | None = None) -> Decoded:
         """Decode video (streamed, tile by tile, into one preallocated float32 video: h3_core/vae_stream.py) and
         audio; audio trimmed to the video's duration. Bit-identical to diffusers' decode steps."""
         sink = vae_stream.TensorSink()
         self.decode_video(latents, sink, cancel)
-        return Decoded(video=sink.video, audio=self.decode_audio(latents, task, sink.video.shape[0]))
+        return Decoded(video=sink.video, audio=self.decode_audio(latents, sink.video.shape[0]))
 
-    def decode_to_mp4(self, latents: AVLatents, path, task: str = "t2va", cancel: threading.Event | None = None,
-                      **mp4_options) -> str:
+    def decode_to_mp4(self, latents: AVLatents, path, *, cancel: threading.Event | None = None, **mp4_options) -> str:
         """Decode straight into an mp4 (media.write_mp4's format): each clip's frames go to the encoder as uint8
         as soon as they are final, so the decoded video never exists in memory. The file equals
         `media.write_mp4(path, *decode(latents))` byte for byte."""
@@ -294,7 +291,7 @@ class DiffusionStage:
         with media.streamed_mp4(path, geometry.width, geometry.height, fps=facts.FPS, with_audio=True,
                                 sample_rate=facts.AUDIO_SAMPLE_RATE, **mp4_options) as writer:
             self.decode_video(latents, vae_stream.WriterSink(writer.write), cancel)
-            writer.finish(self.decode_audio(latents, task, geometry.frames))
+            writer.finish(self.decode_audio(latents, geometry.frames))
         return str(path)
 
     @torch.no_grad()
@@ -310,10 +307,11 @@ class DiffusionStage:
             return vae_stream.decode_video(self.vae, latents.video.to(self.device), sink, cancel=cancel)
 
     @torch.no_grad()
-    def decode_audio(self, latents: AVLatents, task: str, num_frames: int) -> torch.Tensor:
-        """float32 [2, S] at 32 kHz, trimmed to `num_frames` of video (diffusers' audio decode step)."""
+    def decode_audio(self, latents: AVLatents, num_frames: int) -> torch.Tensor:
+        """float32 [2, S] at 32 kHz, trimmed to `num_frames` of video (diffusers' audio decode step, the same block
+        in every task's workflow)."""
         file_identity.check_unchanged(self.audio_vae, "audio VAE")
-        blocks = {name: block for name, block in workflow_blocks(task, ("decode",)).items() if name == "decode.audio"}
+        blocks = {name: block for name, block in workflow_blocks("t2va", ("decode",)).items() if name == "decode.audio"}
         pipe = pipeline_for(blocks, {"audio_vae": self.audio_vae}, self.pipeline_config)
         with _AudioReporter(self.audio_vae):
             state = pipe(audio_latents=latents.audio.to(self.device))
@@ -323,7 +321,7 @@ class DiffusionStage:
 
     def generate(self, cond: H3Conditioning, options: SamplingOptions) -> tuple[AVLatents, Decoded]:
         latents = self.sample(cond, options)
-        return latents, self.decode(latents, cond.task, options.cancel)
+        return latents, self.decode(latents, cancel=options.cancel)
 
 
 class _AudioReporter:

@@ -42,7 +42,6 @@ class Streaming:
     mode: str  # "none" (resident) or "block"
     groups: int = 0
     moved_per_forward: int = 0  # bytes copied host -> device per forward (every streamed tensor once)
-    largest_group: int = 0  # bytes of the largest streamed block
     resident: int = 0  # bytes on the device for the whole forward (the unstreamed rest)
 
 
@@ -141,7 +140,6 @@ def stream_blocks(module: torch.nn.Module, component: str, device, *, pin: bool 
         mode="block",
         groups=len(blocks),
         moved_per_forward=total,
-        largest_group=max(sizes, default=0),
         resident=total - sum(sizes),
     )
 

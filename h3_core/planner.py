@@ -181,10 +181,6 @@ def _audio_vae_bytes(frames: int, size: int, config: Mapping) -> int:
     return widest * 2 * 4 * 4
 
 
-def transformer_config(tiny: bool = False) -> dict:
-    return configs.get("transformer", tiny=tiny)
-
-
 # --- per-component plans (headers only) ------------------------------------------------------------
 
 # Allocator slack, CUDA context and kernel workspaces on top of weights and activations.

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import progress
+from . import diffusers_adapter, progress
 from .blocks import pipeline_for, workflow_blocks
 from .contract import H3Conditioning
 from .encoder import EncoderStage, LayerCounter, Prepared, assemble
@@ -145,9 +145,7 @@ class TextBatcher:
             raise ValueError(f"the text encoder has no hidden state {layer}")  # the single block says why
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
         token_types = torch.tensor(stage.processor.create_mm_token_type_ids(tokens), dtype=torch.long, device=device)
-        hook = getattr(encoder, "_hf_hook", None)  # an offload hook wraps only the top-level forward
-        if hook is not None and hasattr(hook, "pre_forward"):
-            hook.pre_forward(encoder)
+        diffusers_adapter.run_offload_hook(encoder)  # an offload hook wraps only the top-level forward
         with LayerCounter(encoder, "text"):
             outputs = encoder.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                     mm_token_type_ids=token_types, use_cache=False, output_hidden_states=True)

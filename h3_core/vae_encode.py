@@ -45,9 +45,7 @@ def encode_condition(vae, pixels: torch.Tensor, pixel_mean, pixel_std, encode_se
         if on_clip is not None:
             on_clip()
         return latents
-    hook = getattr(vae, "_hf_hook", None)  # what diffusers' `apply_forward_hook` on `vae.encode` does first
-    if hook is not None and hasattr(hook, "pre_forward"):
-        hook.pre_forward(vae)
+    diffusers_adapter.run_offload_hook(vae)  # what diffusers' `apply_forward_hook` on `vae.encode` does first
     length = int(vae.config.clip_length)
     mean = torch.tensor(pixel_mean, device=pixels.device).view(1, -1, 1, 1, 1)
     std = torch.tensor(pixel_std, device=pixels.device).view(1, -1, 1, 1, 1)

@@ -186,9 +186,7 @@ def decode_video(vae, latents: torch.Tensor, sink: FrameSink, *, cancel: threadi
     device = latents.device
     latents_mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
-    hook = getattr(vae, "_hf_hook", None)  # what diffusers' `apply_forward_hook` on `vae.decode` does first
-    if hook is not None and hasattr(hook, "pre_forward"):
-        hook.pre_forward(vae)
+    diffusers_adapter.run_offload_hook(vae)  # what diffusers' `apply_forward_hook` on `vae.decode` does first
     source = (latents, latents_std, latents_mean, diffusers_adapter.parameter_dtype(vae.post_quant_conv))
     pixel_mean = torch.tensor(facts.PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
     pixel_std = torch.tensor(facts.PIXEL_STD, device=device).view(1, -1, 1, 1, 1)

@@ -34,7 +34,7 @@ class Decode(io.ComfyNode):
         device = bridge.use(vae.patcher, audio_vae.patcher)
         stage = DiffusionStage(modules={"vae": vae.module, "audio_vae": audio_vae.module},
                                pipeline_config=vae.pipeline_config, device=device)
-        latents = AVLatents(video=video, audio=AVLatents.audio_from_comfy(audio), num_frames=0)
+        latents = AVLatents(video=video, audio=AVLatents.audio_from_comfy(audio))
         # Streamed tile by tile into one preallocated float32 video, which is the IMAGE output itself (and the
         # VIDEO's frames, shared, not copied): the node holds the video once plus one tile's work.
         with bridge.phase_progress(None):  # decode tiles, then the audio decode

@@ -8,7 +8,7 @@ plain `torch.nn.Linear` is loaded whole or not at all. The dynamic-VRAM patcher 
 pages exactly the same layers in on demand and force-loads every other one.
 
 `make_streamable` gives every layer of a loaded module tree that holds parameters (the DiT's and Qwen3-VL's Linears,
-q10's QuantLinear, norms, embeddings, the vision patch Conv3d) the protocol by swapping its class for a subclass
+the quantised QuantLinear, norms, embeddings, the vision patch Conv3d) the protocol by swapping its class for a subclass
 with a protocol-aware `forward`: no weight is copied, and while ComfyUI keeps the layer resident the original
 `forward` runs unchanged, so results are bitwise those of the unconverted model wherever the weights live.
 
@@ -72,7 +72,7 @@ class Streamable(comfy.ops.CastWeightBiasOp):
             fetched["weight"], cast_bias, stream = comfy.ops.cast_bias_weight(
                 self, device=device, dtype=weight.dtype,
                 bias_dtype=bias.dtype if bias is not None else None, offloadable=True,
-            )  # fmt: skip
+            )
             if bias is not None:
                 fetched["bias"] = cast_bias
         for name, tensor in own.items():  # side tensors (quantisation scales): small, moved as they are
@@ -187,27 +187,5 @@ def streamed_patcher(holder: torch.nn.Module, model: torch.nn.Module, load_devic
         "[MiniMax H3] %s: %d layers stream under %s (%.1f MB; %.2f MB of buffers/other parameters load whole)",
         type(model).__name__, conversion.layers, cls.__name__, conversion.layer_bytes / 2**20,
         conversion.other_bytes / 2**20,
-    )  # fmt: skip
+    )
     return patcher
-
-
-def residency(model: torch.nn.Module) -> dict:
-    """Where the converted layers' weights are now: resident (used in place) or streamed (fetched per call)."""
-    resident = streamed = layers_streamed = layers = 0
-    for module in model.modules():
-        if isinstance(module, Streamable):
-            size = sum(p.numel() * p.element_size() for p in module._parameters.values() if p is not None)
-            layers += 1
-            if module.comfy_cast_weights:
-                streamed += size
-                layers_streamed += 1
-            else:
-                resident += size
-    total = resident + streamed
-    return {
-        "layers": layers,
-        "layers_streamed": layers_streamed,
-        "resident_bytes": resident,
-        "streamed_bytes": streamed,
-        "resident_fraction": resident / total if total else 1.0,
-    }

@@ -118,7 +118,7 @@ def test_bad_prompts_are_rejected_and_server_keeps_serving(comfy: ComfyServer):
     status, body = comfy.post_prompt_expect_error({
         "1": {"class_type": "EmptyImage", "inputs": {"width": 0, "height": 8, "batch_size": 1, "color": 0}},
         "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
-    })  # fmt: skip
+    })
     assert status == 400 and body["error"]["type"] == "prompt_outputs_failed_validation", body
     (err,) = body["node_errors"]["1"]["errors"]
     assert err["type"] == "value_smaller_than_min" and err["details"] == "width"
@@ -126,7 +126,7 @@ def test_bad_prompts_are_rejected_and_server_keeps_serving(comfy: ComfyServer):
     ok = comfy.run_prompt({
         "1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0}},
         "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
-    }, timeout=60)  # fmt: skip
+    }, timeout=60)
     assert ok.status == "success" and ok.files and ok.files[0].is_file()
 
 

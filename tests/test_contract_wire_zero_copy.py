@@ -207,7 +207,7 @@ def test_loaded_tensors_are_private_and_writable(tmp_path):
 
 
 def test_mmap_is_refused(tmp_path):
-    """A conditioning file is never memory-mapped (issue 22): asking for it is an error, not a silent mapping."""
+    """A conditioning file is never memory-mapped: asking for it is an error, not a silent mapping."""
     c = make("t2va")
     c.save(tmp_path / "c.safetensors")
     with pytest.raises(ValueError, match="never memory-maps"):

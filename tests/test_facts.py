@@ -37,7 +37,7 @@ def test_canvas_and_patch(pipe):
 
 
 def test_canvas_bound_is_the_largest_canvas_of_diffusers_rule():
-    """Issue 22: every contract read bounds the canvas by what diffusers' canvas rule can produce at the release's
+    """Every contract read bounds the canvas by what diffusers' canvas rule can produce at the release's
     config (short edge 768, area cap 768x1344, axes rounded to 32) over the allowed aspects. A sweep over every
     aspect w:h with w, h <= 120 (it holds the maximisers 29:9 and 4:1) finds exactly the bound."""
     from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep as step

@@ -1,4 +1,4 @@
-"""The client against hostile servers (issue 13, item 6): bounded answers, one deadline, checked capabilities.
+"""The client against hostile servers: bounded answers, one deadline, checked capabilities.
 
 Each server here is a real TCP server on 127.0.0.1 that speaks just enough HTTP to be hostile: a Content-Length
 of gigabytes, an endless chunked body, one byte every second, capabilities nested 100 000 deep or of the wrong

@@ -1,7 +1,7 @@
-"""Hostile-input hardening, round 3 (issue 22): files that change under a reader, canvases without an upper bound,
+"""Hostile files and answers: files that change under a reader, canvases without an upper bound,
 headers parsed whole, shapes beyond int64 and non-finite values.
 
-Each test here failed on the code before issue 22: a loaded conditioning was a view of its memory-mapped file (a
+Each test here once failed: a loaded conditioning was a view of its memory-mapped file (a
 rewrite changed it after its checksum was verified, a truncation killed the process with SIGBUS); a file or a
 server answer could claim any canvas; a conditioning header could be 100 MB and was parsed whole; a shape of
 [1, 0, 2**64] escaped as a TypeError; NaN embeddings loaded.

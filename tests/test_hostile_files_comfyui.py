@@ -1,6 +1,6 @@
-"""Issue 22 in a real ComfyUI: a conditioning file replaced while the Sampler uses it, and the widgets' bounds.
+"""Hostile files in a real ComfyUI: a conditioning file replaced while the Sampler uses it, and the widgets' bounds.
 
-Before issue 22 the Load Conditioning node handed the Sampler views of the memory-mapped file; a client that
+The Load Conditioning node once handed the Sampler views of the memory-mapped file: a client that
 re-uploaded a 64-byte file over it (`POST /upload/image` with `overwrite=true`) killed ComfyUI with SIGBUS and the
 whole queue with it. Now the file is read into memory and checked, so the prompt finishes with what it read.
 """
@@ -20,7 +20,7 @@ from contract_cases import make
 from h3_core import facts
 
 TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
-NAME = "h3_issue22_cond.safetensors"
+NAME = "h3_hostile_cond.safetensors"
 
 
 def _graph(steps: int) -> dict:
@@ -33,7 +33,7 @@ def _graph(steps: int) -> dict:
         "6": {"class_type": "H3SplitSampler", "inputs": {"dit": ["4", 0], "conditioning": ["1", 0], "seed": 0,
                                                          "steps": steps, "video_shift": 12.0, "audio_shift": 3.0}},
         "7": {"class_type": "H3SplitDecode", "inputs": {"latent": ["6", 0], "vae": ["2", 0], "audio_vae": ["3", 0]}},
-        "8": {"class_type": "SaveVideo", "inputs": {"video": ["7", 0], "filename_prefix": "h3test/issue22",
+        "8": {"class_type": "SaveVideo", "inputs": {"video": ["7", 0], "filename_prefix": "h3test/hostile_files",
                                                     "format": "auto", "codec": "auto"}},
     }
 

@@ -1,4 +1,4 @@
-"""The server as a real process (`python -m h3_core serve`) under hostile load (issue 13, items 1, 2, 3, 8, 9).
+"""The server as a real process (`python -m h3_core serve`) under hostile load.
 
 Memory is read from /proc/<pid>/status of the server process: VmRSS and Threads after 100 refused requests whose
 videos were decoded, VmHWM (peak) after a request that decodes to just under the per-request bound and after a 4K

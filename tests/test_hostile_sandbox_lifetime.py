@@ -1,9 +1,9 @@
-"""Media-decode sandbox processes and their RAM die with the server (issue 22, item 3).
+"""Media-decode sandbox processes and their RAM die with the server.
 
 A real server (`python -m h3_core serve`) is caught with a decode in flight (a worker whose input carries the
-`H3_SANDBOX_TEST_HANG` marker hangs until killed), then killed with SIGKILL or the documented two SIGTERMs. Before
-issue 22 the decoder processes ran on for 10-23 s and each kill left its scratch folder in /dev/shm for good; now
-none of them is left 2 s later.
+`H3_SANDBOX_TEST_HANG` marker hangs until killed), then killed with SIGKILL or the documented two SIGTERMs. Unguarded,
+the decoder processes ran on for 10-23 s and each kill left its scratch folder in /dev/shm for good; none of them
+may be left 2 s later.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The server against hostile clients (issue 13, items 7, 8, 9 and 3): a real server on 127.0.0.1.
+"""The server against hostile clients: a real server on 127.0.0.1.
 
 * Slow uploads: body bytes are counted as they arrive (four uploads declaring 512 MiB each lock nobody out), a
   client's bytes in flight are capped, and an upload under the minimum rate is dropped with 408.
@@ -251,7 +251,7 @@ def test_decoded_bytes_are_bounded_per_request(stage):
         assert srv.call(lambda: srv.service.counters["computed"]) == 0
 
 
-# --- decoding: in the sandbox, reference videos straight onto their target (issue 13, items 1 and 3) -----------
+# --- decoding: in the sandbox, reference videos straight onto their target ------------------------------------
 
 
 class _Recording:

@@ -87,7 +87,7 @@ def graph(te: str = TINY, te_dtype: str = "default", dit: str = TINY, steps: int
                                                         "steps": steps, "video_shift": 12.0, "audio_shift": 3.0,
                                                         "lora": lora, "lora_strength": 1.0}},
         "8": {"class_type": "H3ProbeReportLatent", "inputs": {"latent": ["7", 0]}},
-    }  # fmt: skip
+    }
 
 
 def run(server, budgets: Path, budget: dict, g: dict | None = None, only_text: bool = False):
@@ -130,13 +130,13 @@ def test_full_load_streams_nothing_and_asks_for_the_jobs_activations(full_run):
     activations = planner.activation_bytes(
         width=CANVAS[0], height=CANVAS[1], frames=FRAMES, text_tokens=tokens, dtype=torch.float32,
         component="transformer", config=configs.get("transformer", tiny=True),
-    )  # fmt: skip
+    )
     requests = {entry["models"][0]: entry["memory_required"] for entry in latent["loads"] if len(entry["models"]) == 1}
     assert requests[DIT] == int(activations * 1.2) + int(COMFY_INFERENCE_MINIMUM)
     text = planner.activation_bytes(
         width=CANVAS[0], height=CANVAS[1], frames=FRAMES, text_tokens=tokens, dtype=torch.float32,
         component="text_encoder", config=configs.get("text_encoder", tiny=True),
-    )  # fmt: skip
+    )
     assert requests[TE] >= int(text * 1.2) + int(COMFY_INFERENCE_MINIMUM)  # the token count is estimated from above
     # Reading the weights drives each loader node's own progress bar up to the file's bytes.
     for loader in ("1", "5"):

@@ -119,10 +119,10 @@ def test_decode_reports_every_tile_and_the_audio(source, ref2va):
     events = []
     try:
         with progress.reporting(lambda *event: events.append(event)):
-            with_sink = stage.decode(latents, cond.task)
+            with_sink = stage.decode(latents)
     finally:
         handle.remove()
-    plain = stage.decode(latents, cond.task)
+    plain = stage.decode(latents)
     tiles = phases(events, "decode_video")
     assert tiles == [(k, len(calls)) for k in range(len(calls) + 1)]  # the estimate is the real count
     assert phases(events, "decode_audio") == [(0, 1), (1, 1)]

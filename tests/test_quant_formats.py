@@ -224,7 +224,7 @@ def test_lora_on_quant_linear_is_a_branch_beside_the_codes(dit, tmp_path):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_weight_scales_are_reported_by_layer(tmp_path, dit, value):
-    """Issue 22: a NaN or infinite scale passed `check` and failed `generate` only at the very end."""
+    """A NaN or infinite scale once passed `check` and failed `generate` only at the very end."""
     layer = "blocks.0.mlp.fc2"
 
     def edit(tensors):

@@ -23,10 +23,10 @@ QWEN3_SPECIALS = [
     "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
     "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
     "</tool_response>", "<think>", "</think>",
-]  # fmt: skip
+]
 H3_EXTRAS = [
     "<d>", "</d>", "<|cutoff|>", "<|lyrics_start|>", "<|lyrics_end|>", "<|caption_start|>", "<|caption_end|>",
-]  # fmt: skip
+]
 
 SAMPLES = [
     "Hello world",

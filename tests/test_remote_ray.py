@@ -456,7 +456,7 @@ def test_decoded_bytes_are_bounded_per_request(engine):
 
 
 def test_canvas_bound_and_oversized_headers_hold_on_both_engines(engine):
-    """Issue 22 on both engines: a canvas beyond H3's trained range is a 413 naming it, before any media is read;
+    """On both engines: a canvas beyond H3's trained range is a 413 naming it, before any media is read;
     request headers of 64 KiB are a 4xx (aiohttp's parser refuses the field; Ray Serve's proxy passes it on and the
     one request handling answers 431), and the server serves on."""
     from h3_core.remote import packing

@@ -1,6 +1,6 @@
 """The split equals diffusers' monolithic pipeline: encode -> contract bytes -> generate, bit for bit.
 
-Done-when of the stages issue: on the tiny model at >= 124 frames, for t2va, fl2va and ref2va
+The stage split's acceptance bar: on the tiny model at >= 124 frames, for t2va, fl2va and ref2va
 (image, video + soundtrack and audio references), max |difference| <= 1e-5 in fp32 on CPU
 (measured: exactly 0) against `MiniMaxH3ModularPipeline` on the same folder, inputs and seed.
 """

@@ -120,8 +120,7 @@ def test_stage_decode_to_mp4_is_write_mp4_of_decode(source, tmp_path):
     stage = DiffusionStage(source)
     generator = torch.Generator().manual_seed(3)
     latents = AVLatents(video=torch.randn(1, 24, 7, 4, 6, generator=generator),
-                        audio=torch.randn(2, stage.audio_vae.config.latent_channels, 40, generator=generator),
-                        num_frames=22)
+                        audio=torch.randn(2, stage.audio_vae.config.latent_channels, 40, generator=generator))
     decoded = stage.decode(latents)
     whole = media.write_mp4(tmp_path / "whole.mp4", decoded.video, decoded.audio)
     streamed = stage.decode_to_mp4(latents, tmp_path / "streamed.mp4")

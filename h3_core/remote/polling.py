@@ -70,7 +70,6 @@ class Poller:
         self.seen = 0  # history entries already reported
         self.queue_position: int | None = None
         self.events: list[dict] = []
-        self.polls = 0
 
     def start(self) -> None:
         if self.thread is None and not self.stopped.is_set():
@@ -89,7 +88,6 @@ class Poller:
             deadline = min(self.deadline, time.monotonic() + 10.0)
             if deadline <= time.monotonic():
                 return
-            self.polls += 1
             try:
                 reply = self.call(path, self.stopped, deadline)
             except (Transient, RemoteEncodeError, Cancelled, OSError) as error:

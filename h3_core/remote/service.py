@@ -61,7 +61,6 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
     started: float | None = None
     finished: float | None = None
-    logged: bool = False  # a server fault already logged with its traceback
     phases: PhaseLog = field(default_factory=PhaseLog)  # what progress polls report (tracking.py)
     client: str = ""  # whose turn it takes in the fair queue
     batch_key: tuple | None = None  # jobs with equal keys may share a text-encoder forward (text_batching.py)
@@ -110,7 +109,6 @@ class EncoderService:
         self.background: list[asyncio.Task] = []  # helpers of the transport (connection reaper), stopped with us
         self.job_seconds = 1.0  # moving average of model-thread time per job, for Retry-After
         self.counters = collections.Counter()
-        self.started_at = time.time()
         self.metrics = ServerMetrics(self)
         if stage is not None:
             self.attach(stage)
@@ -480,7 +478,6 @@ def _without_frames(error: BaseException, job: Job) -> BaseException:
         if not isinstance(error, Cancelled):
             logging.getLogger("h3_core.remote.server").error(
                 "job %s: encode failed", job.key[:12], exc_info=(type(error), error, error.__traceback__))
-            job.logged = True
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:

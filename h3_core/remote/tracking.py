@@ -19,7 +19,6 @@ from typing import Any
 
 HEADER = "X-H3-Progress-Id"
 PATH_TEMPLATE = "/v1/encode/{id}/progress"
-ROUTE = "/v1/encode/{progress_id}/progress"  # aiohttp's spelling of PATH_TEMPLATE
 POLL_INTERVAL_S = 0.25  # what the server suggests; the client polls no faster than this
 
 # The phases of one request, in order. `receiving`: the body is arriving; `queued`: waiting for the model thread;
