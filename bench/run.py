@@ -1,16 +1,17 @@
 """Disaggregated H3, measured side by side: `python bench/run.py [--quick] [--models DIR]`.
 
-Runs five sections on CPU with the embedded tiny H3 (built into a temporary folder unless --models is given):
-  1. stage-split overhead vs diffusers' monolithic pipeline, and load times per side
-  2. wire efficiency of the conditioning contract over the real server vs a raw loopback socket
-  3. remote vs local encode on loopback (text-only, with references)
-  4. the encoder server under 1 / 4 / 16 concurrent clients, and cache hits
-  5. VAE peak memory and time vs canvas, frames and audio duration
-  (also: the Ray Serve engine, fairness between clients, and the encoder's component cache: prompt edits and
-  restarts, bench/component_cache.py; and step caching presets vs off on the tiny H3 at 20 steps,
-  bench/step_cache.py)
-writes results.md, results.json and PNG plots (bench/results/, or bench/results/quick/ for --quick), and ends with
-one line per target (its measured ratio) and `targets met: N/M`.
+Runs these sections on CPU with the embedded tiny H3 (built into a temporary folder unless --models is given);
+bench/README.md describes each:
+  split       stage-split overhead vs diffusers' monolithic pipeline, and load times per side (split.py)
+  wire        the conditioning contract over the real server vs a raw loopback socket (wire.py)
+  remote      remote vs local encode on loopback; the server under 1 / 4 / 16 clients, and cache hits (remote.py)
+  vae         VAE peak memory and time vs canvas, frames and audio duration; streamed vs diffusers' decode (vae.py)
+  ray         the Ray Serve engine: replicas and per-request overhead (ray_bench.py)
+  fairness    fair turns and text batching vs one FIFO (fairness.py)
+  components  the encoder's component cache: prompt edits and restarts (component_cache.py)
+  cache       step-cache presets vs off at 20 steps (step_cache.py)
+writes results.md, results.json and PNG plots (bench/results/, or bench/results/quick/ for --quick, not committed),
+and ends with one line per target (its measured ratio) and `targets met: N/M`.
 """
 
 from __future__ import annotations
