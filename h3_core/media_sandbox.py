@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from . import media
+from . import media, safetensors_header
 
 __all__ = ["decode_isolated", "DECODERS", "DecoderStopped", "default_memory_cap", "BASE_BYTES"]
 
@@ -570,22 +570,21 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     ``load_file`` reads the whole file into a bytes object first: twice the clip at the peak). The header is
     checked: known dtypes, offsets that tile the data exactly, shapes that match their byte counts."""
     names = {code: dtype for dtype, code in _DTYPES.items()}
-    size = os.path.getsize(path)
     with open(path, "rb") as file:
-        length = int.from_bytes(file.read(8), "little")
-        if not 0 < length <= min(size - 8, 1 << 20):
-            raise media.MediaError("the media decoder returned a malformed result (safetensors header length)")
-        header = json.loads(file.read(length))
-        header.pop("__metadata__", None)
-        start, tensors, expected = 8 + length, {}, 0
-        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-            dtype, shape, (begin, end) = names.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
-            count = int(np.prod(shape, dtype=np.int64))
-            if dtype is None or begin != expected or end - begin != count * dtype.itemsize or start + end > size:
-                raise media.MediaError(f"the media decoder returned a malformed result (tensor {name!r})")
-            file.seek(start + begin)
-            tensors[name] = np.fromfile(file, dtype=dtype, count=count).reshape(shape)
-            expected = end
+        size = os.fstat(file.fileno()).st_size
+        try:  # the pack's one header parser: bounded length, bounded JSON, every span matching its shape
+            parsed = safetensors_header.read_header(file, max_bytes=1 << 20, size=size)
+        except safetensors_header.HeaderError as error:
+            raise media.MediaError(f"the media decoder returned a malformed result ({error})") from None
+        tensors, expected = {}, 0
+        for entry in sorted(parsed.tensors.values(), key=lambda entry: entry.begin):
+            dtype = names.get(entry.dtype)
+            if dtype is None or entry.begin != expected or parsed.data_start + entry.end > size:
+                raise media.MediaError(f"the media decoder returned a malformed result (tensor {entry.name!r})")
+            file.seek(parsed.data_start + entry.begin)
+            count = entry.nbytes // dtype.itemsize
+            tensors[entry.name] = np.fromfile(file, dtype=dtype, count=count).reshape(entry.shape)
+            expected = entry.end
     return tensors
 
 

@@ -22,15 +22,14 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
-import torch
 
+# Also `DTYPES` and `DTYPE_TAGS` (tag <-> torch dtype), built on first use by the module's `__getattr__`.
 __all__ = [
-    "DTYPES",
-    "DTYPE_TAGS",
     "MAX_COUNT",
     "MAX_HEADER_BYTES",
     "MAX_TENSORS_PER_FILE",
     "MAX_JSON_DEPTH",
+    "ITEMSIZES",
     "HeaderError",
     "ParsedHeader",
     "TensorEntry",
@@ -40,24 +39,34 @@ __all__ = [
     "read_header",
 ]
 
-# safetensors dtype tags -> torch dtypes. A tag missing here (exotic fp4 packings ...) is kept as a
-# string in `TensorEntry.dtype` and refused later, by name, by whoever needs the data.
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,  # mxfp8 block scales (power-of-two exponents)
+# safetensors dtype tags -> bytes per element. A tag missing here (exotic fp4 packings ...) is kept as a string in
+# `TensorEntry.dtype` and refused later, by name, by whoever needs the data. Parsing needs only these sizes, so the
+# module imports no torch: the media sandbox's decoder host (kept torch-free) reads its results' headers here too.
+ITEMSIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1,
+    "F8_E8M0": 1,  # mxfp8 block scales (power-of-two exponents)
 }
-DTYPE_TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
+# ... and -> torch dtypes (`DTYPES`, with the inverse `DTYPE_TAGS`), built on first use (see `__getattr__`).
+_TORCH_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+}
+_torch_tables: dict[str, dict] = {}
+
+
+def __getattr__(name: str):
+    """`DTYPES` (tag -> torch dtype) and `DTYPE_TAGS` (torch dtype -> tag), importing torch when first asked for."""
+    if name not in ("DTYPES", "DTYPE_TAGS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _torch_tables:
+        import torch
+
+        dtypes = {tag: getattr(torch, attr) for tag, attr in _TORCH_NAMES.items()}
+        _torch_tables.update(DTYPES=dtypes, DTYPE_TAGS={dtype: tag for tag, dtype in dtypes.items()})
+    return _torch_tables[name]
 
 # A model header is bounded by what a model file holds: its tensor count, each entry's size, and the metadata.
 # H3's largest published file has about 2,000 tensors and a header of a few hundred KB (docs/REAL_WEIGHTS.md); the
@@ -93,8 +102,9 @@ class TensorEntry:
     end: int
 
     @property
-    def torch_dtype(self) -> torch.dtype | None:
-        return DTYPES.get(self.dtype)
+    def torch_dtype(self):
+        """The tag's torch dtype (None for a tag torch has no dtype for); imports torch."""
+        return __getattr__("DTYPES").get(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -201,9 +211,9 @@ def parse_header(raw: bytes | bytearray | memoryview, header_len: int | None = N
         if end > MAX_COUNT or math.prod(s for s in shape if s) * 8 > MAX_COUNT:
             raise HeaderError(f"corrupted: tensor {_shown(name)} has shape {_shown(str(shape))} or offsets beyond "
                               f"what an int64 can count")
-        dtype = DTYPES.get(tag)
-        if dtype is not None:
-            nbytes = math.prod(shape) * dtype.itemsize
+        itemsize = ITEMSIZES.get(tag)
+        if itemsize is not None:
+            nbytes = math.prod(shape) * itemsize
             if end - begin != nbytes:
                 raise HeaderError(f"corrupted: tensor {_shown(name)} spans {end - begin} bytes, its shape needs "
                                   f"{nbytes}")

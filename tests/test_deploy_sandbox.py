@@ -168,3 +168,19 @@ def test_a_decode_stopped_mid_request_is_retried_by_the_client(tiny_dir):
     assert 'h3_encoder_requests_total{status="200",task="ref2va"} 1.0' in metrics
     assert "422" not in metrics.split("h3_encoder_requests_total")[1].split("# HELP")[0]
     assert cond.to_bytes() == again.to_bytes()
+
+
+def test_the_decoder_host_imports_no_torch():
+    """The host is a small process that forks a worker per call: what it imports (the media modules, and the
+    safetensors header parser it reads results with) must not pull in torch, diffusers or transformers."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    assert "._serve(fd)" in media_sandbox._BOOT
+    code = media_sandbox._BOOT.replace("._serve(fd)", "") + (
+        "\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'diffusers', 'transformers')))")
+    directory = str(Path(media_sandbox.__file__).parent)
+    out = subprocess.run([sys.executable, "-c", code, directory, "0"], capture_output=True, text=True, check=True,
+                         timeout=120)
+    assert out.stdout.strip() == "[]"

@@ -28,6 +28,19 @@ def test_bytes_file_and_path_agree(tmp_path):
 
 def test_one_dtype_table_covers_both_directions():
     assert all(sh.DTYPE_TAGS[dtype] == tag for tag, dtype in sh.DTYPES.items())
+    # the torch-free sizes the parser checks spans with are torch's own
+    assert {tag: dtype.itemsize for tag, dtype in sh.DTYPES.items()} == sh.ITEMSIZES
+
+
+def test_parsing_imports_no_torch():
+    """The media sandbox's decoder host reads result headers with this module and must stay torch-free."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from h3_core import safetensors_header as sh; "
+            "sh.read_header(b'\\x02' + bytes(7) + b'{}'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
 
 
 def test_unknown_dtype_tags_are_kept_by_name():
