@@ -74,12 +74,12 @@ def file_formats() -> dict[str, tuple[LayerFormat, dict]]:
 
 def refuse_formats(where: str, formats: dict) -> None:
     """Refuse unknown / unimplemented marker formats, all named at once. `formats`: format -> a layer."""
-    bad = {fmt: layer for fmt, layer in formats.items() if fmt not in _REGISTRY}
+    bad = {name: layer for name, layer in formats.items() if name not in _REGISTRY}
     if not bad:
         return
     named = "; ".join(
-        f"{fmt!r} ({'known to ComfyUI, not implemented here' if fmt in UNIMPLEMENTED_FORMATS else 'unknown'}; "
-        f"e.g. {layer})" for fmt, layer in sorted(bad.items()))
+        f"{name!r} ({'known to ComfyUI, not implemented here' if name in UNIMPLEMENTED_FORMATS else 'unknown'}; "
+        f"e.g. {layer})" for name, layer in sorted(bad.items()))
     raise UnsupportedCheckpointError(
         f"{where}: quantised layer format {named} is not supported; supported layer formats: {supported_text()}")
 

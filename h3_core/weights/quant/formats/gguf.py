@@ -69,6 +69,7 @@ class GGUF(LayerFormat):
         import gguf
 
         shape = tuple(weight.shape)
+        storage = ggml.stored_shape(ggml_type, shape)  # refuses a size that is no whole number of blocks
         block = ggml.block_sizes(ggml_type)[0]
         dense = weight.detach().to(torch.float32).cpu().numpy()
         rows = dense if dense.ndim == 2 and shape[1] % block == 0 else dense.reshape(-1, block)
@@ -77,7 +78,7 @@ class GGUF(LayerFormat):
         except (NotImplementedError, gguf.quants.QuantError) as exc:
             reason = exc or "not implemented"
             raise H3WeightsError(f"the gguf package cannot quantise to {ggml_type} ({reason})") from None
-        stored = torch.from_numpy(raw.copy()).reshape(ggml.stored_shape(ggml_type, shape))
+        stored = torch.from_numpy(raw.copy()).reshape(storage)
         return {"weight": stored}, self.marker(ggml_type, shape)
 
     def stored_header(self, shape: tuple[int, int], options: dict) -> tuple[dict, dict]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import H3WeightsError
 from ....safetensors_header import DTYPE_TAGS
+from ...errors import H3WeightsError
 from .. import kitchen
 from ..layer_format import LayerFormat, LayerSpec, roundup, scalar_f32, want
 
