@@ -130,7 +130,7 @@ class _Int16Rows(LayerFormat):
         dtype, shape = tensors["weight"]
         want(dtype == "I16" and len(shape) == 2, where, f"weight must be I16 2-D, got {dtype}")
         want(tensors["weight_scale"] == ("F32", (shape[0], 1)), where, "weight_scale must be F32 [N, 1]")
-        return LayerSpec(self.name, tuple(shape), marker, tensors)
+        return LayerSpec(self, tuple(shape), marker, tensors)
 
     def label(self, spec):
         return "int16 row-wise"

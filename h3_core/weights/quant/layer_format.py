@@ -60,7 +60,7 @@ def scalar_f32(tensors: dict, suffixes, where: str, fmt: str) -> None:
 class LayerSpec:
     """One quantised layer as its file stores it. `shape` is the dense [out, in] it stands for."""
 
-    format: str
+    layer_format: "LayerFormat"  # the registered format that validated it (and computes with it)
     shape: tuple[int, int]
     marker: dict
     tensors: dict  # suffix -> (dtype tag, shape): weight and side tensors, as stored
@@ -70,18 +70,14 @@ class LayerSpec:
     bits: int = 8
 
     @property
-    def layer_format(self) -> "LayerFormat":
-        from .layouts import layer_format
-
-        return layer_format(self.format)
+    def format(self) -> str:
+        """The marker name of the layer's format."""
+        return self.layer_format.name
 
     @property
     def label(self) -> str:
         """How `check` names the layer format, e.g. "int8_convrot (group 256)"."""
         return self.layer_format.label(self)
-
-    def row_aligned(self, suffix: str) -> bool | None:
-        return self.layer_format.row_aligned(suffix, self.tensors[suffix][1] if suffix in self.tensors else ())
 
 
 class LayerFormat:

@@ -26,7 +26,7 @@ class Float8E4M3(LayerFormat):
         want(dtype == "F8_E4M3" and len(shape) == 2, where,
              f"float8_e4m3fn weight must be F8_E4M3 2-D, got {dtype} {list(shape)}")
         scalar_f32(tensors, ("weight_scale", "input_scale"), where, self.name)
-        return LayerSpec(self.name, tuple(shape), marker, tensors)
+        return LayerSpec(self, tuple(shape), marker, tensors)
 
     def label(self, spec: LayerSpec) -> str:
         full = " full-precision matmul" if spec.marker.get("full_precision_matrix_mult") else ""

@@ -33,7 +33,7 @@ class GGUF(LayerFormat):
     def check(self, where: str, marker: dict, tensors: dict) -> LayerSpec:
         dtype, shape = tensors["weight"]
         want(dtype == "U8", where, f"a GGUF block-quantised weight is held as U8 bytes, got {dtype} {list(shape)}")
-        return LayerSpec(self.name, self._dense_shape(marker, tuple(shape), where), marker, tensors)
+        return LayerSpec(self, self._dense_shape(marker, tuple(shape), where), marker, tensors)
 
     @staticmethod
     def _dense_shape(marker: dict, stored: tuple[int, ...], where: str) -> tuple[int, ...]:

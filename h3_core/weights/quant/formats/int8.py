@@ -34,7 +34,7 @@ class Int8Tensorwise(LayerFormat):
         if convrot:
             want(is_power_of_4(group) and k % group == 0, where,
                  f"ConvRot group {group} must be a power of 4 dividing in_features {k}")
-        return LayerSpec(self.name, (n, k), marker, tensors, convrot=convrot, convrot_groupsize=group)
+        return LayerSpec(self, (n, k), marker, tensors, convrot=convrot, convrot_groupsize=group)
 
     def label(self, spec: LayerSpec) -> str:
         if spec.convrot:

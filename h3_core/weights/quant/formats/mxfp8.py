@@ -30,7 +30,7 @@ class MXFP8(LayerFormat):
         blocked = (roundup(n, 128), roundup(k // 32, 4))
         want(s_dtype in ("F8_E8M0", "U8") and tuple(s_shape) == blocked, where,
              f"mxfp8 weight_scale must be F8_E8M0 {list(blocked)} (blocked layout), got {s_dtype} {list(s_shape)}")
-        return LayerSpec(self.name, (n, k), marker, tensors, group_size=32)
+        return LayerSpec(self, (n, k), marker, tensors, group_size=32)
 
     def label(self, spec: LayerSpec) -> str:
         return "mxfp8 (e4m3, E8M0 scale per 32)"

@@ -38,7 +38,7 @@ class NVFP4(LayerFormat):
             p_dtype, p_shape = tensors["pre_quant_scale"]
             want(p_dtype in ("F32", "BF16", "F16") and tuple(p_shape) == (k,), where,
                  f"nvfp4 pre_quant_scale must be a float [{k}], got {p_dtype} {list(p_shape)}")
-        return LayerSpec(self.name, (n, k), marker, tensors, group_size=16, bits=4)
+        return LayerSpec(self, (n, k), marker, tensors, group_size=16, bits=4)
 
     def label(self, spec: LayerSpec) -> str:
         awq = ", AWQ pre-scale" if "pre_quant_scale" in spec.tensors else ""

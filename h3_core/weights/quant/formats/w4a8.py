@@ -46,7 +46,7 @@ class AsymW4A8Int8(LayerFormat):
         c_dtype, c_shape = tensors["weight_s_channel"]
         want(c_dtype == "F32" and tuple(c_shape) == (n,), where,
              f"weight_s_channel must be F32 [{n}], got {c_dtype} {list(c_shape)}")
-        return LayerSpec(self.name, (n, k), marker, tensors, convrot=True, convrot_groupsize=rot, group_size=group,
+        return LayerSpec(self, (n, k), marker, tensors, convrot=True, convrot_groupsize=rot, group_size=group,
                          bits=bits)
 
     def label(self, spec: LayerSpec) -> str:
