@@ -1,12 +1,13 @@
 """How quantised layers travel from a file into a model: the steps `check` and the loaders share.
 
 1. `before_conversion`: components whose handler dequantises at load (`quantised_layers =
-   "dequantise"`: the video VAE) get dense `P.weight` tensors here (kitchen's dequantisation, float32;
-   data-free meta tensors during a header-only check), so their key converters see a dense file.
+   "dequantise"`: the video VAE) get dense `P.weight` tensors here (the layer format's dequantisation,
+   float32; data-free meta tensors during a header-only check), so their key converters see a dense file.
 2. The component's key converter renames / splits / swaps the stored tensors; side tensors follow their
-   weight (`follow_rows`), markers are copied to every part of a split.
+   weight as their format says (`follow_rows`), markers are copied to every part of a split.
 3. `install`: every converted marker `M.comfy_quant` turns module `M` of the (meta) model into a
-   `QuantLinear` (an `nn.Embedding` into an `Int8Embedding`) whose parameters are the stored tensors,
+   `QuantLinear` (an `nn.Embedding` into an `Int8Embedding` where the format allows it; another module's
+   layer is dequantised at load where the format asks for it: GGUF) whose parameters are the stored tensors,
    and the marker is consumed. The model's state dict then names exactly the converted tensors, so the
    usual zero-missing / zero-unexpected / equal-shapes check covers quantised files too.
 """
