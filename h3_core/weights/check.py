@@ -26,9 +26,6 @@ from .headers import meta_state_dict
 from .quant import route as quant_route
 from .quant.plan import meta_with_markers
 
-# Side tensors of quantised layers that scale values (codes, markers and zero points are not floats to check).
-SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_s_rel",
-                  "weight_s_channel")
 _PIECE = 1 << 20  # elements per finiteness pass: a bounded temporary whatever the scale's size
 
 
@@ -150,8 +147,9 @@ def non_finite_scales(det: Detection) -> list[str]:
     read on its own with a plain read of its byte range (no mapping of a file that may be tens of GB)."""
     if det.quant is None or det.header.container != "safetensors":  # GGUF scales live inside their quant blocks
         return []
+    # Every side tensor of a quantised layer (the floating ones are read below: scales, an AWQ pre-scale, a codebook).
     names = {f"{layer}.{suffix}" for layer, spec in det.quant.layers.items() for suffix in spec.tensors
-             if suffix in SCALE_SUFFIXES} & set(det.header.tensors)
+             if suffix != "weight"} & set(det.header.tensors)
     by_file: dict[str, list[str]] = {}
     for name in sorted(names):
         by_file.setdefault(det.header.tensors[name].file, []).append(name)

@@ -5,8 +5,9 @@ A component (DiT, VAE, ...) says *what* a file holds; its format says *how* the 
 tensors) or "quantised" (the Comfy-Org int8_convrot, fp8_scaled, w6a8 and nvfp4_awq files).
 A quantised file is described layer by layer by its `.comfy_quant`
 markers (`weights.quant.plan`, which refuses unknown or unimplemented layer formats by name, before
-any weight is read); this registry only tells the two storage kinds apart. The pruned ("AdaLN curve")
-DiTs are not a format: they are a key family of the DiT handler (`pruned.py`), dense or quantised.
+any weight is read); this registry only tells the storage kinds apart, with the layer-format registry's
+own suffix and dtype sets (`weights.quant.layouts`), where each layer format is one class. The pruned
+("AdaLN curve") DiTs are not a format: they are a key family of the DiT handler (`pruned.py`), dense or quantised.
 Detection records the format (`Detection.format`), so the loaders can route on it.
 """
 
@@ -18,6 +19,7 @@ from typing import Callable
 
 from .errors import UnsupportedCheckpointError, preview
 from .headers import Header
+from .quant import layouts as quant_layouts
 
 SUPPORTED_FILES = (
     "supported: the Comfy-Org single files minimax_h3_{fl2va,ref2va}_{bf16,int8_convrot}.safetensors, "
@@ -28,19 +30,6 @@ SUPPORTED_FILES = (
     "or a native MiniMaxAI FL2VA/Ref2VA partition"
 )
 
-# Companion tensors that only quantised formats carry (Comfy quant ops, fp8_scaled, AWQ...).
-QUANT_SUFFIXES = (
-    ".weight_scale",
-    ".comfy_quant",
-    ".scale_weight",
-    ".input_scale",
-    ".weight_scale_2",
-    ".qweight",
-    ".qzeros",
-    ".scales",
-)
-# Integer/fp8/fp4 storage for a weight means a quantised (or packed) tensor, whatever its name.
-QUANT_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I4", "U4"}
 DENSE_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "BOOL"}
 PRUNED_TABLE_KEY = "adaln_t_table"  # the pruned DiT's table (pruned.TABLE_KEY)
 
@@ -55,8 +44,11 @@ class WeightFormat:
 
 
 def _quantised(header: Header) -> str | None:
-    companions = [key for key in header.tensors if key.endswith(QUANT_SUFFIXES)]
-    weights = [k for k, info in header.tensors.items() if info.dtype in QUANT_DTYPES and not k.endswith(QUANT_SUFFIXES)]
+    # The quantised layer formats' own sets (`quant.layouts`): their side-tensor suffixes and storage dtypes.
+    suffixes = tuple(f".{suffix}" for suffix in quant_layouts.side_suffixes())
+    companions = [key for key in header.tensors if key.endswith(suffixes)]
+    weights = [k for k, info in header.tensors.items()
+               if info.dtype in quant_layouts.STORAGE_DTYPES and not k.endswith(suffixes)]
     if not (companions or weights):
         return None
     detail = []

@@ -10,6 +10,9 @@ in 144 bytes). Such a layer is held in memory exactly as stored, as U8 bytes:
 - `[n_blocks, type_size]` otherwise (ComfyUI-GGUF's `comfy.gguf.orig_shape` files: a tensor quantised as one
   flat run of blocks); then the marker states the dense shape, and the layer cannot be row-split.
 
+The layer format itself (marker, validation, label, dequantise / quantise) is `formats.GGUF`, one registered
+class for every GGML type; this module is the GGML arithmetic it and `gguf_file` share.
+
 A block-quantised tensor of a module that is not a Linear (a convolution, an embedding table) is dequantised
 once at load (`route.install`), as ComfyUI-GGUF does with large token tables: only Linears compute from blocks.
 
@@ -27,7 +30,6 @@ import torch
 
 from ..errors import H3WeightsError
 
-GGUF = "gguf"  # the layer format (the marker's "format") of a GGUF block-quantised layer
 DENSE_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # GGML type -> safetensors dtype tag
 
 
@@ -69,36 +71,6 @@ def stored_shape(ggml_type: str, shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) == 2 and shape[1] % block == 0:
         return (shape[0], shape[1] // block * size)
     return (numel // block, size)
-
-
-def marker(ggml_type: str, shape: tuple[int, ...]) -> dict:
-    """The marker the loaders give a GGUF layer (GGUF files carry none): its type, and its dense shape only
-    when the storage is flat (a row-aligned layer's shape follows from its bytes, also after a row split)."""
-    out = {"format": GGUF, "ggml_type": ggml_type}
-    if len(shape) != 2 or shape[1] % block_sizes(ggml_type)[0]:
-        out["shape"] = [int(dim) for dim in shape]
-    return out
-
-
-def dense_shape(marker_dict: dict, stored: tuple[int, ...], where: str) -> tuple[int, ...]:
-    """The shape a GGUF tensor stands for ([N, K] for a layer), from its marker and stored bytes (validated)."""
-    ggml_type = marker_dict.get("ggml_type")
-    if ggml_type not in quantised_types():
-        raise H3WeightsError(f"{where}: GGML type {ggml_type!r} is not read (supported: {supported_text()})")
-    block, size = block_sizes(ggml_type)
-    if len(stored) != 2:
-        raise H3WeightsError(f"{where}: a {ggml_type} layer is stored as U8 2-D bytes, got {list(stored)}")
-    if "shape" in marker_dict:
-        shape = tuple(int(d) for d in marker_dict["shape"])
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if numel != stored[0] * stored[1] // size * block or stored[1] != size:
-            raise H3WeightsError(f"{where}: {ggml_type} bytes {list(stored)} do not hold a {list(shape)} weight")
-        return shape
-    if stored[1] % size:
-        raise H3WeightsError(f"{where}: {ggml_type} rows of {stored[1]} bytes are not whole {size}-byte blocks")
-    return (stored[0], stored[1] // size * block)
 
 
 def dequantise(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

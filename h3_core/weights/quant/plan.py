@@ -18,8 +18,8 @@ import torch
 from ..errors import UnsupportedCheckpointError, preview
 from ..headers import Header
 from . import ggml, layouts, markers
+from .formats import GGUF
 
-QUANT_STORAGE = {"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I4", "U4"}
 _MARKER_TAIL = "." + markers.MARKER_SUFFIX
 
 # Friendly names of the layer families `check` reports, by the layer name with indices replaced by N.
@@ -46,7 +46,7 @@ def family_of(layer: str) -> str:
 def split_side(key: str) -> tuple[str, str] | None:
     """`P.weight_scale` -> (`P`, "weight_scale") for every side-tensor suffix; None for other keys."""
     layer, _, suffix = key.rpartition(".")
-    return (layer, suffix) if layer and suffix in layouts.SIDE_SUFFIXES else None
+    return (layer, suffix) if layer and suffix in layouts.side_suffixes() else None
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def _unmarked_refusal(where: str, header: Header, companions: list, stored: list
     return UnsupportedCheckpointError(
         f"{where}: quantised tensors this package cannot attribute to a layer format ({'; '.join(detail)}); "
         "quantised files are read through their per-layer .comfy_quant markers (legacy `scale_weight` / "
-        f"`scaled_fp8` files are not supported); supported layer formats: {layouts.SUPPORTED_TEXT}")
+        f"`scaled_fp8` files are not supported); supported layer formats: {layouts.supported_text()}")
 
 
 def _read_markers(header: Header, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -113,7 +113,7 @@ def _read_markers(header: Header, keys: list[str]) -> dict[str, torch.Tensor]:
 
 
 def _gguf_plan(header: Header, where: str) -> QuantPlan | None:
-    """A GGUF file's block-quantised tensors as layers, each with a synthetic marker (`ggml.marker`): the
+    """A GGUF file's block-quantised tensors as layers, each with a synthetic marker (`formats.GGUF.marker`): the
     file states their types in its tensor directory, not in markers."""
     quantised = sorted(k for k, info in header.tensors.items() if info.ggml_type not in ggml.DENSE_TYPES)
     not_weights = [k for k in quantised if not k.endswith(".weight")]
@@ -121,10 +121,11 @@ def _gguf_plan(header: Header, where: str) -> QuantPlan | None:
         raise UnsupportedCheckpointError(
             f"{where}: block-quantised GGUF tensors that are not layer weights ({preview(not_weights, 3)}); only "
             "Linear weights are read quantised, keep other tensors in F32/F16/BF16")
+    gguf = layouts.layer_format(GGUF.name)
     specs, made = {}, {}
     for key in quantised:
         info, layer = header.tensors[key], key[: -len(".weight")]
-        marker = ggml.marker(info.ggml_type, info.dense_shape)
+        marker = gguf.marker(info.ggml_type, info.dense_shape)
         specs[layer] = layouts.describe(f"{where}: {layer}", marker, {"weight": (info.dtype, tuple(info.shape))})
         made[f"{layer}{_MARKER_TAIL}"] = markers.encode(marker)
     return QuantPlan(layers=specs, markers=made) if specs else None
@@ -139,7 +140,8 @@ def read_plan(header: Header, where: str) -> QuantPlan | None:
     companions = sorted(k for k in header.tensors
                         if (side := split_side(k)) is not None and side[0] not in layer_names)
     stored = sorted(k for k, info in header.tensors.items()
-                    if info.dtype in QUANT_STORAGE and k not in marker_keys and k.rpartition(".")[0] not in layer_names)
+                    if info.dtype in layouts.STORAGE_DTYPES and k not in marker_keys
+                    and k.rpartition(".")[0] not in layer_names)
     if companions or stored:
         raise _unmarked_refusal(where, header, companions, stored)
     if not marker_keys:

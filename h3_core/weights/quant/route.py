@@ -1,12 +1,13 @@
 """How quantised layers travel from a file into a model: the steps `check` and the loaders share.
 
 1. `before_conversion`: components whose handler dequantises at load (`quantised_layers =
-   "dequantise"`: the video VAE) get dense `P.weight` tensors here (kitchen's dequantisation, float32;
-   data-free meta tensors during a header-only check), so their key converters see a dense file.
+   "dequantise"`: the video VAE) get dense `P.weight` tensors here (the layer format's dequantisation,
+   float32; data-free meta tensors during a header-only check), so their key converters see a dense file.
 2. The component's key converter renames / splits / swaps the stored tensors; side tensors follow their
-   weight (`follow_rows`), markers are copied to every part of a split.
+   weight as their format says (`follow_rows`), markers are copied to every part of a split.
 3. `install`: every converted marker `M.comfy_quant` turns module `M` of the (meta) model into a
-   `QuantLinear` (an `nn.Embedding` into an `Int8Embedding`) whose parameters are the stored tensors,
+   `QuantLinear` (an `nn.Embedding` into an `Int8Embedding` where the format allows it; another module's
+   layer is dequantised at load where the format asks for it: GGUF) whose parameters are the stored tensors,
    and the marker is consumed. The model's state dict then names exactly the converted tensors, so the
    usual zero-missing / zero-unexpected / equal-shapes check covers quantised files too.
 """
@@ -18,7 +19,7 @@ from torch import nn
 
 from ...safetensors_header import DTYPE_TAGS
 from ..errors import H3WeightsError
-from . import kitchen, layouts, markers
+from . import layouts, markers
 from .linear import Int8Embedding, QuantLinear
 from .plan import QuantPlan, split_side
 
@@ -33,29 +34,11 @@ def follow_rows(state: dict, layer: str, suffix: str, tensor: torch.Tensor, op, 
     marker = state.get(f"{layer}{_MARKER_TAIL}")
     if marker is None or marker.device.type == "meta":
         raise H3WeightsError(f"{layer}.{suffix}: side tensor of a layer without a readable .comfy_quant marker")
-    fmt = markers.parse(marker, layer)["format"]
-    aligned = layouts.row_aligned(fmt, suffix, tuple(tensor.shape))
-    if aligned is None and fmt == layouts.MXFP8:
-        return _retile(state[f"{layer}.weight"], tensor, op, count)
-    if aligned is None:
-        raise H3WeightsError(
-            f"{layer}: {fmt} {suffix} cannot follow a fused-projection split or half swap (its blocked layout "
-            "would have to be re-tiled); such a layer is not supported in a fused projection")
+    fmt = layouts.layer_format(markers.parse(marker, layer)["format"])
+    aligned = fmt.row_aligned(suffix, tuple(tensor.shape))
+    if aligned is None:  # a blocked layout: the format re-tiles it, or refuses
+        return fmt.follow_rows(layer, suffix, state[f"{layer}.weight"], tensor, op, count)
     return tuple(op(tensor)) if aligned else (tensor,) * count
-
-
-def _retile(weight: torch.Tensor, scale: torch.Tensor, op, count: int) -> tuple:
-    """mxfp8 block scales (cuBLAS' 128x4 tiles, kitchen's layout) through a row operation: untiled to [N, K/32]
-    (one row per weight row), `op`, tiled again per part (kitchen's own `from_blocked` / `to_blocked`)."""
-    rows, blocks = weight.shape[0], weight.shape[1] // 32
-    if scale.device.type == "meta":
-        part = rows // count if count > 1 else rows
-        shape = (layouts.roundup(part, 128), layouts.roundup(blocks, 4))
-        return tuple(torch.empty(shape, dtype=scale.dtype, device="meta") for _ in range(count))
-    from comfy_kitchen.float_utils import from_blocked, to_blocked
-
-    plain = from_blocked(scale.view(torch.uint8), num_rows=rows, num_cols=blocks)
-    return tuple(to_blocked(part.contiguous(), flatten=False).view(scale.dtype) for part in op(plain))
 
 
 def _densify(plan: QuantPlan, tensors: dict) -> dict:
@@ -65,8 +48,7 @@ def _densify(plan: QuantPlan, tensors: dict) -> dict:
         if stored["weight"].device.type == "meta":
             dense = torch.empty(spec.shape, dtype=torch.float32, device="meta")
         else:
-            dense = kitchen.dequantise(spec.format, stored, spec.shape, torch.float32, convrot=spec.convrot,
-                                       convrot_groupsize=spec.convrot_groupsize, group_size=spec.group_size)
+            dense = spec.layer_format.dequantise(spec, stored, torch.float32)
             if "pre_quant_scale" in stored:  # x W^T = (x * s) W'^T: folded once, at load
                 dense = dense * stored["pre_quant_scale"].to(torch.float32)
         out[f"{layer}.weight"] = dense
@@ -113,13 +95,14 @@ def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
             continue  # no such module: `compare` reports its tensors as unexpected
         if isinstance(current, (QuantLinear, Int8Embedding)):
             continue  # installed by an earlier pass (the check), the loaders assign into it
-        if spec.format == layouts.GGUF and not isinstance(current, nn.Linear):
-            out[f"{name}.weight"] = _gguf_dense(spec, out[f"{name}.weight"])  # a conv / embedding: dense at load
+        fmt = spec.layer_format
+        if fmt.non_linear == "dequantise" and not isinstance(current, nn.Linear):
+            out[f"{name}.weight"] = _dense_at_load(spec, out[f"{name}.weight"])  # a conv / embedding (GGUF)
             continue
         if isinstance(current, nn.Linear):
             dense = (current.out_features, current.in_features)
             replacement = QuantLinear.empty(spec, current.bias.dtype if current.bias is not None else None)
-        elif isinstance(current, nn.Embedding) and spec.format == layouts.INT8 and not spec.convrot:
+        elif isinstance(current, nn.Embedding) and fmt.embeddable(spec):
             dense = (current.num_embeddings, current.embedding_dim)
             replacement = Int8Embedding.empty(spec)
         else:
@@ -133,13 +116,12 @@ def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
     return out, mismatched
 
 
-def _gguf_dense(spec, stored: torch.Tensor) -> torch.Tensor:
-    """A GGUF tensor of a non-Linear module, dequantised (float32; meta during a header-only check)."""
+def _dense_at_load(spec, stored: torch.Tensor) -> torch.Tensor:
+    """The weight of a non-Linear module its format dequantises at load (float32; meta during a header-only
+    check)."""
     if stored.device.type == "meta":
         return torch.empty(spec.shape, dtype=torch.float32, device="meta")
-    from . import ggml
-
-    return ggml.dequantise(stored, spec.marker["ggml_type"], spec.shape, torch.float32)
+    return spec.layer_format.dequantise(spec, {"weight": stored}, torch.float32)
 
 
 def stored_names(model: nn.Module) -> set[str]:

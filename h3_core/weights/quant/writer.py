@@ -3,8 +3,8 @@
 `quantise_state_dict(state, fmt, layers)` takes a Comfy single-file state dict (reference names:
 `blocks.N.attn.qkv_proj.weight`, `model.layers.N.mlp.down_proj.weight`, ...) and returns the same
 dict with every listed layer replaced by what the published files store for it: the quantised
-`P.weight`, its side tensors and the `P.comfy_quant` marker, all from comfy-kitchen's quantisers.
-Everything not listed is returned as it is (same tensor objects).
+`P.weight`, its side tensors and the `P.comfy_quant` marker, all from the format class's quantiser
+(comfy-kitchen's for the Comfy formats). Everything not listed is returned as it is (same tensor objects).
 """
 
 from __future__ import annotations
@@ -13,25 +13,16 @@ from collections.abc import Mapping
 
 import torch
 
-from ...safetensors_header import DTYPE_TAGS
 from ..errors import H3WeightsError
-from . import kitchen, markers
-from .layouts import FP8, INT8, MXFP8, NVFP4, W6A8, roundup
+from . import layouts, markers
 
-# File-level names (as the published file names spell them) and marker names -> (marker format, defaults).
-FILE_FORMATS = {
-    "int8_convrot": (INT8, {"convrot": True}),
-    "int8": (INT8, {"convrot": False}),
-    INT8: (INT8, {"convrot": False}),
-    "fp8_scaled": (FP8, {}),
-    FP8: (FP8, {}),
-    "w6a8": (W6A8, {}),
-    "w4a8": (W6A8, {"bits": 4}),
-    W6A8: (W6A8, {}),
-    "nvfp4": (NVFP4, {}),
-    "nvfp4_awq": (NVFP4, {}),
-    MXFP8: (MXFP8, {}),
-}
+
+def _file_format(fmt: str):
+    """(format, default options) for a quantisation name (`layouts.file_formats`), or a refusal naming them."""
+    names = layouts.file_formats()
+    if fmt not in names:
+        raise H3WeightsError(f"unknown quantisation format {fmt!r}; one of {sorted(names)}")
+    return names[fmt]
 
 
 def _layer_options(layers) -> dict[str, dict]:
@@ -47,16 +38,14 @@ def _layer_options(layers) -> dict[str, dict]:
 def quantise_state_dict(state: dict[str, torch.Tensor], fmt: str, layers) -> dict[str, torch.Tensor]:
     """`state` with each layer of `layers` quantised to `fmt` (Comfy-file tensors with `.comfy_quant` markers).
 
-    `fmt`: a file-level name ("int8_convrot", "int8", "fp8_scaled", "w6a8", "nvfp4"/"nvfp4_awq") or a
-    marker format ("int8_tensorwise", "float8_e4m3fn", "asym_w4a8_int8", "nvfp4").
+    `fmt`: a file-level name ("int8_convrot", "int8", "fp8_scaled", "w6a8", "w4a8", "nvfp4"/"nvfp4_awq") or a
+    marker format ("int8_tensorwise", "float8_e4m3fn", "asym_w4a8_int8", "nvfp4", "mxfp8").
     `layers`: layer names (`P` or `P.weight`), or a mapping name -> per-layer options that override the
-    format's defaults (see `kitchen.quantise`: e.g. {"convrot": False} for an int8 layer whose width has
+    format's defaults (see each format's `quantise`: e.g. {"convrot": False} for an int8 layer whose width has
     no ConvRot group, {"full_precision_matrix_mult": True, "input_scale": 0.01} for fp8, {"pre_quant_scale":
     s} for an AWQ nvfp4 layer). A layer's bias (if any) stays dense, as in the published files.
     """
-    if fmt not in FILE_FORMATS:
-        raise H3WeightsError(f"unknown quantisation format {fmt!r}; one of {sorted(FILE_FORMATS)}")
-    marker_format, defaults = FILE_FORMATS[fmt]
+    layer_format, defaults = _file_format(fmt)
     plan = _layer_options(layers)
     missing = sorted(prefix for prefix in plan if f"{prefix}.weight" not in state)
     if missing:
@@ -65,7 +54,10 @@ def quantise_state_dict(state: dict[str, torch.Tensor], fmt: str, layers) -> dic
     for prefix in sorted(plan):
         if f"{prefix}.{markers.MARKER_SUFFIX}" in state:
             raise H3WeightsError(f"{prefix} is already quantised")
-        stored, marker = kitchen.quantise(marker_format, state[f"{prefix}.weight"], {**defaults, **plan[prefix]})
+        weight = state[f"{prefix}.weight"]
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise H3WeightsError(f"only 2-D floating weights are quantised, got {weight.dtype} {list(weight.shape)}")
+        stored, marker = layer_format.quantise(weight, {**defaults, **plan[prefix]})
         for suffix, tensor in stored.items():
             out[f"{prefix}.{suffix}"] = tensor.contiguous()
         out[f"{prefix}.{markers.MARKER_SUFFIX}"] = markers.encode(marker)
@@ -74,41 +66,7 @@ def quantise_state_dict(state: dict[str, torch.Tensor], fmt: str, layers) -> dic
 
 def quantised_header(fmt: str, shape: tuple[int, int], options: dict | None = None) -> tuple[dict, dict]:
     """What `quantise_state_dict` stores for one [N, K] layer, without data: ({suffix: (dtype tag, shape)},
-    marker). The header-only twin of `kitchen.quantise` (a test holds the two equal), used to describe
-    release-size files whose weights are not at hand."""
-    if fmt not in FILE_FORMATS:
-        raise H3WeightsError(f"unknown quantisation format {fmt!r}; one of {sorted(FILE_FORMATS)}")
-    marker_format, defaults = FILE_FORMATS[fmt]
-    options = {**defaults, **(options or {})}
-    n, k = shape
-    if marker_format == INT8:
-        group = (options.get("convrot_groupsize") or kitchen.default_rotation(k)) if options.get("convrot") else 0
-        marker = {"format": INT8, "convrot": True, "convrot_groupsize": group} if group else {"format": INT8}
-        return {"weight": ("I8", (n, k)), "weight_scale": ("F32", (n, 1))}, marker
-    if marker_format == FP8:
-        stored = {"weight": ("F8_E4M3", (n, k)), "weight_scale": ("F32", ())}
-        if options.get("input_scale") is not None:
-            stored["input_scale"] = ("F32", ())
-        marker = {"format": FP8, **({"full_precision_matrix_mult": True} if options.get("full_precision_matrix_mult")
-                                    else {})}
-        return stored, marker
-    if marker_format == W6A8:
-        group = int(options.get("group_size", 16))
-        rotation = int(options.get("convrot_groupsize") or kitchen.default_rotation(k))
-        four = int(options.get("bits", 6)) == 4
-        stored = {"weight": ("I8", (n, k // 2 if four else 3 * k // 4)), "weight_s_rel": ("F8_E4M3", (n, k // group)),
-                  "weight_s_channel": ("F32", (n,))}
-        if four:
-            stored["weight_codebook"] = ("F32", (16,))
-        return stored, {"format": W6A8, "group_size": group, "convrot_groupsize": rotation}
-    if marker_format == MXFP8:
-        return {"weight": ("F8_E4M3", (n, k)), "weight_scale": ("F8_E8M0", (roundup(n, 128), roundup(k // 32, 4)))}, {
-            "format": MXFP8}
-    stored = {"weight": ("U8", (n, k // 2)), "weight_scale": ("F8_E4M3", (roundup(n, 128), roundup(k // 16, 4))),
-              "weight_scale_2": ("F32", ())}
-    prescale = options.get("pre_quant_scale")
-    if prescale is not None:
-        # A tensor option is stored in its own dtype; a dtype tag names it (the published nvfp4_awq file: BF16).
-        tag = DTYPE_TAGS[prescale.dtype] if isinstance(prescale, torch.Tensor) else str(prescale)
-        stored["pre_quant_scale"] = (tag, (k,))
-    return stored, {"format": NVFP4, "full_precision_matrix_mult": True}
+    marker). The header-only twin of the format's `quantise` (a test holds the two equal), used to describe
+    release-size files whose weights are not at hand (their byte counts are what the planner plans with)."""
+    layer_format, defaults = _file_format(fmt)
+    return layer_format.stored_header(tuple(shape), {**defaults, **(options or {})})
