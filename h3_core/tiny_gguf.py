@@ -1,7 +1,7 @@
 """GGUF twins of the tiny DiT and text encoder, as ComfyUI-GGUF's converter lays such files out.
 
 `write_gguf_twins(models_dir)` reads the tiny fp32 Comfy files and writes, for every GGML type of
-`QUANT_TYPES`, into the same ComfyUI `models/` folder:
+`QUANT_TYPES` (the plain tiny build: `DEFAULT_TYPES`), into the same ComfyUI `models/` folder:
 
     diffusion_models/minimax_h3_tiny_{fl2va,ref2va,fl2va_pruned}_<TYPE>.gguf   the DiT (full both partitions;
                                                                                the pruned "AdaLN curve" fl2va)
@@ -9,6 +9,9 @@
     text_encoders/qwen3vl_minimax_h3_tiny_split_Q8_0/                          the same without its vision tower,
                                                                                and the tower as a separate
                                                                                projector ("mmproj") file
+    text_encoders/qwen3vl_minimax_h3_tiny_llamacpp_Q8_0/                       that pair as llama.cpp's
+                                                                               convert_hf_to_gguf.py names it
+                                                                               (`llamacpp_twin`)
 
 Tensor names are the Comfy safetensors names. The tensors a community GGUF quantises (the DiT's block and
 AdaLN linears; the text encoder's language linears, token table and vision tower, its patch-embedding
@@ -36,6 +39,9 @@ import torch
 from .weights.release_headers import DIT_BLOCK_LINEARS, TE_LINEARS
 
 QUANT_TYPES = ("Q8_0", "Q5_1", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# What the plain tiny build writes (about 3 s of its ~55 s; every type takes ~8 s): one type the package
+# quantises and one K-quant, with the split and llama.cpp-named text-encoder pairs (SPLIT_TYPE is among them).
+DEFAULT_TYPES = ("Q8_0", "Q4_K")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 SOURCES = {  # twin family -> the tiny fp32 file it is made from (relative to the models folder)
     "fl2va": "diffusion_models/minimax_h3_tiny_fl2va_fp32.safetensors",
