@@ -257,3 +257,10 @@ def llamacpp_twin(language: Path, projector: Path, out_language: Path, out_proje
     writer.add_vision_is_deepstack_layers([i in deepstack for i in range(vision_config["depth"])])
     write(out_projector, writer, vision)
     return [out_language, out_projector]
+
+
+def default_files() -> list[str]:
+    """The GGUF files of the plain tiny build a loader offers (`tiny_files`): every twin of `DEFAULT_TYPES` and the
+    language file of each text-encoder pair (a vision-projector file is part of its pair, never chosen alone)."""
+    files = [gguf_path(family, kind) for family in SOURCES for kind in DEFAULT_TYPES]
+    return sorted([*files, split_paths()[0], llamacpp_paths()[0]])

@@ -3,6 +3,7 @@ vision file `v.blk.N.*`, `v.patch_embd` in two temporal halves, `mm.0`/`mm.2`, `
 agree with the `gguf` package's own tensor map, the loaded pair equals the Comfy-named pair bit for bit, `encode`
 works with it, and what cannot be mapped is refused by name."""
 
+import json
 import shutil
 
 import gguf
@@ -87,6 +88,7 @@ def test_loaded_llamacpp_pair_equals_the_comfy_named_pair_bitwise(models):
             assert mine[name].dtype == reference[name].dtype and torch.equal(mine[name], reference[name]), name
     det = weights.detect(str(llama[0]))
     assert det.component == "text_encoder" and set(det.files) == {str(p) for p in llama}
+    assert weights.check(llama[0]).ok
     assert [d.path for d in weights.scan(str(llama[0].parent))] == [str(llama[0])]
     with pytest.raises(weights.H3WeightsError):
         weights.detect(str(llama[1]))  # a vision file alone is no component
@@ -123,6 +125,13 @@ def _write(path, arch: str, tensors: dict, **strings) -> str:
     return str(path)
 
 
+def test_a_complete_models_head_and_final_norm_map_to_the_legacy_names():
+    """A complete llama.cpp model also holds `output_norm` and `output`: the legacy names of a full stack."""
+    names = gguf_llama_names.comfy_names(["token_embd.weight", "output_norm.weight", "output.weight"], "x.gguf")
+    assert names == {"token_embd.weight": ("model.embed_tokens.weight", 0),
+                     "output_norm.weight": ("model.norm.weight", 0), "output.weight": ("lm_head.weight", 0)}
+
+
 def test_what_cannot_be_mapped_is_refused_by_name(tmp_path):
     """An unknown llama.cpp tensor (a MoE expert stack), another architecture, another projector type, and a
     patch kernel with one half: each refused with the tensor or architecture named, before any weight is read."""
@@ -141,3 +150,17 @@ def test_what_cannot_be_mapped_is_refused_by_name(tmp_path):
                   clip__projector_type="qwen3vl_merger")
     with pytest.raises(weights.H3WeightsError, match="visual.patch_embed.proj.weight needs llama.cpp parts"):
         read_header([half])
+
+
+def test_the_plain_tiny_build_writes_the_default_gguf_twins_and_loaders_offer_them(tiny_dir):
+    """`python -m h3_core tiny` writes the Q8_0 and Q4_K twins (both pairs included); the loaders' embedded tiny
+    choices are exactly its GGUF files but the vision-projector ones."""
+    from h3_core import tiny_files
+
+    built = {name.split("/", 1)[1] for name in json.loads((tiny_dir / "tiny.json").read_text())["files"]
+             if name.startswith("comfyui/") and name.endswith(".gguf")}
+    projectors = {rel for rel in built if gguf_file.is_projector(str(tiny_dir / "comfyui" / rel))}
+    assert projectors == {tiny_gguf.split_paths()[1], tiny_gguf.llamacpp_paths()[1]}
+    listed = {rel for rel in tiny_files.comfy_files() if rel.endswith(".gguf")}
+    assert listed == built - projectors == set(tiny_gguf.default_files())
+    assert all(any(rel.endswith(f"_{kind}.gguf") for kind in tiny_gguf.DEFAULT_TYPES) for rel in listed)
