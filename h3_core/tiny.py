@@ -11,7 +11,8 @@
                      vae/ (video VAE, audio VAE) in fp32, plus the twins of the published
                      precisions and quantised files (bf16 / fp16, int8_convrot, nvfp4_awq: `tiny_twins`)
                      and the pruned "AdaLN curve" DiTs (pruned_{bf16,int8_convrot,fp8_scaled,w6a8}:
-                     `tiny_pruned`)
+                     `tiny_pruned`), and GGUF twins of the DiTs and the text encoder in Q8_0 and Q4_K
+                     (`tiny_gguf.DEFAULT_TYPES`; `--twins gguf` adds Q5_1, Q4_0, Q5_K, Q6_K)
     DIR/native/      the native MiniMaxAI partitions FL2VA/ and Ref2VA/ (DiT with per-head QKV)
     DIR/tiny.json    what was built (seed, versions, sha256 of every file)
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from . import configs, facts, tiny_pruned, tiny_twins
+from . import configs, facts, tiny_gguf, tiny_pruned, tiny_twins
 
 # Salts keep the components' draws independent: changing one component's config must not
 # change another component's weights.
@@ -236,6 +237,7 @@ def build(out: str | os.PathLike, seed: int = 0) -> Path:
     write_comfy_models(models, out / "comfyui")
     tiny_twins.write_twins(out / "comfyui")
     tiny_pruned.write_pruned_twins(out / "comfyui")
+    tiny_gguf.write_gguf_twins(out / "comfyui", types=tiny_gguf.DEFAULT_TYPES)  # ~3 s; the rest: --twins gguf
     write_native_partitions(models, out / "native", out / "diffusers")
     _write_json(out / "tiny.json", _manifest(out, seed))
     return out

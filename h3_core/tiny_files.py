@@ -6,12 +6,13 @@ is listed before the tiny H3 exists and resolved to a file only when a loader ru
 
 from __future__ import annotations
 
-from . import tiny, tiny_pruned, tiny_twins
+from . import tiny, tiny_gguf, tiny_pruned, tiny_twins
 
 
 def comfy_files() -> list[str]:
-    """`folder/name` of every tiny single file: the fp32 ones, the precision / quantised twins, the pruned twins."""
-    files = list(tiny.COMFY_FILES.values())
+    """`folder/name` of every tiny single file: the fp32 ones, the precision / quantised twins, the pruned twins,
+    the GGUF twins of the plain build (a text encoder's vision-projector file goes with it, unlisted)."""
+    files = list(tiny.COMFY_FILES.values()) + tiny_gguf.default_files()
     files += [tiny_twins.twin_path(family, v) for family, variants in tiny_twins.TWIN_FILES.items() for v in variants]
     files += [tiny_pruned.twin_path(part, v) for part in tiny_pruned.PARTITION_FILES for v in tiny_pruned.VARIANTS]
     return sorted(files)

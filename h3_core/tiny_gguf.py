@@ -1,7 +1,7 @@
 """GGUF twins of the tiny DiT and text encoder, as ComfyUI-GGUF's converter lays such files out.
 
 `write_gguf_twins(models_dir)` reads the tiny fp32 Comfy files and writes, for every GGML type of
-`QUANT_TYPES`, into the same ComfyUI `models/` folder:
+`QUANT_TYPES` (the plain tiny build: `DEFAULT_TYPES`), into the same ComfyUI `models/` folder:
 
     diffusion_models/minimax_h3_tiny_{fl2va,ref2va,fl2va_pruned}_<TYPE>.gguf   the DiT (full both partitions;
                                                                                the pruned "AdaLN curve" fl2va)
@@ -9,6 +9,9 @@
     text_encoders/qwen3vl_minimax_h3_tiny_split_Q8_0/                          the same without its vision tower,
                                                                                and the tower as a separate
                                                                                projector ("mmproj") file
+    text_encoders/qwen3vl_minimax_h3_tiny_llamacpp_Q8_0/                       that pair as llama.cpp's
+                                                                               convert_hf_to_gguf.py names it
+                                                                               (`llamacpp_twin`)
 
 Tensor names are the Comfy safetensors names. The tensors a community GGUF quantises (the DiT's block and
 AdaLN linears; the text encoder's language linears, token table and vision tower, its patch-embedding
@@ -36,6 +39,9 @@ import torch
 from .weights.release_headers import DIT_BLOCK_LINEARS, TE_LINEARS
 
 QUANT_TYPES = ("Q8_0", "Q5_1", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# What the plain tiny build writes (about 3 s of its ~55 s; every type takes ~8 s): one type the package
+# quantises and one K-quant, with the split and llama.cpp-named text-encoder pairs (SPLIT_TYPE is among them).
+DEFAULT_TYPES = ("Q8_0", "Q4_K")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 SOURCES = {  # twin family -> the tiny fp32 file it is made from (relative to the models folder)
     "fl2va": "diffusion_models/minimax_h3_tiny_fl2va_fp32.safetensors",
@@ -166,4 +172,95 @@ def write_gguf_twins(models_dir: str | Path, types=QUANT_TYPES) -> list[Path]:
             written.append(gguf_twin(family, {k: v for k, v in tensors.items() if k not in vision}, SPLIT_TYPE,
                                      language, metadata))
             written.append(gguf_twin(family, {k: tensors[k] for k in vision}, SPLIT_TYPE, projector))
+            written += llamacpp_twin(language, projector, *(models_dir / rel for rel in llamacpp_paths()))
     return written
+
+
+# --- the same text encoder as llama.cpp's convert_hf_to_gguf.py names it ------------------------------------
+
+def llamacpp_paths(ggml_type: str = SPLIT_TYPE) -> tuple[str, str]:
+    """(language file, its `mmproj-` vision file) in llama.cpp's names, in their own folder under text_encoders/."""
+    folder = f"text_encoders/qwen3vl_minimax_h3_tiny_llamacpp_{ggml_type}"
+    name = f"qwen3vl_minimax_h3_tiny_{ggml_type}.gguf"
+    return f"{folder}/{name}", f"{folder}/mmproj-{name}"
+
+
+def _stored(path: Path) -> tuple[dict, dict]:
+    """{name: (stored array, GGML type, original shape or None)} of a GGUF file, and its string metadata."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path), "r")
+    orig = {key[len("comfy.gguf.orig_shape."):]: list(field.contents()) for key, field in reader.fields.items()
+            if key.startswith("comfy.gguf.orig_shape.")}
+    strings = {key: field.contents() for key, field in reader.fields.items()
+               if not key.startswith("GGUF.") and isinstance(field.contents(), str)}
+    return {t.name: (np.array(t.data), t.tensor_type, orig.get(t.name)) for t in reader.tensors}, strings
+
+
+def llamacpp_twin(language: Path, projector: Path, out_language: Path, out_projector: Path) -> list[Path]:
+    """Rewrite the Comfy-named language + projector pair in llama.cpp's names and metadata, the stored bytes
+    unchanged: the loaded twin must equal the Comfy-named one bit for bit. llama.cpp keeps the patch kernel
+    dense and split in two temporal halves, so a quantised kernel is stored as its float32 dequantisation
+    (what the loader makes of the quantised one at load). The config values llama.cpp records go in its own
+    keys (rope theta and mrope sections, RMSNorm epsilon, vision heads, DeepStack layers), no `h3.config`."""
+    import json
+
+    import gguf
+
+    from .weights import gguf_llama_names
+
+    text, metadata = _stored(language)
+    vision, _ = _stored(projector)
+    config = json.loads(metadata["h3.config"])
+    text_config, vision_config = config["text_config"], config["vision_config"]
+    deepstack = list(vision_config["deepstack_visual_indexes"])
+
+    def write(path: Path, writer, tensors: dict) -> None:
+        for name in sorted(tensors):
+            stored, qtype, orig_shape = tensors[name]
+            if name == gguf_llama_names.PATCH:
+                dense = stored if qtype.name in ("F32", "F16") else gguf.quants.dequantize(stored, qtype)
+                dense = np.asarray(dense, dtype=np.float32).reshape(orig_shape or stored.shape)
+                for part, suffix in enumerate(("", ".1")):
+                    writer.add_tensor(gguf_llama_names.llama_name(name, deepstack) + suffix,
+                                      np.ascontiguousarray(dense[:, :, part]))
+                continue
+            if orig_shape is not None:
+                raise ValueError(f"{name}: a tensor stored flat has no llama.cpp form")
+            writer.add_tensor(gguf_llama_names.llama_name(name, deepstack), stored, raw_shape=stored.shape,
+                              raw_dtype=qtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    writer = gguf.GGUFWriter(str(out_language), gguf_llama_names.TEXT_ARCHITECTURE)
+    rope = text_config["rope_parameters"]
+    writer.add_block_count(sum(1 for n in text if n.endswith(".input_layernorm.weight")))
+    writer.add_embedding_length(text_config["hidden_size"])
+    writer.add_feed_forward_length(text_config["intermediate_size"])
+    writer.add_head_count(text_config["num_attention_heads"])
+    writer.add_head_count_kv(text_config["num_key_value_heads"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(text_config["rms_norm_eps"])
+    writer.add_rope_dimension_sections([*rope["mrope_section"], *[0] * (4 - len(rope["mrope_section"]))])
+    writer.add_num_deepstack_layers(len(deepstack))
+    write(out_language, writer, text)
+
+    writer = gguf.GGUFWriter(str(out_projector), gguf_llama_names.PROJECTOR_ARCHITECTURE)
+    writer.add_type("mmproj")
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(gguf_llama_names.PROJECTOR_TYPE)
+    writer.add_vision_block_count(vision_config["depth"])
+    writer.add_vision_head_count(vision_config["num_heads"])
+    writer.add_vision_is_deepstack_layers([i in deepstack for i in range(vision_config["depth"])])
+    write(out_projector, writer, vision)
+    return [out_language, out_projector]
+
+
+def default_files() -> list[str]:
+    """The GGUF files of the plain tiny build a loader offers (`tiny_files`): every twin of `DEFAULT_TYPES` and the
+    language file of each text-encoder pair (a vision-projector file is part of its pair, never chosen alone)."""
+    files = [gguf_path(family, kind) for family in SOURCES for kind in DEFAULT_TYPES]
+    return sorted([*files, split_paths()[0], llamacpp_paths()[0]])

@@ -27,16 +27,27 @@ def _normalise(value):
     return value
 
 
-def metadata_config(metadata: dict[str, str]) -> dict:
-    raw = metadata.get(CONFIG_METADATA_KEY)
-    if not raw:
-        return {}
+# Sub-configs stated by one file of a multi-file checkpoint (`h3.config.text_config`: a llama.cpp GGUF language
+# file states the text config, its vision file the vision config; `gguf_file`). `h3.config` itself wins.
+PART_METADATA_KEYS = tuple(f"{CONFIG_METADATA_KEY}.{part}" for part in ("text_config", "vision_config"))
+
+
+def _json_object(metadata: dict[str, str], key: str) -> dict:
     try:
-        config = json.loads(raw)
+        config = json.loads(metadata[key])
     except json.JSONDecodeError as exc:
-        raise H3WeightsError(f"safetensors metadata {CONFIG_METADATA_KEY!r} is not valid JSON ({exc})") from exc
+        raise H3WeightsError(f"safetensors metadata {key!r} is not valid JSON ({exc})") from exc
     if not isinstance(config, dict):
-        raise H3WeightsError(f"safetensors metadata {CONFIG_METADATA_KEY!r} is not a JSON object")
+        raise H3WeightsError(f"safetensors metadata {key!r} is not a JSON object")
+    return config
+
+
+def metadata_config(metadata: dict[str, str]) -> dict:
+    config = _json_object(metadata, CONFIG_METADATA_KEY) if metadata.get(CONFIG_METADATA_KEY) else {}
+    for key in PART_METADATA_KEYS:
+        if metadata.get(key):
+            part = key[len(CONFIG_METADATA_KEY) + 1:]
+            config[part] = {**_json_object(metadata, key), **config.get(part, {})}
     return config
 
 

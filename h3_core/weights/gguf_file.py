@@ -5,9 +5,12 @@ GGML types, shapes, offsets) is parsed with the `gguf` package's reader, which m
 only the directory; a tensor's bytes are read later with plain reads at its offset (no mapping kept).
 
 Names are the Comfy safetensors names, as ComfyUI-GGUF's converter writes them (its loader also strips a
-`model.diffusion_model.` prefix, and so do we). Shapes: GGUF lists dimensions innermost first, so the
-torch shape is the reversed list, unless the file states the original shape in
-`comfy.gguf.orig_shape.<name>` (ComfyUI-GGUF's convention for tensors quantised in another shape).
+`model.diffusion_model.` prefix, and so do we), or llama.cpp's names for a Qwen3-VL text encoder and its
+vision ("mmproj") file, told by the names and `general.architecture` and mapped to the Comfy names here
+(`gguf_llama_names`; the values its metadata states become `h3.config.text_config` / `.vision_config`).
+Shapes: GGUF lists dimensions innermost first, so the torch shape is the reversed list, unless the file
+states the original shape in `comfy.gguf.orig_shape.<name>` (ComfyUI-GGUF's convention for tensors
+quantised in another shape).
 
 Every tensor becomes a `TensorInfo` with the GGML type beside a safetensors dtype tag: F32/F16/BF16 keep
 theirs; a block-quantised tensor is described as the U8 bytes it is held as (`quant.ggml.stored_shape`),
@@ -22,6 +25,8 @@ import os
 import numpy as np
 import torch
 
+from . import gguf_llama_names
+from .config_merge import CONFIG_METADATA_KEY
 from .errors import H3WeightsError, IncompleteFileError, UnsupportedCheckpointError, preview
 from .quant import ggml
 
@@ -39,10 +44,15 @@ def is_gguf(path: str) -> bool:
         return False
 
 
-def _fields(reader) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """(original shapes by tensor name, string metadata)."""
-    shapes, metadata = {}, {}
+_LLAMA_KEYS = (f"{gguf_llama_names.TEXT_ARCHITECTURE}.", "clip.")  # llama.cpp metadata whose values are read
+
+
+def _fields(reader) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict]:
+    """(original shapes by tensor name, string metadata, every value of llama.cpp's own keys)."""
+    shapes, metadata, values = {}, {}, {}
     for key, field in reader.fields.items():
+        if key.startswith(_LLAMA_KEYS):
+            values[key] = field.contents()
         if key.startswith(ORIG_SHAPE):
             value = field.contents()
             if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
@@ -52,7 +62,7 @@ def _fields(reader) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
             value = field.contents()
             if isinstance(value, str):
                 metadata[key] = value
-    return shapes, metadata
+    return shapes, metadata, values
 
 
 PROJECTOR_PREFIX = "visual."  # a vision-projector ("mmproj") file holds only the Comfy `visual.*` tensors
@@ -67,7 +77,10 @@ def tensor_names(path: str) -> list[str]:
     except (OSError, ValueError, KeyError) as exc:
         raise H3WeightsError(f"{path}: not a readable GGUF file ({exc})") from None
     strip = any(name.startswith(PREFIX) for name in names)
-    return [name[len(PREFIX):] if strip and name.startswith(PREFIX) else name for name in names]
+    names = [name[len(PREFIX):] if strip and name.startswith(PREFIX) else name for name in names]
+    if gguf_llama_names.uses_llama_names(names):  # a directory-only look: unmapped names stay as they are
+        return sorted({comfy for comfy, _ in gguf_llama_names.comfy_names(names, path, strict=False).values()})
+    return names
 
 
 def is_projector(path: str) -> bool:
@@ -101,7 +114,7 @@ def read_file_header(path: str):
         reader = GGUFReader(path, "r")
     except (OSError, ValueError, KeyError) as exc:
         raise H3WeightsError(f"{path}: not a readable GGUF file ({exc})") from None
-    orig_shapes, metadata = _fields(reader)
+    orig_shapes, metadata, values = _fields(reader)
     names = [t.name for t in reader.tensors]
     strip = any(name.startswith(PREFIX) for name in names)
     dequantisable = set(ggml.quantised_types())
@@ -132,13 +145,52 @@ def read_file_header(path: str):
         named = "; ".join(f"{kind} x{len(keys)} (e.g. {preview(keys, 2)})" for kind, keys in sorted(refused.items()))
         raise UnsupportedCheckpointError(f"{path}: GGML tensor type {named} is not supported; supported: "
                                          f"{ggml.supported_text()}")
+    if gguf_llama_names.uses_llama_names(tensors):
+        return _from_llama_names(tensors, metadata, values, path)
     return tensors, metadata
+
+
+def _from_llama_names(tensors: dict, metadata: dict, values: dict, path: str):
+    """A llama.cpp-named Qwen3-VL file's tensors under the Comfy names (the two temporal halves of the patch
+    kernel become one tensor read as their stack), and the config values its metadata states."""
+    import json
+
+    from .. import configs
+    from .headers import TensorInfo
+
+    gguf_llama_names.check_architecture(metadata, path)
+    mapping = gguf_llama_names.comfy_names(tensors, path)
+    out, parts = {}, {}
+    for name, info in tensors.items():
+        comfy, part = mapping[name]
+        if comfy == gguf_llama_names.PATCH:
+            parts[part] = (name, info)
+        else:
+            out[comfy] = info
+    if parts:
+        (name0, first), (name1, second) = parts[0], parts[1]
+        if first.ggml_type not in ggml.DENSE_TYPES or (first.ggml_type, first.shape) != (second.ggml_type,
+                                                                                            second.shape):
+            raise UnsupportedCheckpointError(
+                f"{path}: the patch-embedding halves {name0} ({first.ggml_type} {list(first.shape)}) and {name1} "
+                f"({second.ggml_type} {list(second.shape)}) must be one dense type and shape (llama.cpp writes "
+                "them F16 or F32)")
+        shape = (*first.shape[:gguf_llama_names.TEMPORAL_DIM], 2, *first.shape[gguf_llama_names.TEMPORAL_DIM:])
+        out[gguf_llama_names.PATCH] = TensorInfo(dtype=first.dtype, shape=shape, file=path,
+                                                 ggml_type=first.ggml_type, dense_shape=shape, parts=(first, second))
+    stated = gguf_llama_names.stated_config(values, tensors, configs.get("text_encoder", tiny=False))
+    metadata = dict(metadata)
+    for part, config in stated.items():
+        metadata[f"{CONFIG_METADATA_KEY}.{part}"] = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return out, metadata
 
 
 def read_tensor(info) -> torch.Tensor:
     """One tensor's stored bytes as a CPU tensor of its `TensorInfo` dtype and (stored) shape: a plain read."""
     from ..safetensors_header import DTYPES
 
+    if info.parts:
+        return torch.stack([read_tensor(part) for part in info.parts], dim=gguf_llama_names.TEMPORAL_DIM)
     raw = bytearray(info.nbytes)
     with open(info.file, "rb") as handle:
         handle.seek(info.offset)

@@ -30,6 +30,9 @@ class TensorInfo:
     ggml_type: str | None = None
     offset: int | None = None
     dense_shape: tuple[int, ...] | None = None
+    # A tensor the file stores as several dense tensors, stacked on `gguf_llama_names.TEMPORAL_DIM` when read
+    # (llama.cpp's mmproj splits the Conv3D patch kernel in two Conv2D kernels).
+    parts: tuple["TensorInfo", ...] = ()
 
     @property
     def nbytes(self) -> int:
