@@ -64,9 +64,6 @@ RETRYABLE_STATUS = {429, 502, 503}  # 504 is retried only when it is not this se
 # Every answer is read with a cap on what it can legitimately be: a hostile or broken server cannot make the
 # client buffer more (a Content-Length over the cap is refused before reading; a chunked body is cut at the cap).
 HANDSHAKE_TTL_S = 300.0
-# Requests are re-validated here only to learn what they need; the server applies its own limits.
-_CLIENT_LIMITS = protocol.Limits(max_prompt_chars=1 << 30, max_fps=1e9, max_canvas_edge=1 << 30,
-                                 max_canvas_pixels=1 << 60, max_parts=1 << 20)
 
 
 
@@ -179,7 +176,8 @@ class EncoderClient:
         body_json, parts = packing.request_to_wire(request, lossless_video=self.lossless_video, cancel=cancel)
         content_type, buffers = packing.encode_multipart(body_json, parts)
         del parts
-        needs = protocol.parse_request(body_json, _CLIENT_LIMITS).needed_components()
+        # The same rule the server applies to the JSON sent (a soundtrack is sent exactly when the video has one).
+        needs = request.needed_encoders()
         size = sum(len(buffer) for buffer in buffers)
         answer_cap = packing.conditioning_bound(request)
         started = time.monotonic()
