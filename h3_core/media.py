@@ -62,6 +62,7 @@ from .media_audio import (
 from .media_base import (
     MediaError,
     Source,
+    TooManyFrames,
     _av_open,
     _check_pixels,
     _load_source,
@@ -74,6 +75,7 @@ from .media_video import VideoClip, VideoTarget, canvas_size, read_video
 
 __all__ = [
     "MediaError",
+    "TooManyFrames",
     "MAX_AUDIO_CHANNELS",
     "MIN_SAMPLE_RATE",
     "MAX_SAMPLE_RATE",

@@ -6,6 +6,7 @@ Everything else in `nodes/` converts ComfyUI values to h3_core calls through the
 
 from __future__ import annotations
 
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -155,10 +156,23 @@ def unwrap(patcher) -> torch.nn.Module:
 
 
 class InterruptFlag:
-    """ComfyUI's interrupt flag seen as the `threading.Event` h3_core's loops check."""
+    """ComfyUI's interrupt flag seen as the `threading.Event` h3_core's loops check (and wait on: the remote
+    client's retry back-off)."""
+
+    POLL_S = 0.05  # ComfyUI's flag has no waiters: `wait` looks at it this often
 
     def is_set(self) -> bool:
         return mm.processing_interrupted()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the flag is set (True) or `timeout` seconds pass (False), as `threading.Event.wait`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            time.sleep(self.POLL_S if left is None else min(self.POLL_S, left))
+        return True
 
 
 def progress_callback(node_id: str | None):
