@@ -201,7 +201,7 @@ class RemoteEncode(io.ComfyNode):
         progress = bridge.progress_callback(cls.hidden.unique_id)
         interrupt = bridge.InterruptFlag()  # as the Sampler: an interrupt cancels the work within 50 ms polls
         # the encode this prompt's node got while its prompt waited in the queue, if any
-        ahead = bridge.run_interruptible(encode_ahead.AHEAD.take, endpoint, request, interrupt.is_set)
+        ahead = bridge.run_interruptible(AHEAD.take, endpoint, request, interrupt.is_set)
         if ahead is not None:
             progress(1, 1)
             return io.NodeOutput(ahead.to_comfy())
@@ -213,5 +213,8 @@ class RemoteEncode(io.ComfyNode):
             raise RuntimeError(public_error(error, endpoint)) from None
         return io.NodeOutput(conditioning.to_comfy())
 
+
+# Encode-ahead for this node: its client factory, its widgets and their defaults, read from the schema.
+AHEAD = encode_ahead.EncodeAhead(make_client=_client, schema=RemoteEncode.define_schema())
 
 NODES = [RemoteEncode]
