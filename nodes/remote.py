@@ -55,6 +55,11 @@ _NETWORK = {transport.CONNECTION_REFUSED: "connection refused", transport.HOST_N
             transport.TIMED_OUT: "timed out", transport.CONNECTION_LOST: "connection lost",
             transport.NETWORK_ERROR: "network error", transport.MALFORMED_ANSWER: "not an HTTP answer",
             transport.TLS_UNTRUSTED: "TLS certificate not trusted"}
+_CODE_STEPS = {  # (code, field): refusals the client makes itself from the server's capabilities, or the server's
+    ("component_not_loaded", None): "Start the encoder server with every encoder (no --components), or encode this "
+                                    "request with the local encode nodes.",
+    ("too_large", "body"): "Send shorter or smaller references, or raise the server's --max-body-mb.",
+}
 _UNREACHABLE = {transport.CONNECTION_REFUSED, transport.HOST_NOT_FOUND, transport.NETWORK_ERROR}
 TOKEN_STEP = ("Set H3_ENCODER_TOKEN and H3_ENCODER_URLS (this endpoint's URL; comma-separated for several), or "
               "H3_ENCODER_TOKENS, in the environment ComfyUI starts from (never in a widget or the workflow), then "
@@ -99,11 +104,12 @@ def public_error(error: RemoteEncodeError, endpoint: str) -> str:
     elif field:
         words.append(f"- in {field}")
     text = " ".join(words) + f" (endpoint {_clean(url)})."
-    step = _next_step(error, status, code, url, shown)
+    step = _next_step(error, status, code, field, url, shown)
     return f"{text} {step}" if step else text
 
 
-def _next_step(error: RemoteEncodeError, status: int | None, code: str | None, url: str, shown: bool) -> str:
+def _next_step(error: RemoteEncodeError, status: int | None, code: str | None, field: str | None, url: str,
+               shown: bool) -> str:
     """The sentence that says what to do about it."""
     if isinstance(error, RemoteAuthError):
         return TOKEN_STEP
@@ -114,10 +120,9 @@ def _next_step(error: RemoteEncodeError, status: int | None, code: str | None, u
                 "this node's endpoint to where one runs.")
     if status is None and code == transport.TIMED_OUT:
         return "Raise this node's timeout_s, or check that the server is running and not overloaded."
-    if code == "component_not_loaded":
-        return ("Start the encoder server with every encoder (no --components), or encode this request with the "
-                "local encode nodes.")
-    if status is not None and 400 <= status < 500 and not shown:
+    if (code, field) in _CODE_STEPS:
+        return _CODE_STEPS[code, field]
+    if status is not None and 400 <= status < 500 and error.message is not None and not shown:
         return "List this endpoint in H3_ENCODER_URLS to see the server's own message, or read the server's log."
     if isinstance(error, RemoteRequestError):
         return "Change the input the server names; retrying the same request will not help."
