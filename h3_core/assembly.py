@@ -47,14 +47,20 @@ class Resolved:
     num_frames: int
     keyframe_anchors: tuple
     references: tuple[H3Reference, ...]
-    needs_video_vae: bool
-    needs_audio_vae: bool
+    encoders: tuple[str, ...]  # EncodeRequest.needed_encoders()
 
     @classmethod
     def of(cls, prepared: Prepared) -> Resolved:
         return cls(prepared.task, prepared.width, prepared.height, prepared.num_frames,
-                   tuple(prepared.keyframe_anchors), references_table(prepared), prepared.needs_video_vae,
-                   prepared.needs_audio_vae)
+                   tuple(prepared.keyframe_anchors), references_table(prepared), prepared.encoders)
+
+    @property
+    def needs_video_vae(self) -> bool:
+        return "video" in self.encoders
+
+    @property
+    def needs_audio_vae(self) -> bool:
+        return "audio" in self.encoders
 
 
 class _Normalised:
@@ -107,15 +113,16 @@ class EncodingParts:
         )
 
 
+# Each encoder as the node a user adds to run it.
+ENCODER_NODES = {"text": "text (H3 Text Encode)", "video": "video VAE (H3 Video VAE Encode)",
+                 "audio": "audio VAE (H3 Audio VAE Encode)"}
+
+
 def missing_encoders(parts: EncodingParts) -> list[str]:
-    needs = []
-    if parts.prompt_embeds is None:
-        needs.append("text (H3 Text Encode)")
-    if parts.condition_latents is None and parts.resolved.needs_video_vae:
-        needs.append("video VAE (H3 Video VAE Encode)")
-    if parts.audio_condition_latents is None and parts.resolved.needs_audio_vae:
-        needs.append("audio VAE (H3 Audio VAE Encode)")
-    return needs
+    """The encoders the request needs (`EncodeRequest.needed_encoders`) whose part is not encoded yet."""
+    done = {"text": parts.prompt_embeds is not None, "video": parts.condition_latents is not None,
+            "audio": parts.audio_condition_latents is not None}
+    return [ENCODER_NODES[name] for name in parts.resolved.encoders if not done[name]]
 
 
 def incomplete_message(parts: EncodingParts) -> str:

@@ -53,14 +53,15 @@ class Prepared:
     keyframes: list = field(default_factory=list)  # PIL images on the canvas (fl2va)
     keyframe_anchors: tuple = ()
     references: list = field(default_factory=list)  # diffusers Minimax reference dataclasses (ref2va)
+    encoders: tuple[str, ...] = ("text",)  # EncodeRequest.needed_encoders() of the request this was prepared from
 
     @property
     def needs_video_vae(self) -> bool:
-        return bool(self.keyframes) or any(ref.kind in ("image", "video") for ref in self.references)
+        return "video" in self.encoders
 
     @property
     def needs_audio_vae(self) -> bool:
-        return any(ref.has_audio for ref in self.references)
+        return "audio" in self.encoders
 
 
 def _to_diffusers_references(request: EncodeRequest) -> list:
@@ -103,7 +104,7 @@ def prepare(request: EncodeRequest, pipeline_config: dict) -> Prepared:
             width, height = rules.resolve_canvas(
                 16, 9, pipeline_config["canvas_short_edge"], pipeline_config["canvas_max_pixels"]
             )
-        return Prepared(task, request.prompt, width, height, request.num_frames)
+        return Prepared(task, request.prompt, width, height, request.num_frames, encoders=request.needed_encoders())
 
     inputs: dict = {"height": height, "width": width, "num_frames": request.num_frames}
     if task == "fl2va":
@@ -125,6 +126,7 @@ def prepare(request: EncodeRequest, pipeline_config: dict) -> Prepared:
         keyframes=list(state.get("keyframes") or []),
         keyframe_anchors=tuple(state.get("keyframe_anchors") or ()),
         references=list(state.get("normalized_references") or []),
+        encoders=request.needed_encoders(),
     )
 
 

@@ -62,6 +62,7 @@ from .media_audio import (
 from .media_base import (
     MediaError,
     Source,
+    TooManyFrames,
     av_open,
     check_pixels,
     load_source,
@@ -74,6 +75,7 @@ from .media_video import VideoClip, VideoTarget, canvas_size, read_video
 
 __all__ = [
     "MediaError",
+    "TooManyFrames",
     "MAX_AUDIO_CHANNELS",
     "MIN_SAMPLE_RATE",
     "MAX_SAMPLE_RATE",

@@ -22,6 +22,10 @@ class MediaError(ValueError):
     """Media that cannot be read, written or accepted; the message names the media kind and the constraint."""
 
 
+class TooManyFrames(MediaError):
+    """A video with more frames than the decoder's ``max_frames`` (the encoder server answers 413, not 422)."""
+
+
 # --------------------------------------------------------------------------------------------------------------
 # sources and error mapping
 
@@ -88,7 +92,7 @@ def _release_traceback(error: BaseException | None) -> None:
 
 
 def releases_on_failure(function):
-    """Raise a decoder's :class:`MediaError` as a fresh one carrying the message only.
+    """Raise a decoder's :class:`MediaError` as a fresh one of the same type carrying the message only.
 
     A traceback references every frame the failure went through, and with them the decoded pixels or samples, the
     container and FFmpeg's decoder threads; a server that keeps the exception (a job's future) or a reference cycle
@@ -103,14 +107,15 @@ def releases_on_failure(function):
         try:
             return function(*args, **kwargs)
         except MediaError as error:
-            failure = str(error)
+            failure = type(error), str(error)  # the type says which constraint (TooManyFrames), not the text
             _release_traceback(error)
         except BaseException as error:
             _release_traceback(error.__cause__)
             _release_traceback(error.__context__)
             traceback.clear_frames(error.__traceback__)
             raise
-        raise MediaError(failure)
+        kind, message = failure
+        raise kind(message)
 
     return wrapper
 

@@ -60,6 +60,8 @@ SCRATCH_PREFIX = "h3-decode-"  # + the calling process's pid: `clean_stale_scrat
 # Process names (`/proc/<pid>/comm`, what ps and top show) of the host, a call's waiter and its worker.
 PROCESS_NAMES = ("h3-media-host", "h3-media-wait", "h3-media-work")
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1  # linux/prctl.h
+# The worker's MediaErrors by type name: the caller raises the same type (a TooManyFrames stays one).
+_MEDIA_ERRORS = {cls.__name__: cls for cls in (media.MediaError, media.TooManyFrames)}
 PARENT_POLL_S = 0.5  # how often the host checks that the process it serves still exists
 
 
@@ -219,8 +221,8 @@ def _collect(workdir: str, exitcode: int, memory_cap: int, what: str) -> Any:
     if meta is not None and "error" in meta:
         if meta["error"] == "memory":
             raise media.MediaError(f"the media decoder exceeded its memory cap of {cap_mib} MiB {what}")
-        if meta["error"] == "MediaError":
-            raise media.MediaError(meta["message"])
+        if meta["error"] in _MEDIA_ERRORS:  # the worker's own MediaError, its type kept
+            raise _MEDIA_ERRORS[meta["error"]](meta["message"])
         raise media.MediaError(f"the media decoder failed {what}: {meta['error']}: {meta['message']}")
     if -exitcode in _STOP_SIGNALS:
         raise DecoderStopped(f"the media decoder was stopped by signal {-exitcode} {what}")
@@ -510,7 +512,8 @@ def _worker(fn_name: str, workdir: str, kwargs: dict[str, Any], memory_cap: int)
             _write_safetensors(os.path.join(workdir, "result.safetensors"), tensors)
     except media.MediaError as error:
         memory = isinstance(error.__cause__, MemoryError)  # FFmpeg's ENOMEM under the cap
-        meta = {"error": "memory"} if memory else {"error": "MediaError", "message": str(error)}
+        name = type(error).__name__ if type(error) in _MEDIA_ERRORS.values() else "MediaError"
+        meta = {"error": "memory"} if memory else {"error": name, "message": str(error)}
     except MemoryError:
         meta = {"error": "memory"}
     except Exception as error:  # noqa: BLE001 - reported to the caller as a media failure, with its type

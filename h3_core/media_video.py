@@ -13,7 +13,16 @@ from PIL import Image
 
 from . import facts
 from .media_audio import decode_audio_stream
-from .media_base import MediaError, Source, av_open, check_pixels, load_source, releases_on_failure, wrap_errors
+from .media_base import (
+    MediaError,
+    Source,
+    TooManyFrames,
+    av_open,
+    check_pixels,
+    load_source,
+    releases_on_failure,
+    wrap_errors,
+)
 
 
 @dataclass
@@ -156,7 +165,7 @@ def _decode_video_frames(
     check_pixels("video", label, width, height, max_pixels)
     declared = int(stream.frames or 0)
     if max_frames is not None and not truncate and declared > max_frames:
-        raise MediaError(f"video {label} has {declared} frames, over the limit of max_frames={max_frames}")
+        raise TooManyFrames(f"video {label} has {declared} frames, over the limit of max_frames={max_frames}")
     if fps is None:
         rate = stream.average_rate or stream.guessed_rate
         if not rate or rate <= 0:
@@ -181,7 +190,7 @@ def _decode_video_frames(
         if max_frames is not None and count == max_frames:
             if truncate:
                 break
-            raise MediaError(f"video {label} has more than max_frames={max_frames} frames")
+            raise TooManyFrames(f"video {label} has more than max_frames={max_frames} frames")
         if store is None:
             # The display matrix (surfaced on each frame) is the stream's: the first frame's applies to all.
             # PyAV's ``rotation`` is the counter-clockwise angle the display transform turns the coded picture

@@ -19,6 +19,22 @@ import numpy as np
 from . import facts, rules
 
 
+def needed_encoders(*, keyframes: int = 0, images: int = 0, videos: int = 0, audios: int = 0,
+                    soundtracks: int = 0) -> tuple[str, ...]:
+    """The encoders a request with these media needs: the one rule every caller reads.
+
+    Every request needs the text encoder; keyframes, reference images and reference videos go through the video
+    VAE; reference audios and video soundtracks through the audio VAE. `soundtracks` counts the reference videos
+    that carry one (or may: the encoder server counts a soundtrack it can only learn by decoding).
+    """
+    needs = ["text"]
+    if keyframes or images or videos:
+        needs.append("video")
+    if audios or soundtracks:
+        needs.append("audio")
+    return tuple(needs)
+
+
 @dataclass
 class VideoInput:
     """A reference video: uint8 RGB frames [F, H, W, 3] at `fps`, with an optional soundtrack.
@@ -119,6 +135,16 @@ class EncodeRequest:
             video_ref_seconds=tuple(video.seconds for video in self.ref_videos),
             soundtrack_seconds=tuple(video.soundtrack_seconds for video in self.ref_videos),
             audio_ref_seconds=tuple(audio.seconds for audio in self.ref_audios),
+        )
+
+    def needed_encoders(self) -> tuple[str, ...]:
+        """The encoders this request needs (`needed_encoders`), from its decoded media."""
+        return needed_encoders(
+            keyframes=int(self.first_frame is not None) + int(self.last_frame is not None),
+            images=len(self.ref_images),
+            videos=len(self.ref_videos),
+            audios=len(self.ref_audios),
+            soundtracks=sum(video.audio is not None for video in self.ref_videos),
         )
 
     def resolved_task(self) -> str:

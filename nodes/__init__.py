@@ -9,6 +9,7 @@
     decode.py           H3 Decode
     conditioning_io.py  H3 Save / Load Conditioning
     comfy_bridge.py     the one module touching ComfyUI internals (model management, progress, types)
+    comfy_queue_seam.py the queue / executor internals encode-ahead reads, feature-detected (off when missing)
     low_vram.py         DiT / text-encoder layers streamed by ComfyUI's low-VRAM loading (cast-weights protocol)
     memory.py           what each node asks ComfyUI to keep free (the planner's activation estimate)
 
@@ -54,5 +55,5 @@ class H3Extension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         install_example_inputs()  # cores that predate on_load (e.g. 0.3.75) only call this
         if encode_ahead is not None:
-            encode_ahead.install()  # the on-prompt hook (idempotent)
+            encode_ahead.install(remote.AHEAD)  # the on-prompt hook (idempotent)
         return [node for module in NODE_MODULES for node in module.NODES]

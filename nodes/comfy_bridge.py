@@ -1,11 +1,13 @@
 """The place that touches ComfyUI internals: model management, progress, interrupts, types (low_vram.py adds
-the cast-weights protocol its streamed models speak).
+the cast-weights protocol its streamed models speak; comfy_queue_seam.py holds the queue and executor internals
+encode-ahead reads).
 
 Everything else in `nodes/` converts ComfyUI values to h3_core calls through these helpers.
 """
 
 from __future__ import annotations
 
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -155,10 +157,23 @@ def unwrap(patcher) -> torch.nn.Module:
 
 
 class InterruptFlag:
-    """ComfyUI's interrupt flag seen as the `threading.Event` h3_core's loops check."""
+    """ComfyUI's interrupt flag seen as the `threading.Event` h3_core's loops check (and wait on: the remote
+    client's retry back-off)."""
+
+    POLL_S = 0.05  # ComfyUI's flag has no waiters: `wait` looks at it this often
 
     def is_set(self) -> bool:
         return mm.processing_interrupted()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the flag is set (True) or `timeout` seconds pass (False), as `threading.Event.wait`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            time.sleep(self.POLL_S if left is None else min(self.POLL_S, left))
+        return True
 
 
 def progress_callback(node_id: str | None):
@@ -302,58 +317,3 @@ def split_av_latent(latent: dict) -> tuple[torch.Tensor, torch.Tensor]:
     if not tensors or len(tensors) != 2:
         raise ValueError("expected an H3 AV latent (NestedTensor of video and audio), e.g. from H3 Sampler")
     return tensors[0], tensors[1]
-
-
-# --- the prompt queue (encode-ahead) --------------------------------------------------------------------------------
-
-
-def add_on_prompt_handler(handler) -> bool:
-    """Have ComfyUI's server call `handler(json_data) -> json_data` for every prompt posted (before validation)."""
-    try:
-        import server
-    except ImportError:
-        return False
-    instance = getattr(server.PromptServer, "instance", None)
-    if instance is None or not hasattr(instance, "add_on_prompt_handler"):
-        return False
-    instance.add_on_prompt_handler(handler)
-    return True
-
-
-def queue_state() -> tuple[dict[str, dict], list[tuple[float, str]]]:
-    """({id: graph} of the running prompts, [(number, id)] of the waiting ones): a snapshot of ComfyUI's queue."""
-    import server
-
-    running, pending = server.PromptServer.instance.prompt_queue.get_current_queue_volatile()
-    return {item[1]: item[2] for item in running}, [(item[0], item[1]) for item in pending]
-
-
-def run_core_node(class_type: str, inputs: dict) -> tuple:
-    """Run one node of a prompt outside the executor, as the executor would call it (a V1 node's FUNCTION, a V3 node's
-    `execute`); its outputs as a tuple. Used only for the file loaders and media bundlers encode-ahead allows."""
-    import inspect
-
-    import nodes as core_nodes
-
-    cls = core_nodes.NODE_CLASS_MAPPINGS[class_type]
-    if hasattr(cls, "define_schema"):  # V3
-        function = cls.execute
-    else:
-        function = getattr(cls(), cls.FUNCTION)
-    parameters = inspect.signature(function).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        inputs = {name: value for name, value in inputs.items() if name in parameters}
-    out = function(**inputs)
-    if isinstance(out, dict):
-        out = out.get("result", ())
-    return tuple(getattr(out, "args", out))
-
-
-def node_states() -> tuple[str, dict[str, str]]:
-    """(id of the prompt the executor works on, {node id: "pending" / "running" / "finished"}) from ComfyUI's
-    progress registry; nodes served from ComfyUI's cache never appear."""
-    from comfy_execution.progress import get_progress_state
-
-    registry = get_progress_state()
-    return str(registry.prompt_id or ""), {str(node): str(getattr(entry["state"], "value", entry["state"])).lower()
-                                          for node, entry in list(registry.nodes.items())}

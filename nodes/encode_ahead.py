@@ -25,6 +25,11 @@ What is sent, when, and to whom (the rules this module keeps):
 * Memory: a result is held only until its node takes it or its prompt leaves the queue.
 
 Off with H3_ENCODE_AHEAD=0; per prompt, with `"extra_data": {"h3_encode_ahead": false}` in the POST /prompt body.
+Off by itself, with one log line, when the ComfyUI internals it reads (comfy_queue_seam.py) are not as expected.
+
+The Remote Encode node builds its registry (`EncodeAhead(make_client, schema)`, nodes/remote.py): the client factory
+and the widgets with their defaults come from the node, so a default changed in its schema changes the request
+encoded ahead too.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import numpy as np
 
 from ..h3_core.progress import Cancelled
 from ..h3_core.remote import credentials
-from . import comfy_bridge as bridge
+from . import comfy_queue_seam
+from .encode import request_from
 
 log = logging.getLogger("h3.encode_ahead")
 
@@ -51,7 +57,7 @@ OPT_OUT = "h3_encode_ahead"  # a prompt posted with extra_data {"h3_encode_ahead
 # Nodes whose outputs this module may compute ahead: core's file loaders (they read one file of input/) and the pack's
 # media bundlers. Anything else upstream of a Remote Encode node leaves that node to the executor.
 MEDIA_NODES = frozenset({"LoadImage", "LoadVideo", "LoadAudio", "H3SplitReferences", "H3SplitKeyframes"})
-WIDGETS = ("prompt", "width", "height", "length", "endpoint", "task", "timeout_s")
+MEDIA_INPUT = "media"  # the Remote Encode node's one linked input; every other input is a widget
 POLL_S = 0.05
 EXECUTED_KEYS = 256  # request keys the node ran itself, remembered (oldest forgotten first)
 
@@ -132,26 +138,63 @@ class _Pending:
     keys: list = field(default_factory=list)
 
 
-class EncodeAhead:
-    """The registry of queued prompts and in-flight / finished encodes, and the thread that watches the queue."""
+def widgets_of(schema) -> dict:
+    """{widget name: its default (None: none)} of the Remote Encode node's schema (a V3 `io.Schema`): every input
+    but the media socket, in the schema's order."""
+    return {item.id: getattr(item, "default", None) for item in schema.inputs if item.id != MEDIA_INPUT}
 
-    def __init__(self, queue_state=None, run_node=None, make_client=None, node_states=None):
+
+class EncodeAhead:
+    """The registry of queued prompts and in-flight / finished encodes, and the thread that watches the queue.
+
+    make_client: `(endpoint, timeout_s) -> EncoderClient`, as the node makes its own
+    schema:      the Remote Encode node's `io.Schema`: which inputs are widgets, and their defaults
+    seam:        the ComfyUI internals read (comfy_queue_seam: `missing`, `queue_state`, `node_states`,
+                 `run_core_node`)
+    """
+
+    def __init__(self, make_client, schema, seam=comfy_queue_seam):
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._jobs: dict[str, _Job] = {}
         self._executed: dict[str, None] = {}  # insertion-ordered set
-        self._queue_state = queue_state or bridge.queue_state
-        self._run_node = run_node or bridge.run_core_node
-        self._node_states = node_states or bridge.node_states
         self._make_client = make_client
+        self.widgets = widgets_of(schema)
+        self._seam = seam
+        self._off_because: str | None = None  # set once the seam is found wanting: encode-ahead stays off
+        self._seam_checked = False
         self._watcher: threading.Thread | None = None
         self.sent = 0  # encodes started ahead (for logs and tests)
+
+    @property
+    def active(self) -> bool:
+        """On (H3_ENCODE_AHEAD) and the ComfyUI internals it reads as expected (looked at once, on first use)."""
+        if not enabled():
+            return False
+        if not self._seam_checked:
+            self._seam_checked = True
+            problem = self._seam.missing()
+            if problem:
+                self._turn_off(f"{problem} is missing or not as expected")
+        return self._off_because is None
+
+    def _turn_off(self, why: str) -> None:
+        """Encode-ahead off for this process, said once in the log; what is in flight is cancelled."""
+        with self._lock:
+            if self._off_because is not None:
+                return
+            self._off_because = why
+            for entry in self._pending.values():
+                self._drop(entry, cancel=True)
+            self._pending.clear()
+        log.warning("encode-ahead off: ComfyUI's %s (a ComfyUI update?); H3 Remote Encode nodes encode when they "
+                    "run", why)
 
     # -- the on-prompt hook (ComfyUI's server thread: quick, never raises) ---------------------------------------
 
     def on_prompt(self, json_data):
         try:
-            if enabled():
+            if self.active:
                 self._note(json_data)
         except Exception:  # noqa: BLE001 - a queued prompt must never fail because of encode-ahead
             log.exception("encode-ahead: ignoring a prompt it could not read")
@@ -162,8 +205,8 @@ class EncodeAhead:
         extra = json_data.get("extra_data") if isinstance(json_data, dict) else None
         if not isinstance(graph, dict) or (isinstance(extra, dict) and extra.get(OPT_OUT) is False):
             return
-        nodes = {node_id: node for node_id, node in graph.items()
-                 if isinstance(node, dict) and node.get("class_type") == NODE_CLASS and _ready(graph, node)}
+        nodes = {node_id: node for node_id, node in graph.items() if isinstance(node, dict)
+                 and node.get("class_type") == NODE_CLASS and _ready(graph, node, self.widgets)}
         if not nodes:
             return
         import uuid
@@ -185,17 +228,19 @@ class EncodeAhead:
             self._watcher.start()
 
     def _watch(self) -> None:
-        while True:
+        while self._off_because is None:
             time.sleep(POLL_S)
             try:
                 if not self.step():
                     return
+            except comfy_queue_seam.SeamChanged as error:
+                self._turn_off(str(error))
             except Exception:  # noqa: BLE001 - keep watching; the node encodes itself if this fails
                 log.exception("encode-ahead: queue watch failed")
 
     def step(self) -> bool:
         """One look at the queue: start the head's encode when due, drop prompts that left. False: nothing to watch."""
-        running, pending = self._queue_state()
+        running, pending = self._seam.queue_state()
         head = min(pending)[1] if pending else None
         waiting = {prompt_id for _, prompt_id in pending}
         start = None
@@ -223,7 +268,7 @@ class EncodeAhead:
         queue at the same server in front of, or beside, the running prompt's own encode and delay it). A node is
         past when it finished, or when a node that consumes its output started (it ran, or ComfyUI's cache served
         it)."""
-        executing, states = self._node_states()
+        executing, states = self._seam.node_states()
         for prompt_id, graph in running.items():
             remotes = [node_id for node_id, node in graph.items()
                        if isinstance(node, dict) and node.get("class_type") == NODE_CLASS]
@@ -249,13 +294,12 @@ class EncodeAhead:
     # -- encoding ahead (a worker thread per started prompt) -------------------------------------------------------
 
     def _prefetch(self, entry: _Pending) -> None:
-        from .remote import _client, request_from
-
         for node_id, node in entry.nodes.items():
             inputs = node["inputs"]
             try:
-                media = _evaluate(entry.graph, inputs["media"], self._run_node) if "media" in inputs else None
-                values = {name: inputs.get(name, _DEFAULTS.get(name)) for name in WIDGETS}
+                media = (_evaluate(entry.graph, inputs[MEDIA_INPUT], self._seam.run_core_node)
+                         if MEDIA_INPUT in inputs else None)
+                values = {name: inputs.get(name, default) for name, default in self.widgets.items()}
                 request = request_from(media, values["prompt"], values["task"], values["width"], values["height"],
                                        values["length"])
                 request.validate()
@@ -271,7 +315,7 @@ class EncodeAhead:
                 entry.keys.append(key)
                 self.sent += 1
             try:
-                client = (self._make_client or _client)(values["endpoint"], int(values["timeout_s"]))
+                client = self._make_client(values["endpoint"], int(values["timeout_s"]))
                 job.result = client.encode(request, cancel=job.cancel)
             except BaseException as error:  # noqa: BLE001 - the node sees `error` and encodes itself
                 job.error = error
@@ -285,8 +329,8 @@ class EncodeAhead:
     def take(self, endpoint: str, request, interrupted=None):
         """The conditioning encoded ahead for this request, waiting for it if it is still in flight; None when there
         is none (or it failed: the node then encodes itself). Records the key as run by the node."""
-        if not enabled():
-            return None
+        if not self.active:
+            return None  # nothing was encoded ahead: no key to record either
         key = request_key(endpoint, request)
         with self._lock:
             job = self._jobs.get(key)
@@ -305,21 +349,18 @@ class EncodeAhead:
         return job.result if job.error is None else None
 
 
-_DEFAULTS = {"task": "auto", "timeout_s": 600, "width": 0, "height": 0}
-
-
 def _is_link(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
 
 
-def _ready(graph: dict, node: dict) -> bool:
+def _ready(graph: dict, node: dict, widgets) -> bool:
     """Whether every input of a Remote Encode node is known from the prompt alone, and its endpoint allowed."""
     inputs = node.get("inputs")
     if not isinstance(inputs, dict) or not allowed(inputs.get("endpoint")):
         return False
-    if any(_is_link(inputs.get(name)) for name in WIDGETS):
+    if any(_is_link(inputs.get(name)) for name in widgets):
         return False
-    return "media" not in inputs or _media_known(graph, inputs["media"], depth=0)
+    return MEDIA_INPUT not in inputs or _media_known(graph, inputs[MEDIA_INPUT], depth=0)
 
 
 def _media_known(graph: dict, link, depth: int) -> bool:
@@ -361,12 +402,9 @@ def _evaluate(graph: dict, link, run_node, cache: dict | None = None):
     return cache[node_id][index]
 
 
-AHEAD = EncodeAhead()
-
-
-def install() -> bool:
-    """Register the on-prompt hook with the running ComfyUI server (once); False when there is no server."""
+def install(ahead: EncodeAhead) -> bool:
+    """Register `ahead`'s on-prompt hook with the running ComfyUI server (once); False when there is no server."""
     if getattr(install, "done", False):
         return True
-    install.done = bridge.add_on_prompt_handler(AHEAD.on_prompt)
+    install.done = comfy_queue_seam.add_on_prompt_handler(ahead.on_prompt)
     return install.done

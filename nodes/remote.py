@@ -4,9 +4,11 @@ Same inputs as the local chain (prompt, canvas, length, media), the same conditi
 (bit-identical to local encoding of the same inputs), but no text encoder or VAE encoder is loaded
 here. The bearer token comes only from the environment (H3_ENCODER_TOKEN), never from a widget or
 a saved workflow, and goes only to endpoints the environment lists beside it (h3_core.remote.credentials): a
-shared workflow naming its own URL gets no token, and a failure's message is built from structured fields, not
-from whatever the endpoint answered. The call runs in a worker thread while this node polls ComfyUI's interrupt flag
-and forwards a cancel to the server. The progress bar follows the client's steps (polling.STEPS), the server's own
+shared workflow naming its own URL gets no token, and a failure's message is built from the error's fields
+(`RemoteEncodeError`), not from whatever the endpoint answered, and ends with the next step (start the server,
+set the token in ComfyUI's environment, fix the named input). The client runs on the node's thread with ComfyUI's
+interrupt flag as its cancel, as the Sampler does: an interrupt closes the connection and the server abandons
+the work. The progress bar follows the client's steps (polling.STEPS), the server's own
 phases included (queued, decode, text, video, audio) when the server publishes them. When this node's prompt waited
 in ComfyUI's queue, its encode may have started ahead (nodes/encode_ahead.py): the node then takes that result.
 """
@@ -17,12 +19,11 @@ import hashlib
 import http.client
 import json
 import re
-import threading
+from urllib.parse import urlsplit
 
-import comfy.model_management as mm
 from comfy_api.latest import io
 
-from ..h3_core.remote import credentials
+from ..h3_core.remote import credentials, protocol, transport
 from ..h3_core.remote.client import (
     EncoderClient,
     ModelMismatchError,
@@ -40,17 +41,29 @@ from .types import CATEGORY, Media
 
 MAX_ERROR_CHARS = 300  # of a server's own error message shown in the node's error
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_.\[\]]{0,63}")  # a request field as the server names it: ref_videos[0]
 _KINDS = (  # most specific first
-    (RemoteAuthError, "the server wants a valid token (H3_ENCODER_TOKEN with H3_ENCODER_URLS, or "
-                      "H3_ENCODER_TOKENS)"),
+    (RemoteAuthError, "the server wants a valid token"),
     (ProtocolMismatchError, "the server speaks another protocol version"),
     (ModelMismatchError, "the server serves other weights than the ones pinned"),
     (RemoteRequestError, "the server refused the request"),
     (RemoteUnavailableError, "the server is unreachable or busy"),
     (RemoteEncodeError, "the remote encode failed"),
 )
-_NETWORK_HINTS = (("refused", "connection refused"), ("timed out", "timed out"), ("certificate", "TLS certificate "
-                  "not trusted"), ("Name or service", "host name not found"), ("resolution", "host name not found"))
+# What the client's own codes (transport.py) mean, for an endpoint that never answered usefully.
+_NETWORK = {transport.CONNECTION_REFUSED: "connection refused", transport.HOST_NOT_FOUND: "host name not found",
+            transport.TIMED_OUT: "timed out", transport.CONNECTION_LOST: "connection lost",
+            transport.NETWORK_ERROR: "network error", transport.MALFORMED_ANSWER: "not an HTTP answer",
+            transport.TLS_UNTRUSTED: "TLS certificate not trusted"}
+_CODE_STEPS = {  # (code, field): refusals the client makes itself from the server's capabilities, or the server's
+    ("component_not_loaded", None): "Start the encoder server with every encoder (no --components), or encode this "
+                                    "request with the local encode nodes.",
+    ("too_large", "body"): "Send shorter or smaller references, or raise the server's --max-body-mb.",
+}
+_UNREACHABLE = {transport.CONNECTION_REFUSED, transport.HOST_NOT_FOUND, transport.NETWORK_ERROR}
+TOKEN_STEP = ("Set H3_ENCODER_TOKEN and H3_ENCODER_URLS (this endpoint's URL; comma-separated for several), or "
+              "H3_ENCODER_TOKENS, in the environment ComfyUI starts from (never in a widget or the workflow), then "
+              "restart ComfyUI: it reads them at start.")
 
 
 def _urls(endpoint: str) -> list[str]:
@@ -69,31 +82,68 @@ def _clean(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
-def public_error(error: BaseException, endpoint: str) -> str:
-    """What the node reports for a failed remote encode: built from the error's structured fields, never from
-    the body of whatever answered. Only a JSON error (status + code) from an endpoint the operator listed in the
-    environment contributes its message, cleaned and cut to MAX_ERROR_CHARS."""
+def public_error(error: RemoteEncodeError, endpoint: str) -> str:
+    """What the node reports for a failed remote encode, and the next step: built from the error's fields
+    (`RemoteEncodeError`), never from the body of whatever answered. Only a JSON error from an endpoint the operator
+    listed in the environment contributes its message, cleaned and cut to MAX_ERROR_CHARS."""
     kind = next((text for cls, text in _KINDS if isinstance(error, cls)), "the remote encode failed")
-    status = getattr(error, "status", None)
-    code = getattr(error, "code", None)
-    code = code if isinstance(code, str) and _CODE.fullmatch(code) else None
-    url = getattr(error, "url", None) or endpoint
+    status = error.status if isinstance(error.status, int) else None
+    code = error.code if isinstance(error.code, str) and _CODE.fullmatch(error.code) else None
+    field = error.field if isinstance(error.field, str) and _FIELD.fullmatch(error.field) else None
+    url = error.url or endpoint
     words = [f"H3 Remote Encode: {kind}"]
-    if isinstance(status, int):
+    if status is not None:
         words.append(f"(HTTP {status} {http.client.responses.get(status, '')}".rstrip() + ")")
-    if code:
-        words.append(f"[{code}]")
-    text = str(error)
-    marker = f" answered {status} {code}: " if code else None
-    if marker and marker in text and credentials.is_configured(url):
-        message = text.split(marker, 1)[1]
-        message = message.split(" (set the token in ", 1)[0]
-        words.append("- " + _clean(message))
-    elif status is None:
-        hint = next((said for needle, said in _NETWORK_HINTS if needle in text), None)
-        if hint:
-            words.append(f"- {hint}")
-    return " ".join(words) + f" (endpoint {_clean(url)})"
+        if code:
+            words.append(f"[{code}]")
+    elif code in _NETWORK:
+        words.append(f"- {_NETWORK[code]}")
+    shown = error.message is not None and status is not None and _trusted(url)
+    if shown:
+        words.append("- " + (f"{field}: " if field else "") + _clean(error.message))
+    elif field:
+        words.append(f"- in {field}")
+    text = " ".join(words) + f" (endpoint {_clean(url)})."
+    step = _next_step(error, status, code, field, url, shown)
+    return f"{text} {step}" if step else text
+
+
+def _next_step(error: RemoteEncodeError, status: int | None, code: str | None, field: str | None, url: str,
+               shown: bool) -> str:
+    """The sentence that says what to do about it."""
+    if isinstance(error, RemoteAuthError):
+        return TOKEN_STEP
+    if status is None and code in _UNREACHABLE:
+        port = _port(url)
+        return ("Start the encoder server on that machine: python -m h3_core serve --models DIR"
+                + (f" --port {port}" if port else "") + " (README, \"Headless: CLI and encoder endpoint\"), or set "
+                "this node's endpoint to where one runs.")
+    if status is None and code == transport.TIMED_OUT:
+        return "Raise this node's timeout_s, or check that the server is running and not overloaded."
+    if (code, field) in _CODE_STEPS:
+        return _CODE_STEPS[code, field]
+    if status is not None and 400 <= status < 500 and error.message is not None and not shown:
+        return "List this endpoint in H3_ENCODER_URLS to see the server's own message, or read the server's log."
+    if isinstance(error, RemoteRequestError):
+        return "Change the input the server names; retrying the same request will not help."
+    return ""
+
+
+def _trusted(url: str) -> bool:
+    """Whether an endpoint's own error message may be shown: the operator listed it in the environment, or it runs
+    on this machine (a workflow naming someone else's URL gets its status and code shown, never its words)."""
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        return False
+    return credentials.is_configured(url) or protocol.is_loopback(host)
+
+
+def _port(url: str) -> int | None:
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        return None
 
 
 class RemoteEncode(io.ComfyNode):
@@ -154,34 +204,22 @@ class RemoteEncode(io.ComfyNode):
         request.validate()  # the server checks again; failing here costs no upload
         client = _client(endpoint, timeout_s)
         progress = bridge.progress_callback(cls.hidden.unique_id)
+        interrupt = bridge.InterruptFlag()  # as the Sampler: an interrupt cancels the work within 50 ms polls
         # the encode this prompt's node got while its prompt waited in the queue, if any
-        ahead = bridge.run_interruptible(encode_ahead.AHEAD.take, endpoint, request, mm.processing_interrupted)
+        ahead = bridge.run_interruptible(AHEAD.take, endpoint, request, interrupt.is_set)
         if ahead is not None:
             progress(1, 1)
             return io.NodeOutput(ahead.to_comfy())
-        cancel = threading.Event()
-        result: dict = {}
-
-        def work():
-            try:
-                result["cond"] = client.encode(request, cancel=cancel, progress=progress)
-            except BaseException as error:  # handed to the node thread below
-                result["error"] = error
-
-        worker = threading.Thread(target=work, name="h3-remote-encode", daemon=True)
-        worker.start()
-        while worker.is_alive():
-            worker.join(timeout=0.1)
-            if mm.processing_interrupted():
-                cancel.set()  # the client closes the connection; the server abandons the work
-                worker.join(timeout=5.0)
-                mm.throw_exception_if_processing_interrupted()
-        error = result.get("error")
-        if isinstance(error, RemoteEncodeError):  # the remote's own words are not passed on as they came
+        try:
+            # On interrupt the client closes the connection (the server abandons the work) and raises Cancelled,
+            # which run_interruptible turns into ComfyUI's own interrupt.
+            conditioning = bridge.run_interruptible(client.encode, request, cancel=interrupt, progress=progress)
+        except RemoteEncodeError as error:  # the remote's own words are not passed on as they came
             raise RuntimeError(public_error(error, endpoint)) from None
-        if error is not None:  # local: the request's rules (H3InputError), a cancel, the media
-            raise error
-        return io.NodeOutput(result["cond"].to_comfy())
+        return io.NodeOutput(conditioning.to_comfy())
 
+
+# Encode-ahead for this node: its client factory, its widgets and their defaults, read from the schema.
+AHEAD = encode_ahead.EncodeAhead(make_client=_client, schema=RemoteEncode.define_schema())
 
 NODES = [RemoteEncode]

@@ -18,6 +18,7 @@ from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import polling
 from h3_core.remote.config import ServerConfig
+from h3_core.remote.protocol import Limits
 from h3_core.remote.server import ServerThread
 from h3_core.testing import SERVER_THREADS, wait_until
 
@@ -73,3 +74,39 @@ def test_interrupting_the_node_cancels_the_servers_job(comfy, stage):  # noqa: F
         assert stopped_after < 12.0, stopped_after
         assert srv.call(lambda: srv.service.counters["client_gone"]) == 1
     print(f"\n[progress] interrupt -> server job cancelled {stopped_after * 1000:.0f} ms after the ws message")
+
+
+# --- a failed remote encode says the next step (issue 29 item 8) ------------------------------------------------
+
+
+def _node_error(comfy, endpoint: str, prompt: str) -> str:  # noqa: F811
+    result = comfy.run_prompt(remote_graph(endpoint, prompt), timeout=120, check=False)
+    assert result.status == "error", result.status
+    return result.error["exception_message"]
+
+
+def test_a_closed_port_says_to_start_the_server_or_edit_the_endpoint(comfy):  # noqa: F811
+    port = free_port()  # nothing listens there
+    message = _node_error(comfy, f"http://127.0.0.1:{port}", f"Nobody home {time.time()}.")
+    assert "the server is unreachable or busy - connection refused" in message, message
+    assert f"python -m h3_core serve --models DIR --port {port}" in message, message
+    assert "set this node's endpoint" in message, message
+
+
+def test_a_token_refusal_says_where_the_token_goes(comfy, stage):  # noqa: F811
+    config = ServerConfig(token="t" * 40, threads=SERVER_THREADS)
+    with ServerThread(stage, config) as srv:
+        message = _node_error(comfy, srv.url, f"Locked out {time.time()}.")
+    assert "wants a valid token (HTTP 401 Unauthorized) [unauthorized]" in message, message
+    for words in ("H3_ENCODER_TOKEN", "H3_ENCODER_URLS", "H3_ENCODER_TOKENS", "in the environment ComfyUI starts from",
+                  "never in a widget", "restart ComfyUI"):
+        assert words in message, (words, message)
+
+
+def test_a_refused_input_names_the_field_with_the_servers_message(comfy, stage):  # noqa: F811
+    config = ServerConfig(limits=Limits(max_prompt_chars=20), threads=SERVER_THREADS)
+    with ServerThread(stage, config) as srv:
+        message = _node_error(comfy, srv.url, f"A fox walks through the deep snow {time.time()}.")
+    assert "the server refused the request (HTTP 4" in message, message
+    assert "- prompt: " in message and "max_prompt_chars=20" in message, message
+    assert "Change the input the server names" in message, message

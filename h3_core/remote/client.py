@@ -64,9 +64,6 @@ RETRYABLE_STATUS = {429, 502, 503}  # 504 is retried only when it is not this se
 # Every answer is read with a cap on what it can legitimately be: a hostile or broken server cannot make the
 # client buffer more (a Content-Length over the cap is refused before reading; a chunked body is cut at the cap).
 HANDSHAKE_TTL_S = 300.0
-# Requests are re-validated here only to learn what they need; the server applies its own limits.
-_CLIENT_LIMITS = protocol.Limits(max_prompt_chars=1 << 30, max_fps=1e9, max_canvas_edge=1 << 30,
-                                 max_canvas_pixels=1 << 60, max_parts=1 << 20)
 
 
 
@@ -145,7 +142,8 @@ class EncoderClient:
             reply = self._call(endpoint, "GET", protocol.HEALTH_PATH, None, {}, cancel, self.connect_timeout + 5,
                                self._deadline(time.monotonic()), MAX_SMALL_RESPONSE_BYTES)
         except Transient as transient:
-            raise RemoteUnavailableError(f"{endpoint.url}: {transient}", url=endpoint.url) from None
+            raise RemoteUnavailableError(f"{endpoint.url}: {transient}", url=endpoint.url,
+                                         code=transient.code) from None
         try:
             return loads(reply.body)
         except (UnicodeDecodeError, ValueError):
@@ -159,7 +157,8 @@ class EncoderClient:
         try:
             return self._handshake(endpoint, cancel, self._deadline(time.monotonic()), refresh=refresh)
         except Transient as transient:
-            raise transient.error or RemoteUnavailableError(f"{endpoint.url}: {transient}", url=endpoint.url) from None
+            raise transient.error or RemoteUnavailableError(f"{endpoint.url}: {transient}", url=endpoint.url,
+                                                            code=transient.code) from None
 
     def encode(self, request: EncodeRequest, cancel: threading.Event | None = None,
                progress: ProgressFn | None = None,
@@ -179,7 +178,8 @@ class EncoderClient:
         body_json, parts = packing.request_to_wire(request, lossless_video=self.lossless_video, cancel=cancel)
         content_type, buffers = packing.encode_multipart(body_json, parts)
         del parts
-        needs = protocol.parse_request(body_json, _CLIENT_LIMITS).needed_components()
+        # The same rule the server applies to the JSON sent (a soundtrack is sent exactly when the video has one).
+        needs = request.needed_encoders()
         size = sum(len(buffer) for buffer in buffers)
         answer_cap = packing.conditioning_bound(request)
         started = time.monotonic()
@@ -213,12 +213,13 @@ class EncoderClient:
         failures = tried.failures
         summary = "; ".join(failures[-4:]) or "no attempt made within total_timeout"
         last_error = tried.last_error
-        status = last_error.status if last_error is not None else None
-        code = last_error.code if last_error is not None else None
+        # The last attempt's reason, as fields: the server's error when it answered, else the network's code.
+        last = {name: getattr(last_error, name, None) for name in ("status", "code", "field", "message")}
+        if last_error is None:
+            last["code"] = tried.last_code
         raise RemoteUnavailableError(
             f"remote encode failed after {len(failures)} attempt(s) on {len(self.endpoints)} endpoint(s) in "
-            f"{time.monotonic() - started:.1f} s: {summary}", status=status, code=code,
-            url=failures[-1].split(": ", 1)[0] if failures else None)
+            f"{time.monotonic() - started:.1f} s: {summary}", url=tried.last_url, **last)
 
     def _attempts(self, tried: "_AttemptLog", deadline: float, cancel: threading.Event | None):
         """The retry schedule: ``(endpoint, delay before trying it)`` until the retries or the deadline run out.
@@ -401,9 +402,11 @@ class EncoderClient:
         message = str(error.get("message") or "")
         code, field, rid = error.get("code"), error.get("field"), error.get("request_id")
         text = f"{endpoint.url} answered {reply.status}" + (f" {code}" if code else "") + f": {message}"
-        kwargs = dict(status=reply.status, code=code, field=field, url=endpoint.url, request_id=rid)
+        # Only a JSON error is the server's own message; any other body is kept out of the fields.
+        kwargs = dict(status=reply.status, code=code, field=field, url=endpoint.url, request_id=rid,
+                      message=message if error.get("json") else None)
         retry_after = parse_retry_after(reply.headers.get("Retry-After"))
-        if reply.status == 401:
+        if reply.status in (401, 403):
             return RemoteAuthError(text + f" (set the token in {protocol.DEFAULT_TOKEN_ENV})", **kwargs)
         if reply.status in RETRYABLE_STATUS or (reply.status == 504 and code != "deadline_exceeded") or \
                 (reply.status == 503 and code == "abandoned"):
@@ -493,10 +496,13 @@ class _AttemptLog:
         self.failures: list[str] = []
         self.skipped: dict[str, RemoteEncodeError] = {}
         self.last_error: RemoteEncodeError | None = None
+        self.last_url: str | None = None
+        self.last_code: str | None = None
         self.retry_after: float | None = None
 
     def failed(self, endpoint: Endpoint, transient: Transient) -> None:
         self.failures.append(f"{endpoint.url}: {short(str(transient))}")
+        self.last_url, self.last_code = endpoint.url, transient.code
         self.last_error, self.retry_after = transient.error, transient.retry_after
         log.info("encode attempt %d on %s failed: %s", len(self.failures), endpoint.url, short(str(transient)))
 
@@ -507,4 +513,4 @@ def _no_endpoint(skipped: dict[str, RemoteEncodeError]) -> RemoteEncodeError:
         return first
     reasons = "; ".join(short(str(error), 200) for error in list(skipped.values())[:4])
     return type(first)(f"no endpoint can serve this request ({len(skipped)}): {reasons}", status=first.status,
-                       code=first.code)
+                       code=first.code, field=first.field, url=first.url, message=first.message)

@@ -421,9 +421,9 @@ def _decode_audio(data: bytes, plan: _Plan, limits: Limits, settings: DecodeSett
 def _decode_video(data: bytes, plan: _Plan, settings: DecodeSettings) -> media.VideoClip:
     try:
         return decode_media("video", data, plan.caps, settings, plan.memory_cap)
+    except media.TooManyFrames as error:
+        raise too_large(f"{plan.where}: {error}", plan.where, "too_many_frames") from None
     except media.MediaError as error:
-        if "max_frames" in str(error):
-            raise too_large(f"{plan.where}: {error}", plan.where, "too_many_frames") from None
         raise invalid(f"{plan.where}: {error}", plan.where, "invalid_media") from None
 
 

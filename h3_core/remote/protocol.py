@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from .. import facts, media, rules
+from ..request import needed_encoders
 
 __all__ = ["PROTOCOL_NAME", "PROTOCOL_VERSION", "HEALTH_PATH", "CAPABILITIES_PATH", "ENCODE_PATH", "DEFAULT_TOKEN_ENV",
            "CONDITIONING_CONTENT_TYPE", "Limits", "ProtocolError", "MediaRef", "RequestSpec", "parse_request_json",
@@ -229,18 +230,20 @@ class RequestSpec:
         return out
 
     def needed_components(self) -> tuple[str, ...]:
-        """The encoders this request needs, known before any media is read.
+        """The encoders this request needs (`h3_core.request.needed_encoders`), known before any media is read.
 
         The client checks it against an endpoint's capabilities before uploading; the server checks it before
         reading the media or queueing the job (422 ``component_not_loaded``). A video whose soundtrack is
         null (the container's own audio) counts as needing the audio encoder: only decoding could tell.
         """
-        needs = ["text"]
-        if self.first_frame or self.last_frame or self.ref_images or self.ref_videos:
-            needs.append("video")
-        if self.ref_audios or any(ref.soundtrack is not False for ref in self.ref_videos):
-            needs.append("audio")  # a video's soundtrack may come from the container: cannot know before decoding
-        return tuple(needs)
+        return needed_encoders(
+            keyframes=int(self.first_frame is not None) + int(self.last_frame is not None),
+            images=len(self.ref_images),
+            videos=len(self.ref_videos),
+            audios=len(self.ref_audios),
+            # a video's soundtrack may come from the container: cannot know before decoding
+            soundtracks=sum(ref.soundtrack is not False for ref in self.ref_videos),
+        )
 
     def canonical(self, digests: Mapping[str, str]) -> dict[str, Any]:
         """What determines the output: numbers, prompt and media digests in slot order (not deadline/model)."""

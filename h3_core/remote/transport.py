@@ -28,12 +28,22 @@ READ_PIECE = 1 << 20  # bytes per read of an answer: the granularity at which an
 
 
 class RemoteEncodeError(RuntimeError):
-    """The remote encode failed; `status`, `code`, `field` and `message` come from the server when it answered."""
+    """The remote encode failed. `str(error)` is the whole sentence (logs, the CLI); callers that build their own
+    words (the Remote Encode node) read the fields:
 
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
-                 field: str | None = None, url: str | None = None, request_id: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.code, self.field = message, status, code, field
+    status:     the HTTP status the endpoint answered (None: it never answered, e.g. connection refused)
+    code:       the server's error code (its JSON error), or this client's own for a refusal made here
+    field:      the request field the server's error names (e.g. ``ref_videos[0]``), or None
+    message:    the server's own message, as its JSON error gave it (cut short); None when it sent none
+    url:        the endpoint
+    request_id: the server's id for the request, when it gave one
+    """
+
+    def __init__(self, text: str, *, status: int | None = None, code: str | None = None,
+                 field: str | None = None, url: str | None = None, request_id: str | None = None,
+                 message: str | None = None):
+        super().__init__(text)
+        self.status, self.code, self.field, self.message = status, code, field, message
         self.url, self.request_id = url, request_id
 
 
@@ -42,7 +52,7 @@ class RemoteRequestError(RemoteEncodeError, ValueError):
 
 
 class RemoteAuthError(RemoteEncodeError):
-    """401: no token, or the wrong one (set H3_ENCODER_TOKEN, or the variable the client was told to read)."""
+    """401/403: no token, or the wrong one (set H3_ENCODER_TOKEN, or the variable the client was told to read)."""
 
 
 class RemoteUnavailableError(RemoteEncodeError):
@@ -84,20 +94,34 @@ class Reply:
             error = body.get("error") if isinstance(body, dict) else None
             if isinstance(error, dict):
                 # Only strings, each cut short: a hostile server cannot make the caller's messages huge.
-                return {key: short(value) if isinstance(value := error.get(key), str) else None
-                        for key in ("code", "message", "field", "request_id")}
+                fields = {key: short(value) if isinstance(value := error.get(key), str) else None
+                          for key in ("code", "message", "field", "request_id")}
+                return dict(fields, json=True)
         except (UnicodeDecodeError, ValueError, RecursionError):
             pass
         text = self.body[:200].decode("utf-8", "replace").strip()
-        return {"code": None, "message": text or http.client.responses.get(self.status, "error"), "field": None}
+        return {"code": None, "message": text or http.client.responses.get(self.status, "error"), "field": None,
+                "json": False}
+
+
+# This client's codes for an endpoint that never answered usefully (`RemoteEncodeError.code` with status None).
+CONNECTION_REFUSED = "connection_refused"
+HOST_NOT_FOUND = "host_not_found"
+TIMED_OUT = "timed_out"
+CONNECTION_LOST = "connection_lost"
+NETWORK_ERROR = "network_error"
+MALFORMED_ANSWER = "malformed_answer"
+TLS_UNTRUSTED = "tls_untrusted"
 
 
 class Transient(Exception):
-    """One attempt failed in a way another attempt (or endpoint) may not."""
+    """One attempt failed in a way another attempt (or endpoint) may not: `error` when the server answered,
+    `code` (one of the codes above) when the network failed."""
 
-    def __init__(self, message: str, retry_after: float | None = None, error: RemoteEncodeError | None = None):
+    def __init__(self, message: str, retry_after: float | None = None, error: RemoteEncodeError | None = None,
+                 code: str | None = None):
         super().__init__(message)
-        self.retry_after, self.error = retry_after, error
+        self.retry_after, self.error, self.code = retry_after, error, code
 
 
 def parse_url(url: str) -> Endpoint:
@@ -129,7 +153,7 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
     `on_body(length)` returns an object holding the buffer to read into (`.buf`) whose `advance(end)` is called
     after each read (bytes [0, end) in place); it comes back as `Reply.receipt`, its buffer as `Reply.body`."""
     if deadline - time.monotonic() <= 0:
-        raise Transient("deadline passed before the call")
+        raise Transient("deadline passed before the call", code=TIMED_OUT)
     conn.timeout = min(connect_timeout, max(0.01, deadline - time.monotonic()))
     outcome: dict[str, Any] = {"phase": "connect"}
     aborted = threading.Event()
@@ -202,7 +226,7 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
             abort(conn)
             worker.join(2.0)
             raise Transient(f"the call's deadline passed during {outcome['phase']} (connect + send + read are "
-                             "bounded together by total_timeout)")
+                             "bounded together by total_timeout)", code=TIMED_OUT)
     if on_sent is not None and outcome.get("sent"):
         on_sent()
     if "reply" in outcome:
@@ -213,20 +237,23 @@ def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, 
     if isinstance(error, RemoteEncodeError):
         raise error
     if isinstance(error, ssl.SSLCertVerificationError):
-        raise RemoteEncodeError(f"{endpoint.url}: TLS certificate not trusted: {error}", url=endpoint.url)
+        raise RemoteEncodeError(f"{endpoint.url}: TLS certificate not trusted: {error}", url=endpoint.url,
+                                code=TLS_UNTRUSTED)
     if isinstance(error, (socket.timeout, TimeoutError)):
         phase = outcome["phase"]
         limit = connect_timeout if phase == "connect" else read_timeout
-        raise Transient(f"{phase} timeout after {limit:g} s")
+        raise Transient(f"{phase} timeout after {limit:g} s", code=TIMED_OUT)
     if isinstance(error, ConnectionRefusedError):
-        raise Transient("connection refused (server down or not listening)")
+        raise Transient("connection refused (server down or not listening)", code=CONNECTION_REFUSED)
     if isinstance(error, (http.client.RemoteDisconnected, http.client.IncompleteRead, ConnectionError,
                           http.client.BadStatusLine)):
-        raise Transient(f"connection lost mid-request ({type(error).__name__}: {error})")
+        raise Transient(f"connection lost mid-request ({type(error).__name__}: {error})", code=CONNECTION_LOST)
+    if isinstance(error, socket.gaierror):
+        raise Transient(f"host name not found ({error})", code=HOST_NOT_FOUND)
     if isinstance(error, OSError):
-        raise Transient(f"network error ({type(error).__name__}: {error})")
+        raise Transient(f"network error ({type(error).__name__}: {error})", code=NETWORK_ERROR)
     if isinstance(error, http.client.HTTPException):
-        raise Transient(f"malformed HTTP answer ({type(error).__name__}: {error})")
+        raise Transient(f"malformed HTTP answer ({type(error).__name__}: {error})", code=MALFORMED_ANSWER)
     raise error  # type: ignore[misc]
 
 def _read_body(response: http.client.HTTPResponse, length: int | None, cap: int, aborted: threading.Event,
