@@ -66,7 +66,9 @@ def raw_server(payloads: dict[str, bytes]) -> int:
 
 
 def main(args: dict) -> None:
-    from h3_core.remote.server import ServerConfig, create_app, start_site
+    from h3_core.remote.config import ServerConfig
+    from h3_core.remote.http import create_app
+    from h3_core.remote.server import start_site
 
     conditionings = {name: synth_conditioning(tokens, metadata={"model": FINGERPRINT})
                      for name, tokens in args["sizes"].items()}

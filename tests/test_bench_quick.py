@@ -62,7 +62,8 @@ class _TinyTextStage:
 
 
 def test_load_driver_and_cache_probe_in_process():
-    from h3_core.remote.server import ServerConfig, ServerThread
+    from h3_core.remote.config import ServerConfig
+    from h3_core.remote.server import ServerThread
 
     with ServerThread(_TinyTextStage(), ServerConfig(threads=1)) as server:
         out = remote.load_test(server.url, plan={1: 2, 2: 1}, passes=1,

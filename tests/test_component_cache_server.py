@@ -21,7 +21,8 @@ from test_remote_server import CASES, _raw, _wire
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import protocol
-from h3_core.remote.server import ServerConfig, ServerThread
+from h3_core.remote.config import ServerConfig
+from h3_core.remote.server import ServerThread
 from h3_core.testing import SERVER_THREADS
 
 MiB = 1 << 20

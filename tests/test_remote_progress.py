@@ -23,7 +23,8 @@ from h3_core.progress import Cancelled
 from h3_core.remote import http as http_module
 from h3_core.remote import polling, tracking
 from h3_core.remote.client import EncoderClient
-from h3_core.remote.server import ServerConfig, ServerThread
+from h3_core.remote.config import ServerConfig
+from h3_core.remote.server import ServerThread
 from h3_core.request import EncodeRequest
 from h3_core.testing import SERVER_THREADS, wait_until
 

@@ -33,7 +33,8 @@ from h3_core.remote.client import (
     RemoteRequestError,
     RemoteUnavailableError,
 )
-from h3_core.remote.server import ServerConfig, ServerThread
+from h3_core.remote.config import ServerConfig
+from h3_core.remote.server import ServerThread
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
 from h3_core.testing import SERVER_THREADS, png_bomb, wait_until
 
