@@ -144,7 +144,7 @@ def _sample_parallel(dit, component: str, gpus: int, cond, options, lora_path: s
     """The DiT sequence-parallel on `gpus` warm worker processes from the DiT Loader's device on, each loading the
     loader's file (h3_core/sequence_parallel_workers.py); the loader's own copy stays where ComfyUI keeps it."""
     heads = getattr(dit.module.config, "num_attention_heads", None)
-    layout = sequence_parallel.check(gpus, "ulysses", dit.patcher.load_device, heads)
+    layout = sequence_parallel.check(gpus, "ulysses", dit.patcher.load_device, heads, what="gpus")
     recipe = sequence_parallel_workers.DiTRecipe.of(dit.source, component, dit.dtype, dit.fingerprint)
     return sequence_parallel_workers.sample(recipe, layout, cond, options, lora_path)
 
