@@ -31,7 +31,8 @@ class Channel:
 
     def __init__(self, sock: socket.socket):
         sock.setblocking(True)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):  # small messages (a step's progress) go out at once
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
 
     def send(self, header: dict, payload: bytes = b"") -> None:
@@ -44,7 +45,10 @@ class Channel:
         head_len, payload_len = _FRAME.unpack(self._exactly(_FRAME.size))
         if head_len > _MAX_HEADER:
             raise ChannelClosed(f"a {head_len}-byte message header (at most {_MAX_HEADER}): not this protocol")
-        header = json.loads(self._exactly(head_len))
+        try:
+            header = json.loads(self._exactly(head_len))
+        except ValueError:
+            raise ChannelClosed("a message header that is not JSON: not this protocol") from None
         if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
             raise ChannelClosed("a message without a kind: not this protocol")
         return header, self._exactly(payload_len)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import logging
 import os
 import secrets
 import signal
@@ -330,6 +331,11 @@ def warm_pool(recipe: DiTRecipe, layout: sequence_parallel.Layout, cancel=None) 
     global _POOL
     with _POOL_LOCK:
         if _POOL is not None and (_POOL.key != (recipe, layout) or not _POOL.alive()):
+            if _POOL.key == (recipe, layout):  # a worker died between jobs: say so, then start afresh
+                gone = [f"rank {r} (pid {p.pid}, exit code {p.returncode})" for r, p in enumerate(_POOL.procs)
+                        if p.poll() is not None]
+                logging.getLogger(__name__).warning("sequence-parallel worker %s died while idle; starting %d new "
+                                                    "workers", ", ".join(gone) or "pool", layout.degree)
             _POOL.close()
             _POOL = None
         if _POOL is None:

@@ -109,3 +109,34 @@ def test_a_rank_error_is_reported_with_its_message(setup, tmp_path):
     missing = tmp_path / "gone.safetensors"
     with pytest.raises(workers.WorkerError, match=r"rank \d failed while sampling: .*gone\.safetensors"):
         workers.sample(recipe, layout, cond, SamplingOptions(steps=STEPS, seed=3), lora_path=str(missing))
+
+
+def test_the_channel_carries_json_and_safetensors_only():
+    import socket
+    import struct
+
+    from h3_core.sequence_parallel_channel import (
+        Channel,
+        ChannelClosed,
+        tensors_from_bytes,
+        tensors_to_bytes,
+        token_matches,
+    )
+
+    left, right = socket.socketpair()
+    a, b = Channel(left), Channel(right)
+    video = torch.randn(1, 24, 2, 4, 4)
+    a.send({"kind": "preview", "done": 1}, tensors_to_bytes({"video": video}))
+    assert b.readable(1.0)
+    header, payload = b.recv()
+    assert header == {"kind": "preview", "done": 1} and torch.equal(tensors_from_bytes(payload)["video"], video)
+    left.sendall(struct.pack(">IQ", 5, 0) + b"[1,2]")  # not a JSON object with a kind: refused, never evaluated
+    with pytest.raises(ChannelClosed, match="not this protocol"):
+        b.recv()
+    left.sendall(struct.pack(">IQ", 1 << 30, 0))
+    with pytest.raises(ChannelClosed, match="not this protocol"):
+        b.recv()
+    a.close()
+    with pytest.raises(ChannelClosed):
+        b.recv()
+    assert token_matches("abc", "abc") and not token_matches("abc", "abd") and not token_matches("abc", None)
