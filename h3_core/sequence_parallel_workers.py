@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -426,20 +427,17 @@ def _serve(channel: Channel, rank: int) -> int:
     layout = _layout_from(setup["layout"])
     torch.set_num_threads(sequence_parallel.worker_threads(layout))
     device = sequence_parallel.init_rank(layout, rank, int(setup["dist_port"]))
-    try:
-        stage = DiffusionStage(recipe.source(), dtype=recipe.torch_dtype, device=device, parallel=layout)
-        stage.transformer(TASK_OF_COMPONENT[recipe.component])  # load and parallelise now: warm for the first job
-        channel.send({"kind": "ready"})
-        while True:
-            try:
-                message, payload = channel.recv()
-            except ChannelClosed:
-                return 0  # the host closed the pool (or went away)
-            if message["kind"] == "sample":
-                _run_job(channel, stage, rank, message, payload)
-            # a `stop` that arrives after its job ended is stale: nothing to do
-    finally:
-        sequence_parallel.shutdown()
+    stage = DiffusionStage(recipe.source(), dtype=recipe.torch_dtype, device=device, parallel=layout)
+    stage.transformer(TASK_OF_COMPONENT[recipe.component])  # load and parallelise now: warm for the first job
+    channel.send({"kind": "ready"})
+    while True:
+        try:
+            message, payload = channel.recv()
+        except ChannelClosed:
+            return 0  # the host closed the pool (or went away)
+        if message["kind"] == "sample":
+            _run_job(channel, stage, rank, message, payload)
+        # a `stop` that arrives after its job ended is stale: nothing to do
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,15 +449,21 @@ def main(argv: list[str] | None = None) -> int:
     channel = Channel(socket.create_connection((address, int(port))))
     channel.send({"kind": "hello", "rank": args.rank, "pid": os.getpid(), "token": os.environ.pop(TOKEN_ENV, "")})
     try:
-        return _serve(channel, args.rank)
+        code = _serve(channel, args.rank)
     except ChannelClosed:
-        return 0
-    except Exception as error:  # tell the host what went wrong; it stops the whole pool
+        code = 0
+    except BaseException as error:  # tell the host what went wrong; it stops the whole pool
+        traceback.print_exc()
         try:
             channel.send({"kind": "error", "message": f"{type(error).__name__}: {error}"})
         except OSError:
             pass
-        raise
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown and no destroy_process_group: with a peer gone (killed, or its host closed it first)
+    # either can block, and a worker whose host is gone must not linger. The OS closes the sockets.
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,12 @@ def server(tiny_dir, tmp_path_factory):
                          extra_args=("--preview-method", "auto"))
     server.add_model("minimax_h3", tiny_dir, "tiny")
     yield server
-    server.stop()
+    workers = worker_pids(server).values()
+    server.stop()  # SIGTERM: ComfyUI exits without closing the pool; its workers see the socket close and exit
+    deadline = time.monotonic() + 60
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_running(pid) for pid in workers), "sequence-parallel workers outlived their ComfyUI"
 
 
 def graph(seed: int, steps: int, gpus: tuple[int, ...]) -> dict:
@@ -71,6 +77,13 @@ def worker_pids(server) -> dict[int, int]:
         if WORKER_MODULE in argv and _descends(int(entry.name), server.proc.pid):
             found[int(argv[argv.index(b"--rank") + 1])] = int(entry.name)
     return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _descends(pid: int, ancestor: int) -> bool:
