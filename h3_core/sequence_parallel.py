@@ -52,10 +52,11 @@ class Layout:
         return "cpu:gloo" if self.base_device.type == "cpu" else "cpu:gloo,cuda:nccl"
 
 
-def check(degree: int, mode: str, device, heads: int | None = None) -> Layout:
-    """The layout of `degree` ranks from `device` on, or a `SequenceParallelError` naming the constraint."""
+def check(degree: int, mode: str, device, heads: int | None = None, what: str = "--sp") -> Layout:
+    """The layout of `degree` ranks from `device` on, or a `SequenceParallelError` naming the constraint (and the
+    setting, `what`: the CLI's --sp, the Sampler's gpus)."""
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise SequenceParallelError(f"--sp must be an integer >= 1 (ranks), got {degree!r}")
+        raise SequenceParallelError(f"{what} must be an integer >= 1 (ranks), got {degree!r}")
     if mode not in MODES:
         raise SequenceParallelError(f"sequence-parallel mode must be one of {', '.join(MODES)}, got {mode!r}")
     device = torch.device(device)
@@ -66,8 +67,8 @@ def check(degree: int, mode: str, device, heads: int | None = None) -> Layout:
         count = torch.cuda.device_count()
         if first + degree > count:
             raise SequenceParallelError(
-                f"--sp {degree} from cuda:{first} needs cuda:{first}..cuda:{first + degree - 1}, but torch sees "
-                f"{count} CUDA device(s); lower --sp or pick an earlier --device"
+                f"{what} {degree} from cuda:{first} needs cuda:{first}..cuda:{first + degree - 1}, but torch sees "
+                f"{count} CUDA device(s); lower {what} or pick an earlier device"
             )
     if degree > 1 and mode == "ring" and device.type != "cuda":
         raise SequenceParallelError(
@@ -76,7 +77,7 @@ def check(degree: int, mode: str, device, heads: int | None = None) -> Layout:
         )
     if degree > 1 and heads is not None and heads % degree:
         raise SequenceParallelError(
-            f"--sp {degree}: the DiT's {heads} attention heads do not divide into {degree} ranks "
+            f"{what} {degree}: the DiT's {heads} attention heads do not divide into {degree} ranks "
             f"(Ulysses gives each rank heads / N); use a divisor of {heads}"
         )
     return Layout(degree=degree, mode=mode, base_device=device)

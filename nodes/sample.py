@@ -5,7 +5,7 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io
 
-from ..h3_core import assembly, facts, step_cache
+from ..h3_core import assembly, facts, sequence_parallel, sequence_parallel_workers, step_cache
 from ..h3_core.diffusion import DiffusionStage, SamplingOptions
 from ..h3_core.lora import LoRA
 from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
@@ -83,6 +83,18 @@ class Sampler(io.ComfyNode):
                     "faster and further from off in that order. every:K: the stack every K-th step only (about 1/K "
                     "of the block passes). The progress text shows block passes computed.",
                 ),
+                io.Int.Input(
+                    "gpus",
+                    default=1,
+                    min=1,
+                    max=64,
+                    optional=True,
+                    tooltip="Processes (one per GPU) the DiT samples on, sequence-parallel; same result as 1. 1: in "
+                    "ComfyUI's process. N > 1: N warm worker processes on cuda:k..cuda:k+N-1 (cuda:k = the DiT "
+                    "Loader's device; on a CPU-only machine N CPU processes), each loading the DiT from its file (N "
+                    "copies of its weights, each GPU holding 1/N of the activations); the DiT's attention heads must "
+                    "divide by N. The text encoder stays where its loader put it.",
+                ),
             ],
             outputs=[io.Latent.Output(tooltip="AV latent: video [1,24,T,H/16,W/16] + audio [1,32,2,Ta].")],
             hidden=[io.Hidden.unique_id],
@@ -91,7 +103,7 @@ class Sampler(io.ComfyNode):
     @classmethod
     def execute(
         cls, dit, conditioning, seed, steps, video_shift, audio_shift, lora=NO_LORA, lora_strength=1.0,
-        cache=step_cache.OFF,
+        cache=step_cache.OFF, gpus=1,
     ) -> io.NodeOutput:
         cond = assembly.conditioning_from_core(conditioning)  # complete + valid, before any heavy work
         needed = PARTITION_OF_TASK[cond.task]
@@ -101,11 +113,6 @@ class Sampler(io.ComfyNode):
                 f"{COMPONENT_NAMES[dit.extra['partition']]} (set H3 DiT Loader's partition)"
             )
         adapter = None if lora in (None, NO_LORA) else LoRA.load(folder_paths.get_full_path_or_raise("loras", lora))
-        dtype = dit.dtype
-        # Room for this job's activations: ComfyUI streams the DiT's layers that no longer fit beside them.
-        device = bridge.use(dit.patcher, memory_required=memory.sampling_bytes(cond, dit.module, dtype))
-        stage = DiffusionStage(modules={needed: dit.module}, pipeline_config=dit.pipeline_config, device=device,
-                               dtype=dtype)
         report = bridge.progress_callback(cls.hidden.unique_id)
         options = SamplingOptions(
             steps=steps,
@@ -121,8 +128,25 @@ class Sampler(io.ComfyNode):
             # the running block-pass count as the node's progress text (none for `off`: nothing is skipped)
             on_cache=None if cache == step_cache.OFF else bridge.progress_text(cls.hidden.unique_id, "cache: {}"),
         )
-        latents = bridge.run_interruptible(stage.sample, cond, options)
+        if gpus > 1:
+            lora_path = None if adapter is None else folder_paths.get_full_path_or_raise("loras", lora)
+            latents = bridge.run_interruptible(_sample_parallel, dit, needed, gpus, cond, options, lora_path)
+        else:
+            # Room for this job's activations: ComfyUI streams the DiT's layers that no longer fit beside them.
+            device = bridge.use(dit.patcher, memory_required=memory.sampling_bytes(cond, dit.module, dit.dtype))
+            stage = DiffusionStage(modules={needed: dit.module}, pipeline_config=dit.pipeline_config, device=device,
+                                   dtype=dit.dtype)
+            latents = bridge.run_interruptible(stage.sample, cond, options)
         return io.NodeOutput(bridge.av_latent(latents.video, latents.to_comfy_audio()))
+
+
+def _sample_parallel(dit, component: str, gpus: int, cond, options, lora_path: str | None):
+    """The DiT sequence-parallel on `gpus` warm worker processes from the DiT Loader's device on, each loading the
+    loader's file (h3_core/sequence_parallel_workers.py); the loader's own copy stays where ComfyUI keeps it."""
+    heads = getattr(dit.module.config, "num_attention_heads", None)
+    layout = sequence_parallel.check(gpus, "ulysses", dit.patcher.load_device, heads, what="gpus")
+    recipe = sequence_parallel_workers.DiTRecipe.of(dit.source, component, dit.dtype, dit.fingerprint)
+    return sequence_parallel_workers.sample(recipe, layout, cond, options, lora_path)
 
 
 NODES = [Sampler]
