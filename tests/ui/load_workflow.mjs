@@ -80,7 +80,7 @@ async function main() {
       "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"],
   });
   try {
-    const page = await browser.newPage({ viewport: { width: 1400, height: 900 } });
+    const page = await browser.newPage({ viewport: opt.screenshot ? { width: 1600, height: 1000 } : { width: 1400, height: 900 } });
     await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());
     // What a user would see or what broke: window.alert/confirm, toasts (the frontend's alerts),
     // dialogs (missing nodes / missing models), uncaught page errors, console errors.
@@ -183,8 +183,24 @@ async function main() {
       return { node_count: nodes.length, missing, dangling, errors, prompt, promptError, widgets };
     }, { wf: workflow, name: opt.template ? opt.template.split("/")[1] : basename(opt.workflow), template: !!opt.template });
     report.timings.loaded_s = since();
-    await page.waitForTimeout(500); // toasts and dialogs render on the next frames
+    await page.waitForTimeout(1500); // toasts, dialogs and media previews (which resize their nodes) render on later frames
     const seen = await page.evaluate(() => window.__h3Seen);
+    // Each node's box on the canvas (title bar included) as drawn now, and every pair that overlaps.
+    const layout = await page.evaluate(() => {
+      const app = window.app, LG = window.LiteGraph;
+      const nodes = app.graph.nodes || app.graph._nodes || [];
+      const titleH = LG.NODE_TITLE_HEIGHT || 30;
+      const boxes = nodes.map((n) => ({ id: n.id, type: n.type, title: n.title, x: n.pos[0], y: n.pos[1] - titleH,
+        w: n.size[0], h: n.size[1] + titleH }));
+      const overlaps = [];
+      for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+        const a = boxes[i], b = boxes[j];
+        if (a.x < b.x + b.w && b.x < a.x + a.w && a.y < b.y + b.h && b.y < a.y + a.h) overlaps.push([a.id, b.id]);
+      }
+      return { boxes, overlaps };
+    });
+    report.boxes = layout.boxes;
+    report.overlaps = layout.overlaps;
     report.toasts = seen.toasts;
     report.dialogs = seen.dialogs;
 
@@ -206,7 +222,18 @@ async function main() {
       ...report.console_errors.filter((e) => !OFFLINE_NOISE.some((re) => re.test(e))).map((e) => `console: ${e}`),
       ...report.failed_requests.filter((r) => !EXPECTED_404.some((re) => re.test(r))).map((r) => `request: ${r}`),
     ];
-    if (opt.screenshot) await page.screenshot({ path: opt.screenshot });
+    if (opt.screenshot) {
+      // The whole graph in view, as a user sees it after closing the dialogs.
+      await page.keyboard.press("Escape");
+      await page.evaluate(async () => {
+        const canvas = window.app.canvas;
+        canvas.min_font_size_for_lod = 0; // draw text at any zoom (a small screenshot stays readable)
+        await window.app.extensionManager.command.execute("Comfy.Canvas.FitView");
+        canvas.setDirty(true, true);
+      });
+      await page.waitForTimeout(700);
+      await page.screenshot({ path: opt.screenshot });
+    }
 
     const structural = report.missing_types.length || report.dangling_links.length;
     if (opt.run && !structural && loaded.prompt) report.run = await runPrompt(loaded.prompt);
