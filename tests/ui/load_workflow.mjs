@@ -4,11 +4,13 @@
 //     node tests/ui/load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]...
 //     node tests/ui/load_workflow.mjs --template PACK/NAME [...]   (as the template browser does; the report
 //                                                                   adds templates_listed and thumbnail)
+//     --screenshot PNG: the whole graph fitted into a 1600x1000 window, dialogs closed
 //
 // Prints one JSON line on stdout:
 //   { ok, node_count, expected_node_count, missing_types: [type], missing_nodes: [{id, type}],
 //     dangling_links: [{id, why}], error_nodes: [{id, type}], prompt: <graphToPrompt().output>,
-//     widgets: {node id: [{name, type}]},
+//     widgets: {node id: [{name, type}]}, boxes: [{id, type, title, x, y, w, h}] (title bar included),
+//     overlaps: [[id, id]] (boxes that overlap), tiny_badges: {node id: text} (loaders on the tiny H3),
 //     prompt_node_count, run: null | {prompt_id, status_str, completed, outputs, messages, error},
 //     console_errors: [..], alerts, toasts, dialogs, page_errors, failed_requests, problems: [..],
 //     boot_console_errors, boot_failed_requests,
@@ -24,7 +26,8 @@ import { randomUUID } from "node:crypto";
 import { chromium } from "playwright-core";
 
 const args = process.argv.slice(2);
-const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null };
+const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null,
+  searchTemplates: [], searchNodes: [] };
 for (let i = 0; i < args.length; i++) {
   const a = args[i];
   if (a === "--run") opt.run = true;
@@ -32,11 +35,13 @@ for (let i = 0; i < args.length; i++) {
   else if (a === "--screenshot") opt.screenshot = args[++i];
   else if (a === "--wait-type") opt.waitTypes.push(args[++i]);
   else if (a === "--template") opt.template = args[++i];
+  else if (a === "--search-templates") opt.searchTemplates.push(args[++i]);
+  else if (a === "--search-nodes") opt.searchNodes.push(args[++i]);
   else if (!opt.workflow) opt.workflow = a;
   else throw new Error(`unexpected argument ${a}`);
 }
 const BASE = (process.env.COMFY_URL || "").replace(/\/$/, "");
-if (!BASE || !(opt.workflow || opt.template)) {
+if (!BASE || !(opt.workflow || opt.template || opt.searchTemplates.length || opt.searchNodes.length)) {
   console.error("usage: COMFY_URL=... CHROMIUM_PATH=... node load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]");
   process.exit(3);
 }
@@ -127,6 +132,40 @@ async function main() {
     );
     report.timings.frontend_ready_s = since();
 
+    if (opt.searchTemplates.length || opt.searchNodes.length) {
+      // What a user finds by typing into the template browser's search and the canvas's node search (double-click).
+      report.node_search = {};
+      if (opt.searchNodes.length) await page.evaluate(() => window.app.graph.clear()); // an empty canvas to click on
+      for (const query of opt.searchNodes) {
+        const canvas = page.locator("#graph-canvas");
+        await canvas.dblclick({ position: { x: 700, y: 500 } });
+        const box = page.locator(".comfy-vue-node-search-container input").first();
+        await box.waitFor();
+        await box.fill(query);
+        await page.waitForTimeout(1200);
+        report.node_search[query] = await page.locator(".comfy-vue-node-search-container .option-display-name, "
+          + ".p-autocomplete-overlay .option-display-name").evaluateAll(
+          (items) => items.map((i) => i.innerText.trim().split("\n")[0]));
+        await page.keyboard.press("Escape");
+        await page.waitForTimeout(300);
+      }
+      report.template_search = {};
+      if (opt.searchTemplates.length) {
+        await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.BrowseTemplates"));
+        await page.locator('[data-testid="template-workflows-content"]').waitFor();
+        await page.waitForTimeout(1500); // the template list loads after the dialog opens
+        const box = page.locator(".p-dialog input[type=text], .p-dialog input:not([type])").first();
+        await box.fill("-"); // the first input after opening can land before the search is wired: warm it up
+        await page.waitForTimeout(1500);
+        for (const query of opt.searchTemplates) {
+          await box.fill(query);
+          await page.waitForTimeout(2500); // the search is debounced
+          report.template_search[query] = await page.locator('[data-testid^="template-workflow-"]').evaluateAll(
+            (cards) => cards.map((c) => c.getAttribute("data-testid").replace("template-workflow-", "")));
+        }
+      }
+      if (!opt.workflow && !opt.template) { report.ok = true; return 0; }
+    }
     if (opt.template) {
       // What the template browser does: list the custom nodes' templates, fetch one, show its thumbnail.
       const [module, name] = opt.template.split("/");
@@ -197,10 +236,13 @@ async function main() {
         const a = boxes[i], b = boxes[j];
         if (a.x < b.x + b.w && b.x < a.x + a.w && a.y < b.y + b.h && b.y < a.y + a.h) overlaps.push([a.id, b.id]);
       }
-      return { boxes, overlaps };
+      // The pack's tiny-model badge (web/tiny_badge.js) of each loader that shows one.
+      const tinyBadges = Object.fromEntries(nodes.filter((n) => n.h3TinyBadge?.()).map((n) => [n.id, n.h3TinyBadge()]));
+      return { boxes, overlaps, tinyBadges };
     });
     report.boxes = layout.boxes;
     report.overlaps = layout.overlaps;
+    report.tiny_badges = layout.tinyBadges;
     report.toasts = seen.toasts;
     report.dialogs = seen.dialogs;
 
