@@ -192,7 +192,7 @@ def test_templates_carry_the_model_list_the_frontend_reads():
     # dialog downloads only from allowed hosts and only *.safetensors, into models/<directory>/.
     for name in NAMES:
         workflow = template(name)
-        assert workflow["extra"]["info"]["name"] == TITLES[name] and TITLES[name].startswith("MiniMax H3 - ")
+        assert workflow["extra"]["info"]["name"] == TITLES[name] and TITLES[name].startswith(f"MiniMax H3 {name} - ")
         assert str(uuid.UUID(workflow["id"])) == workflow["id"]  # the schema wants a UUID
         models = workflow["models"]
         expected_dit, expected_te = EXPECTED_FILES[name]
@@ -304,11 +304,12 @@ def test_frontend_test_fails_on_a_workflow_alert(server):
 def test_search_finds_the_pack_by_minimax_and_h3(server):
     """What a user types: the template browser's search and the canvas's node search (frontend 1.32.9) find the
     pack by "MiniMax" and "H3", and its Sampler and Decode by "sampler" and "vae decode"."""
-    report = server.load_workflow_ui(search_templates=["H3", "MiniMax"],
+    report = server.load_workflow_ui(search_templates=["H3", "MiniMax", "ref2va"],
                                      search_nodes=["H3", "MiniMax", "sampler", "vae decode"])
     assert report["returncode"] == 0, report.get("error")
     assert sorted(report["template_search"]["H3"]) == sorted(TITLES.values())
     assert set(TITLES.values()) <= set(report["template_search"]["MiniMax"])
+    assert {TITLES["ref2va"], TITLES["ref2va_remote"]} <= set(report["template_search"]["ref2va"])
     found = {query: [name.strip() for name in names] for query, names in report["node_search"].items()}
     names = {entry["display_name"] for entry in server.pack_nodes().values()}
     assert names <= set(found["H3"]) and names <= set(found["MiniMax"])

@@ -398,18 +398,19 @@ REF2VA_PROMPT = "<Picture 1> rolls across the floor like <Video 1>, to the rhyth
 
 
 def build_graphs() -> list[Graph]:
-    """The shipped graphs. Titles start with "MiniMax H3" and say what the graph does: frontend 1.32.9's template
-    search reads only a custom node template's file name, so the title is the file name."""
+    """The shipped graphs. Titles start with "MiniMax H3", then the graph's short name, then what it does: frontend
+    1.32.9's template search reads only a custom node template's file name (the title is the file name), and its
+    fuzzy match scores a word by how far from the start it stands (a word past ~40 characters is not found)."""
     graphs = []
 
-    g = Graph("t2va", "MiniMax H3 - text to video with audio (t2va)",
+    g = Graph("t2va", "MiniMax H3 t2va - text to video with audio",
               "MiniMax H3 text to video with stereo audio: a prompt in, a 5 s mp4 with sound out (FL2VA DiT).")
     te, vae, audio_vae, dit = _models(g, "fl2va")
     cond = _text_encode(g, te, T2VA_PROMPT, "t2va")
     _finish(g, dit, cond, vae, audio_vae, "t2va", column=2)
     graphs.append(g)
 
-    g = Graph("fl2va", "MiniMax H3 - first and last frame to video (fl2va)",
+    g = Graph("fl2va", "MiniMax H3 fl2va - first and last frame to video",
               "MiniMax H3 image to video with audio: the clip starts on the first image and ends on the last "
               "(FL2VA DiT).")
     te, vae, audio_vae, dit = _models(g, "fl2va")
@@ -419,7 +420,7 @@ def build_graphs() -> list[Graph]:
     _finish(g, dit, cond, vae, audio_vae, "fl2va", column=3)
     graphs.append(g)
 
-    g = Graph("ref2va", "MiniMax H3 - reference image, video and audio to video (ref2va)",
+    g = Graph("ref2va", "MiniMax H3 ref2va - reference image, video and audio to video",
               "MiniMax H3 reference to video with audio: the prompt names an image, a video with its soundtrack "
               "and an audio clip as <Picture 1>, <Video 1>, <Audio 2> (Ref2VA DiT).")
     te, vae, audio_vae, dit = _models(g, "ref2va")
@@ -432,7 +433,7 @@ def build_graphs() -> list[Graph]:
 
     g = Graph(
         "ref2va_remote",
-        "MiniMax H3 - references to video with a remote encoder (ref2va_remote)",
+        "MiniMax H3 ref2va_remote - references to video with a remote encoder",
         "MiniMax H3 reference to video with every encoder on a remote H3 encoder endpoint "
         "(`python -m h3_core serve`): this machine loads only the DiT and the VAE decoders. The token, if the "
         "server needs one, comes from the H3_ENCODER_TOKEN environment variable.",
@@ -455,7 +456,7 @@ def build_graphs() -> list[Graph]:
 
     g = Graph(
         "t2va_pruned_int8",
-        "MiniMax H3 - text to video on int8 files (t2va_pruned_int8)",
+        "MiniMax H3 t2va_pruned_int8 - text to video on int8 files",
         "MiniMax H3 text to video with audio on quantised files: the pruned int8 (ConvRot) DiT and the int8 text "
         "encoder, about 21 GB + 27 GB instead of 66 GB + 51 GB.",
     )
@@ -466,7 +467,7 @@ def build_graphs() -> list[Graph]:
 
     g = Graph(
         "fl2va_pruned_fp8_nvfp4",
-        "MiniMax H3 - first and last frame on fp8 and NVFP4 files (fl2va_pruned_fp8_nvfp4)",
+        "MiniMax H3 fl2va_pruned_fp8_nvfp4 - first and last frame on fp8 and NVFP4 files",
         "MiniMax H3 first and last frame to video on the smallest files: the pruned fp8 DiT (about 21 GB) and "
         "the NVFP4 (AWQ) text encoder (about 16 GB).",
     )

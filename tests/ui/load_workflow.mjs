@@ -154,14 +154,28 @@ async function main() {
         await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.BrowseTemplates"));
         await page.locator('[data-testid="template-workflows-content"]').waitFor();
         await page.waitForTimeout(1500); // the template list loads after the dialog opens
-        const box = page.locator(".p-dialog input[type=text], .p-dialog input:not([type])").first();
-        await box.fill("-"); // the first input after opening can land before the search is wired: warm it up
-        await page.waitForTimeout(1500);
+        const box = page.locator(".p-dialog").getByPlaceholder(/search/i).first();
+        const cards = () => page.locator('[data-testid^="template-workflow-"]').evaluateAll(
+          (found) => found.map((c) => c.getAttribute("data-testid").replace("template-workflow-", "")));
+        await page.locator('[data-testid^="template-workflow-"]').first().waitFor(); // the full list, before a search
+        await page.waitForTimeout(1000);
+        let shown = await cards();
         for (const query of opt.searchTemplates) {
-          await box.fill(query);
-          await page.waitForTimeout(2500); // the search is debounced
-          report.template_search[query] = await page.locator('[data-testid^="template-workflow-"]').evaluateAll(
-            (cards) => cards.map((c) => c.getAttribute("data-testid").replace("template-workflow-", "")));
+          await box.click(); // typed as a user types: a programmatic fill does not reach the debounced search
+          await page.keyboard.press("Control+A");
+          await page.keyboard.press("Backspace");
+          await page.keyboard.type(query, { delay: 60 });
+          // The search is debounced and the grid re-renders later: wait until the cards change, then hold still.
+          const before = JSON.stringify(shown), deadline = Date.now() + 15000;
+          let last = before, stableSince = Date.now();
+          while (Date.now() < deadline) {
+            await page.waitForTimeout(300);
+            const now = JSON.stringify(await cards());
+            if (now !== last) { last = now; stableSince = Date.now(); }
+            if (last !== before && Date.now() - stableSince > 3000) break;
+          }
+          shown = JSON.parse(last);
+          report.template_search[query] = shown;
         }
       }
       if (!opt.workflow && !opt.template) { report.ok = true; return 0; }
