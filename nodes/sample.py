@@ -98,7 +98,7 @@ class Sampler(io.ComfyNode):
         if dit.extra["partition"] != needed:
             raise ValueError(
                 f"this {cond.task} conditioning needs the {COMPONENT_NAMES[needed]}; the loaded DiT is the "
-                f"{COMPONENT_NAMES[dit.extra['partition']]} (set H3 DiT Loader's partition)"
+                f"{COMPONENT_NAMES[dit.extra['partition']]} (set Load MiniMax H3 DiT's partition)"
             )
         adapter = None if lora in (None, NO_LORA) else LoRA.load(folder_paths.get_full_path_or_raise("loras", lora))
         dtype = dit.dtype
