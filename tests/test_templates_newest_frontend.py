@@ -39,10 +39,23 @@ def newest(comfy_factory, tiny_dir):  # noqa: F811
 
 @pytest.mark.parametrize("name", sorted(TITLES))
 def test_template_loads_cleanly_in_the_newest_frontend(newest, name):
+    """From the template browser: no problem, nothing overlaps, and the newer frontend marks exactly the loaders
+    whose published file is not installed here (it holds combo values to their lists; 1.32.9 does not)."""
     report = newest.load_workflow_ui(template=TITLES[name])
     assert sorted(report["templates_listed"][PACK_NAME]) == sorted(TITLES.values())
-    assert report["missing_types"] == [] and report["dangling_links"] == [] and report["error_nodes"] == [], report
+    assert report["missing_types"] == [] and report["dangling_links"] == [], report
     nodes = json.loads((REPO / build_workflows.TEMPLATES / f"{TITLES[name]}.json").read_text())["nodes"]
     assert report["node_count"] == len(nodes)
     assert report["problems"] == [] and report["returncode"] == 0, report["problems"]
     assert report["overlaps"] == [], report["boxes"]
+    loaders = {str(node["id"]) for node in nodes if node["type"] in build_workflows.LOADER_INPUT}
+    assert {str(node["id"]) for node in report["error_nodes"]} == loaders
+
+
+@pytest.mark.parametrize("name", sorted(TITLES))
+def test_tiny_variant_loads_without_errors_and_shows_the_badge(newest, name):
+    workflow = build_workflows.tiny_templates(newest.object_info())[name]
+    report = newest.load_workflow_ui(workflow)
+    assert report["problems"] == [] and report["returncode"] == 0 and report["error_nodes"] == [], report
+    loaders = {str(node["id"]) for node in workflow["nodes"] if node["type"] in build_workflows.LOADER_INPUT}
+    assert set(report["tiny_badges"]) == loaders
