@@ -106,7 +106,7 @@ class Node:
         if self.model is None:
             return self.inputs
         model = REAL_MODELS[self.model]
-        return {**self.inputs, LOADER_INPUT[self.class_type]: model.tiny if tiny else model.name}
+        return {LOADER_INPUT[self.class_type]: model.tiny if tiny else model.name, **self.inputs}
 
 
 NOTE = "Note"  # core's frontend-only note node: shown on the canvas, never part of a prompt
@@ -141,6 +141,7 @@ class Graph:
     title: str  # the template's name in ComfyUI's template browser: what its search reads
     description: str
     nodes: list[Node] = field(default_factory=list)
+    notes: list[Node] = field(default_factory=list)  # numbered after the nodes: the API form keeps its ids
 
     def add(self, class_type: str, title: str | None = None, model: str | None = None, column: int | None = None,
             **inputs) -> Node:
@@ -150,12 +151,18 @@ class Graph:
 
     def note(self, text: str, before: Node) -> Node:
         """A note on the canvas, placed right above `before` in its column."""
-        node = Node(len(self.nodes) + 1, NOTE, {"text": text}, before=before)
-        self.nodes.append(node)
+        node = Node(0, NOTE, {"text": text}, before=before)
+        self.notes.append(node)
         return node
 
     def runnable(self) -> list[Node]:
-        return [node for node in self.nodes if node.class_type != NOTE]
+        return self.nodes
+
+    def _canvas_nodes(self) -> list[Node]:
+        """The nodes, then the notes numbered after them."""
+        for number, note in enumerate(self.notes, start=len(self.nodes) + 1):
+            note.id = number
+        return self.nodes + self.notes
 
     # --- API format ------------------------------------------------------------------------------
 
@@ -186,7 +193,7 @@ class Graph:
                     out_links.setdefault((value[0].id, value[1]), []).append(link_id)
         order = self._order()
         entries = {}
-        for node in self.nodes:
+        for node in self._canvas_nodes():
             if node.class_type == NOTE:
                 text = node.inputs["text"]
                 entries[node.id] = {
@@ -260,12 +267,12 @@ class Graph:
             entries[node_id]["pos"] = pos
         ui_nodes = [{"id": e["id"], "type": e["type"], "pos": e["pos"], **{k: v for k, v in e.items()
                                                                             if k not in ("id", "type", "pos")}}
-                    for e in (entries[node.id] for node in self.nodes)]
+                    for e in (entries[node.id] for node in self._canvas_nodes())]
         return {
             # The frontend's schema wants a UUID; a name-based one keeps the file reproducible.
             "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"minimax-h3-split/workflows/{self.key}")),
             "revision": 0,
-            "last_node_id": len(self.nodes),
+            "last_node_id": len(self._canvas_nodes()),
             "last_link_id": len(links),
             "nodes": ui_nodes,
             "links": links,
@@ -283,9 +290,7 @@ class Graph:
         column.update({node.id: node.column for node in self.runnable() if node.column is not None})
         stacks: dict[int, list[Node]] = {}
         for node in self.nodes:
-            if node.class_type == NOTE:
-                continue
-            for note in (n for n in self.nodes if n.class_type == NOTE and n.before is node):
+            for note in (n for n in self.notes if n.before is node):
                 stacks.setdefault(column[node.id], []).append(note)
             stacks.setdefault(column[node.id], []).append(node)
         widths = {c: max(entries[n.id]["size"][0] for n in nodes) for c, nodes in stacks.items()}
