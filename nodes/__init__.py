@@ -1,6 +1,6 @@
 """Thin ComfyUI V3 adapters over h3_core: ComfyUI types in, h3_core calls, ComfyUI types out.
 
-    loaders.py          H3 Text Encoder / Video VAE / Audio VAE / DiT Loader
+    loaders.py          Load MiniMax H3 Text Encoder / Video VAE / Audio VAE / DiT
     media.py            H3 Keyframes, H3 References (the order the prompt's tags use)
     encode.py           H3 Text Encode -> H3 Video VAE Encode -> H3 Audio VAE Encode
     remote.py           H3 Remote Encode (the same conditioning from an encoder endpoint)

@@ -23,7 +23,8 @@ from ..h3_core.progress import Cancelled
 from . import low_vram
 
 PACK_FOLDER = "minimax_h3"  # models/minimax_h3/: diffusers roots, native partitions, the embedded tiny H3
-TINY_CHOICE = "[embedded] tiny H3 (random weights, outputs are noise)"
+TINY_CHOICE = "[embedded] tiny H3 (noise)"  # short, so "noise" shows in a loader's widget (web/ adds a badge)
+LEGACY_TINY_CHOICES = ("[embedded] tiny H3 (random weights, outputs are noise)",)  # saved by 0.2-0.4 workflows
 TINY_FILE_PREFIX = "[embedded] tiny H3 / "  # + one of the tiny's single files (fp32, twins, pruned twins)
 
 
@@ -92,7 +93,7 @@ def gguf_files(folder: str) -> list[str]:
 
 def resolve_model_path(folder: str, choice: str) -> tuple[Path, bool]:
     """(path, is_whole_model_folder) for a loader's combo value."""
-    if choice == TINY_CHOICE:
+    if choice == TINY_CHOICE or choice in LEGACY_TINY_CHOICES:
         return tiny_dir(), True
     if choice.startswith(TINY_FILE_PREFIX):
         name = choice[len(TINY_FILE_PREFIX):]

@@ -12,7 +12,7 @@ from comfy_api.latest import io, ui
 
 from ..h3_core import assembly, safe_paths
 from ..h3_core.contract import H3Conditioning
-from .types import CATEGORY
+from .types import CONDITIONING_CATEGORY
 
 OUTPUT_FOLDER = "h3"  # output/h3/: where H3 Save Conditioning writes by default; listed read-only
 OUTPUT_MARK = " [output]"  # core's annotation of a file in output/ (folder_paths.annotated_filepath)
@@ -85,8 +85,8 @@ class SaveConditioning(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3SplitSaveConditioning",
-            display_name="H3 Save Conditioning",
-            category=f"{CATEGORY}/io",
+            display_name="MiniMax H3 Save Conditioning",
+            category=CONDITIONING_CATEGORY,
             description="Writes the complete H3 conditioning, as core conditioning nodes left it, to output/ as "
             ".safetensors (tensors + a versioned JSON header; no pickle). H3 Load Conditioning lists output/h3/ on "
             "this machine; on another one, upload the file (or copy it into input/).",
@@ -122,8 +122,8 @@ class LoadConditioning(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3SplitLoadConditioning",
-            display_name="H3 Load Conditioning",
-            category=f"{CATEGORY}/io",
+            display_name="MiniMax H3 Load Conditioning",
+            category=CONDITIONING_CATEGORY,
             description="Reads an H3 conditioning .safetensors from input/ or, read-only, from output/h3/ (written "
             "by H3 Save Conditioning, `python -m h3_core encode` or the encoder server) and validates it before use. "
             "Upload puts a file into input/.",

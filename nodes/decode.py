@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..h3_core import facts
 from ..h3_core.diffusion import AVLatents, DiffusionStage
 from . import comfy_bridge as bridge
-from .types import CATEGORY, AudioVAE, VideoVAE
+from .types import LATENT_CATEGORY, AudioVAE, VideoVAE
 
 
 class Decode(io.ComfyNode):
@@ -15,8 +15,8 @@ class Decode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3SplitDecode",
-            display_name="H3 Decode",
-            category=f"{CATEGORY}/sampling",
+            display_name="MiniMax H3 VAE Decode (video + audio)",
+            category=LATENT_CATEGORY,
             description="Decodes the AV latent: video with the video VAE's tiled ViT decoder (24 fps), streamed tile "
             "by tile into the output (memory: the video once plus one tile's work), audio with the BigVGAN decoder "
             "(32 kHz stereo, trimmed to the video's duration). Feeds core SaveVideo, PreviewAudio, GetVideoComponents.",

@@ -19,7 +19,7 @@ from . import comfy_bridge as bridge
 from . import memory
 from .input_checks import check_declared
 from .media import MediaBundle
-from .types import CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
+from .types import CONDITIONING_CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
 
 TASKS = ["auto", "t2va", "fl2va", "ref2va"]
 # ComfyUI re-runs a VAE encode node whenever its input conditioning changes, and a new prompt changes it: without
@@ -108,8 +108,8 @@ class TextEncode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3SplitTextEncode",
-            display_name="H3 Text Encode",
-            category=f"{CATEGORY}/encode",
+            display_name="MiniMax H3 Text Encode",
+            category=CONDITIONING_CATEGORY,
             description="Qwen3-VL encodes H3's presentation of the request: the prompt plus a labelled vision block "
             "per keyframe/reference image and per 2 fps pair of reference-video frames. Starts the conditioning "
             "the VAE encode nodes add to.",
@@ -172,7 +172,7 @@ class _VAEEncode(io.ComfyNode):
         return io.Schema(
             node_id=cls.NODE_ID,
             display_name=cls.DISPLAY_NAME,
-            category=f"{CATEGORY}/encode",
+            category=CONDITIONING_CATEGORY,
             description=cls.DESCRIPTION,
             inputs=[io.Conditioning.Input("conditioning"), cls.MODEL_TYPE.Input(cls.MODEL_INPUT)],
             outputs=[io.Conditioning.Output()],
@@ -194,7 +194,7 @@ class _VAEEncode(io.ComfyNode):
 
 
 class VideoVAEEncode(_VAEEncode):
-    NODE_ID, DISPLAY_NAME = "H3SplitVideoVAEEncode", "H3 Video VAE Encode"
+    NODE_ID, DISPLAY_NAME = "H3SplitVideoVAEEncode", "MiniMax H3 Video VAE Encode"
     DESCRIPTION = (
         "Encodes the request's keyframes and reference images/videos with the video VAE (posterior sampled under "
         "seed 42 through fp16, as the release does) and adds them to the conditioning. A t2va conditioning passes "
@@ -205,7 +205,7 @@ class VideoVAEEncode(_VAEEncode):
 
 
 class AudioVAEEncode(_VAEEncode):
-    NODE_ID, DISPLAY_NAME = "H3SplitAudioVAEEncode", "H3 Audio VAE Encode"
+    NODE_ID, DISPLAY_NAME = "H3SplitAudioVAEEncode", "MiniMax H3 Audio VAE Encode"
     DESCRIPTION = (
         "Encodes reference-video soundtracks and reference audios (32 kHz stereo, 40 latents/s, posterior mean) and "
         "adds them to the conditioning. A request without audio passes through."

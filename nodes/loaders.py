@@ -22,7 +22,7 @@ from comfy_api.latest import io
 from ..h3_core import devices, dtypes
 from ..h3_core.models import ModelSource
 from . import comfy_bridge as bridge
-from .types import CATEGORY, AudioVAE, DiT, TextEncoder, VideoVAE
+from .types import LOADERS_CATEGORY, AudioVAE, DiT, TextEncoder, VideoVAE
 
 
 @dataclass
@@ -115,7 +115,7 @@ class _ComponentLoader(io.ComfyNode):
         return io.Schema(
             node_id=cls.NODE_ID,
             display_name=cls.DISPLAY_NAME,
-            category=f"{CATEGORY}/loaders",
+            category=LOADERS_CATEGORY,
             description=cls.DESCRIPTION,
             inputs=[
                 io.Combo.Input(
@@ -124,8 +124,8 @@ class _ComponentLoader(io.ComfyNode):
                     tooltip=f"A file in models/{cls.FOLDER} (Comfy-Org {cls.FILE_HINT}), a model folder in "
                     "models/minimax_h3, or the embedded tiny H3.",
                 ),
-                _weight_dtype_input(cls.WEIGHT_DTYPES, cls.DISPLAY_NAME.removeprefix("H3 ").removesuffix(" Loader")),
-                _device_input(cls.DISPLAY_NAME.removeprefix("H3 ").removesuffix(" Loader")),
+                _weight_dtype_input(cls.WEIGHT_DTYPES, cls.DISPLAY_NAME.removeprefix("Load MiniMax H3 ")),
+                _device_input(cls.DISPLAY_NAME.removeprefix("Load MiniMax H3 ")),
             ],
             outputs=[cls.OUTPUT.Output()],
         )
@@ -153,7 +153,7 @@ class _ComponentLoader(io.ComfyNode):
 
 
 class TextEncoderLoader(_ComponentLoader):
-    NODE_ID, DISPLAY_NAME = "H3SplitTextEncoderLoader", "H3 Text Encoder Loader"
+    NODE_ID, DISPLAY_NAME = "H3SplitTextEncoderLoader", "Load MiniMax H3 Text Encoder"
     DESCRIPTION = (
         "Loads the Qwen3-VL text encoder H3 conditions on (layer-50 states), with its tokenizer and processor. "
         "~51 GB in bf16 at full size: the piece a remote encoder endpoint can take off this machine."
@@ -172,7 +172,7 @@ class TextEncoderLoader(_ComponentLoader):
 
 
 class VideoVAELoader(_ComponentLoader):
-    NODE_ID, DISPLAY_NAME = "H3SplitVideoVAELoader", "H3 Video VAE Loader"
+    NODE_ID, DISPLAY_NAME = "H3SplitVideoVAELoader", "Load MiniMax H3 Video VAE"
     DESCRIPTION = (
         "Loads H3's video VAE (24 latent channels, /16 space, 17k+5 frames <-> 5k+2 latents): its encoder for "
         "keyframes and visual references, its decoder for the output."
@@ -183,7 +183,7 @@ class VideoVAELoader(_ComponentLoader):
 
 
 class AudioVAELoader(_ComponentLoader):
-    NODE_ID, DISPLAY_NAME = "H3SplitAudioVAELoader", "H3 Audio VAE Loader"
+    NODE_ID, DISPLAY_NAME = "H3SplitAudioVAELoader", "Load MiniMax H3 Audio VAE"
     DESCRIPTION = (
         "Loads H3's audio VAE (32 kHz stereo, 40 latents/s, 32 channels): its encoder for reference audio and "
         "soundtracks, its decoder for the output."
@@ -200,8 +200,8 @@ class DiTLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3SplitDiTLoader",
-            display_name="H3 DiT Loader",
-            category=f"{CATEGORY}/loaders",
+            display_name="Load MiniMax H3 DiT",
+            category=LOADERS_CATEGORY,
             description="Loads one H3 DiT partition (33B at full size): FL2VA serves t2va and first/last-frame "
             "requests, Ref2VA serves reference requests.",
             inputs=[

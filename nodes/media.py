@@ -16,7 +16,7 @@ from comfy_api.latest import io
 from ..h3_core import facts
 from ..h3_core.request import AudioInput, EncodeRequest, VideoInput
 from . import comfy_bridge as bridge
-from .types import CATEGORY, Media
+from .types import CONDITIONING_CATEGORY, Media
 
 MAX_IMAGE_SOCKETS, MAX_VIDEO_SOCKETS, MAX_AUDIO_SOCKETS = (
     facts.MAX_REF_IMAGES,
@@ -53,8 +53,8 @@ class Keyframes(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3SplitKeyframes",
-            display_name="H3 Keyframes (first / last frame)",
-            category=f"{CATEGORY}/media",
+            display_name="MiniMax H3 Keyframes (first / last frame)",
+            category=CONDITIONING_CATEGORY,
             description="The first and/or last frame the video is pinned to (task fl2va). The first frame is "
             "stretched onto the canvas, the last one cover-cropped; with width/height 0 the canvas follows the "
             "first frame's aspect ratio (768 px short edge at full size).",
@@ -104,8 +104,8 @@ class References(io.ComfyNode):
         ]
         return io.Schema(
             node_id="H3SplitReferences",
-            display_name="H3 References",
-            category=f"{CATEGORY}/media",
+            display_name="MiniMax H3 References",
+            category=CONDITIONING_CATEGORY,
             description="Reference images (<= 9), videos with their soundtracks (<= 3) and audios (<= 3) for task "
             "ref2va, in the order the prompt's tags count them: <Picture i> images, then <Video k> videos, then "
             "<Audio j> (soundtracks first, then standalone audios). Chain a second node through `media` to append.",

@@ -37,7 +37,7 @@ from . import comfy_bridge as bridge
 from . import encode_ahead
 from .encode import TASKS, check_numbers, numbers_inputs, request_from
 from .input_checks import check_declared
-from .types import CATEGORY, Media
+from .types import CONDITIONING_CATEGORY, Media
 
 MAX_ERROR_CHARS = 300  # of a server's own error message shown in the node's error
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -151,8 +151,8 @@ class RemoteEncode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3SplitRemoteEncode",
-            display_name="H3 Remote Encode",
-            category=f"{CATEGORY}/encode",
+            display_name="MiniMax H3 Remote Encode",
+            category=CONDITIONING_CATEGORY,
             description="Runs all three H3 encoders (Qwen3-VL text, video VAE, audio VAE) on a remote H3 encoder "
             "endpoint (`python -m h3_core serve`) and returns the same conditioning the local encode nodes make. "
             "The token, if the server wants one, is read from H3_ENCODER_TOKEN and sent only to the endpoints "

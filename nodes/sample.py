@@ -11,7 +11,7 @@ from ..h3_core.lora import LoRA
 from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
 from . import comfy_bridge as bridge
 from . import memory
-from .types import CATEGORY, DiT
+from .types import SAMPLING_CATEGORY, DiT
 
 NO_LORA = "none"
 
@@ -21,8 +21,8 @@ class Sampler(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3SplitSampler",
-            display_name="H3 Sampler",
-            category=f"{CATEGORY}/sampling",
+            display_name="MiniMax H3 Sampler",
+            category=SAMPLING_CATEGORY,
             description="Flow-matching loop of the H3 DiT over one packed text + condition + audio + video sequence: "
             "video shift 12, audio shift 3, one forward per step (guidance-distilled: no CFG, no negative prompt). "
             "The seed means what diffusers' torch.Generator('cpu').manual_seed(seed) means.",
@@ -110,7 +110,7 @@ class Sampler(io.ComfyNode):
         if dit.extra["partition"] != needed:
             raise ValueError(
                 f"this {cond.task} conditioning needs the {COMPONENT_NAMES[needed]}; the loaded DiT is the "
-                f"{COMPONENT_NAMES[dit.extra['partition']]} (set H3 DiT Loader's partition)"
+                f"{COMPONENT_NAMES[dit.extra['partition']]} (set Load MiniMax H3 DiT's partition)"
             )
         adapter = None if lora in (None, NO_LORA) else LoRA.load(folder_paths.get_full_path_or_raise("loras", lora))
         report = bridge.progress_callback(cls.hidden.unique_id)

@@ -3,7 +3,13 @@
 
 from comfy_api.latest import io
 
-CATEGORY = "MiniMax H3 (split)"
+CATEGORY = "MiniMax H3 (split)"  # the 0.2-0.4 tree; nodes now sit in core's folders (below), under "MiniMax H3"
+# Where core files the same kind of node (Load VAE: loaders, CLIP Text Encode: conditioning, KSampler: sampling,
+# VAE Decode: latent), so the Node Library shows the pack beside core's counterparts.
+LOADERS_CATEGORY = "loaders/MiniMax H3"
+CONDITIONING_CATEGORY = "conditioning/MiniMax H3"
+SAMPLING_CATEGORY = "sampling/MiniMax H3"
+LATENT_CATEGORY = "latent/MiniMax H3"
 
 TextEncoder = io.Custom("MINIMAX_H3_TEXT_ENCODER")
 VideoVAE = io.Custom("MINIMAX_H3_VIDEO_VAE")

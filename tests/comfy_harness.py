@@ -342,14 +342,18 @@ class ComfyServer:
         timeout: float = 240.0,
         screenshot: str | os.PathLike | None = None,
         wait_for_types: Iterable[str] = (),
+        search_templates: Iterable[str] = (),
+        search_nodes: Iterable[str] = (),
     ) -> dict:
         """Load a UI-format workflow into the real frontend in headless chromium
         (tests/ui/load_workflow.mjs) the way a dropped file is loaded, or `template="NAME"` (one of
         this pack's example_workflows/) the way the template browser loads it, and return the
         script's JSON report (see that file: `problems` lists alerts, toasts, page errors and
         unexpected console errors), plus `returncode` and `stderr_tail`. run=True also queues
-        app.graphToPrompt()'s output and waits for it. Skips (fails in CI) when
-        chromium/node/playwright-core is missing."""
+        app.graphToPrompt()'s output and waits for it. search_templates / search_nodes: type each
+        query into the template browser's search / the canvas's node search first and report what
+        they list (`template_search`, `node_search`); without a workflow or template, only that.
+        Skips (fails in CI) when chromium/node/playwright-core is missing."""
         ok, reason = ui_available()
         if not ok:
             _unavailable(reason)
@@ -362,6 +366,8 @@ class ComfyServer:
             screenshot=screenshot,
             wait_for_types=wait_for_types,
             log_tail=self.log_tail,
+            search_templates=search_templates,
+            search_nodes=search_nodes,
         )
 
     # ---------------------------------------------------------------- lifecycle
@@ -496,6 +502,8 @@ def run_ui_loader(
     screenshot: str | os.PathLike | None = None,
     wait_for_types: Iterable[str] = (),
     log_tail: Callable[[], str] | None = None,
+    search_templates: Iterable[str] = (),
+    search_nodes: Iterable[str] = (),
 ) -> dict:
     """Run tests/ui/load_workflow.mjs against a server at `url`; returns its JSON report with
     `returncode` and `stderr_tail` added. Raises ComfyError if it printed no report."""
@@ -503,6 +511,8 @@ def run_ui_loader(
         argv = ["node", str(UI_DIR / "load_workflow.mjs"), "--timeout", str(int(timeout))]
         if template:
             argv += ["--template", template]
+        elif workflow is None:
+            pass  # searches only
         elif isinstance(workflow, Mapping):
             path = Path(tmp) / "workflow.json"
             path.write_text(json.dumps(workflow))
@@ -515,6 +525,10 @@ def run_ui_loader(
             argv += ["--screenshot", str(screenshot)]
         for t in wait_for_types:
             argv += ["--wait-type", t]
+        for query in search_templates:
+            argv += ["--search-templates", query]
+        for query in search_nodes:
+            argv += ["--search-nodes", query]
         env = {**os.environ, "COMFY_URL": url, "CHROMIUM_PATH": chromium_path() or ""}
         try:
             p = subprocess.run(argv, cwd=UI_DIR, env=env, capture_output=True, text=True, timeout=timeout + 60)

@@ -31,6 +31,13 @@ sys.path.insert(0, str(WORKFLOWS))
 import build_workflows  # noqa: E402
 
 NAMES = ["t2va", "fl2va", "ref2va", "ref2va_remote", "t2va_pruned_int8", "fl2va_pruned_fp8_nvfp4"]
+# Each template's file name (its title in the template browser) by the API workflow's name.
+TITLES = {graph.key: graph.title for graph in build_workflows.build_graphs()}
+SCREENSHOTS = REPO / "docs" / "images"  # H3_UPDATE_SCREENSHOTS=1 rewrites the templates' screenshots there
+
+
+def template(name: str) -> dict:
+    return json.loads((TEMPLATES / f"{TITLES[name]}.json").read_text())
 EXPECTED_CANVAS = {"t2va": (128, 64), "fl2va": (96, 64), "ref2va": (128, 64), "ref2va_remote": (128, 64),
                    "t2va_pruned_int8": (128, 64), "fl2va_pruned_fp8_nvfp4": (96, 64)}
 # The real DiT and text encoder each template stands for (None: no text encoder, the endpoint encodes).
@@ -44,21 +51,22 @@ EXPECTED_FILES = {
     "fl2va_pruned_fp8_nvfp4": ("minimax_h3_fl2va_pruned_fp8_scaled.safetensors",
                                "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"),
 }
+# Core's folders (Load VAE: loaders, CLIP Text Encode: conditioning, KSampler: sampling, VAE Decode: latent).
 PACK_NODES = {
     "H3SplitTextEncoderLoader": (["text_encoder"], ["MINIMAX_H3_TEXT_ENCODER"], "loaders"),
     "H3SplitVideoVAELoader": (["vae"], ["MINIMAX_H3_VIDEO_VAE"], "loaders"),
     "H3SplitAudioVAELoader": (["audio_vae"], ["MINIMAX_H3_AUDIO_VAE"], "loaders"),
     "H3SplitDiTLoader": (["dit", "partition"], ["MINIMAX_H3_DIT"], "loaders"),
-    "H3SplitKeyframes": ([], ["MINIMAX_H3_MEDIA"], "media"),
-    "H3SplitReferences": ([], ["MINIMAX_H3_MEDIA"], "media"),
-    "H3SplitTextEncode": (["text_encoder", "prompt", "width", "height", "length"], ["CONDITIONING"], "encode"),
-    "H3SplitVideoVAEEncode": (["conditioning", "vae"], ["CONDITIONING"], "encode"),
-    "H3SplitAudioVAEEncode": (["conditioning", "audio_vae"], ["CONDITIONING"], "encode"),
-    "H3SplitRemoteEncode": (["prompt", "width", "height", "length", "endpoint"], ["CONDITIONING"], "encode"),
+    "H3SplitKeyframes": ([], ["MINIMAX_H3_MEDIA"], "conditioning"),
+    "H3SplitReferences": ([], ["MINIMAX_H3_MEDIA"], "conditioning"),
+    "H3SplitTextEncode": (["text_encoder", "prompt", "width", "height", "length"], ["CONDITIONING"], "conditioning"),
+    "H3SplitVideoVAEEncode": (["conditioning", "vae"], ["CONDITIONING"], "conditioning"),
+    "H3SplitAudioVAEEncode": (["conditioning", "audio_vae"], ["CONDITIONING"], "conditioning"),
+    "H3SplitRemoteEncode": (["prompt", "width", "height", "length", "endpoint"], ["CONDITIONING"], "conditioning"),
     "H3SplitSampler": (["dit", "conditioning", "seed", "steps", "video_shift", "audio_shift"], ["LATENT"], "sampling"),
-    "H3SplitDecode": (["latent", "vae", "audio_vae"], ["VIDEO", "IMAGE", "AUDIO"], "sampling"),
-    "H3SplitSaveConditioning": (["conditioning", "filename_prefix"], [], "io"),
-    "H3SplitLoadConditioning": (["conditioning_file"], ["CONDITIONING"], "io"),
+    "H3SplitDecode": (["latent", "vae", "audio_vae"], ["VIDEO", "IMAGE", "AUDIO"], "latent"),
+    "H3SplitSaveConditioning": (["conditioning", "filename_prefix"], [], "conditioning"),
+    "H3SplitLoadConditioning": (["conditioning_file"], ["CONDITIONING"], "conditioning"),
 }
 
 
@@ -124,7 +132,11 @@ def test_object_info_declares_every_node(server):
         declared = {**entry["input"].get("required", {}), **entry["input"].get("optional", {})}
         assert set(inputs) <= set(declared), (node_id, sorted(declared))
         assert entry["output"] == outputs, node_id
-        assert entry["category"] == f"MiniMax H3 (split)/{category}", node_id
+        assert entry["category"] == f"{category}/MiniMax H3", node_id
+        # Found by "MiniMax" and "H3" in the node search (frontend 1.32.9 searches the id and the display name);
+        # loaders named as core's ("Load VAE").
+        assert "MiniMax H3" in entry["display_name"], node_id
+        assert entry["display_name"].startswith("Load ") == (category == "loaders"), node_id
     refs = info["H3SplitReferences"]["input"]["optional"]
     assert [k for k in refs if k.startswith("ref_image_")] == [f"ref_image_{i}" for i in range(1, 10)]
     assert refs["ref_video_1"][0] == "VIDEO" and refs["ref_audio_3"][0] == "AUDIO"
@@ -144,8 +156,7 @@ def test_every_loader_places_its_model_on_a_device_the_user_picks(server):
         assert choices[:2] == ["default", "cpu"] and options["default"] == "default", loader
         assert info[loader]["input_order"]["optional"][-1] == "device", loader  # appended, never inserted
     for name in NAMES:
-        template = json.loads((TEMPLATES / f"{name}.json").read_text())
-        loaders = [node for node in template["nodes"] if node["type"] in LOADERS]
+        loaders = [node for node in template(name)["nodes"] if node["type"] in LOADERS]
         assert loaders and all(node["widgets_values"][-1] == "default" for node in loaders), name
     graph = api("t2va")
     for node in graph.values():
@@ -167,7 +178,7 @@ def test_workflows_are_generated_from_one_source(server):
         assert committed == content, f"{name} drifted: rerun workflows/build_workflows.py"
     # ComfyUI lists every *.json of a pack's workflows/ folder as a template too: a UI copy left there
     # would show each template twice.
-    templates = [f"example_workflows/{n}.{ext}" for n in NAMES for ext in ("json", "jpg")]
+    templates = [f"example_workflows/{TITLES[n]}.{ext}" for n in NAMES for ext in ("json", "jpg")]
     assert sorted(rendered) == sorted(templates + [f"workflows/api/{n}.json" for n in NAMES])
     assert sorted(p.name for p in WORKFLOWS.glob("*.json")) == []
     assert sorted(p.name for p in TEMPLATES.iterdir()) == sorted(n.split("/")[-1] for n in rendered if "example" in n)
@@ -180,7 +191,8 @@ def test_templates_carry_the_model_list_the_frontend_reads():
     # The frontend's schema of a model entry: {name, url (a URL), directory, hash?, hash_type?}; its missing-model
     # dialog downloads only from allowed hosts and only *.safetensors, into models/<directory>/.
     for name in NAMES:
-        workflow = json.loads((TEMPLATES / f"{name}.json").read_text())
+        workflow = template(name)
+        assert workflow["extra"]["info"]["name"] == TITLES[name] and TITLES[name].startswith(f"MiniMax H3 {name} - ")
         assert str(uuid.UUID(workflow["id"])) == workflow["id"]  # the schema wants a UUID
         models = workflow["models"]
         expected_dit, expected_te = EXPECTED_FILES[name]
@@ -192,10 +204,12 @@ def test_templates_carry_the_model_list_the_frontend_reads():
             assert model["url"] == f"{HF}/{model['directory']}/{model['name']}"
             assert model["directory"] in {"diffusion_models", "text_encoders", "vae"}
             assert model["name"].endswith(".safetensors")
-        loaders = [n for n in workflow["nodes"] if n["type"] in build_workflows.LOADER_MODEL_KEY]
+        loaders = [n for n in workflow["nodes"] if n["type"] in build_workflows.LOADER_INPUT]
         per_node = sorted(m["name"] for n in loaders for m in n["properties"]["models"])
         assert per_node == sorted(m["name"] for m in models)
-        thumbnail = (TEMPLATES / f"{name}.jpg").read_bytes()
+        # Each loader selects the published file it lists for download (never the embedded tiny H3).
+        assert all(n["widgets_values"][0] == n["properties"]["models"][0]["name"] for n in loaders), name
+        thumbnail = (TEMPLATES / f"{TITLES[name]}.jpg").read_bytes()
         assert thumbnail[:3] == b"\xff\xd8\xff" and len(thumbnail) < 50_000  # a JPEG, small
 
 
@@ -237,7 +251,9 @@ def missing_models_dialog(report: dict) -> list[str]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_ui_workflow_loads_in_the_real_frontend(server, encoder_url, name):
-    workflow = json.loads((TEMPLATES / f"{name}.json").read_text())
+    """The template's graph with every loader on the embedded tiny H3 (built from the same source as the shipped
+    template): it loads, each loader shows the tiny badge, and graphToPrompt's graph runs."""
+    workflow = build_workflows.tiny_templates(server.object_info())[name]
     report = server.load_workflow_ui(workflow, run=False)  # dropped onto the canvas
     assert report["missing_types"] == [] and report["dangling_links"] == [], report
     # No alert, toast or page error (schema validation included), nothing unexpected on the console.
@@ -245,8 +261,13 @@ def test_ui_workflow_loads_in_the_real_frontend(server, encoder_url, name):
     # The frontend read the model list: it offers exactly the real files (none is installed here).
     assert missing_models_dialog(report) == [f"{m['directory']} / {m['name']}" for m in workflow["models"]]
     assert report["node_count"] == len(workflow["nodes"])
+    loaders = [node["id"] for node in workflow["nodes"] if node["type"] in LOADERS]
+    assert sorted(int(k) for k in report["tiny_badges"]) == sorted(loaders)
+    assert all("outputs are noise" in text for text in report["tiny_badges"].values())
     prompt = report["prompt"]
-    assert {node["class_type"] for node in prompt.values()} == {node["type"] for node in workflow["nodes"]}
+    assert {node["class_type"] for node in prompt.values()} == {
+        node["type"] for node in workflow["nodes"] if node["type"] != build_workflows.NOTE
+    }
     if name == "ref2va_remote":
         node_of(prompt, "H3SplitRemoteEncode")["inputs"]["endpoint"] = encoder_url
     # graphToPrompt's graph runs (with a fresh seed so nothing is served from cache)
@@ -255,23 +276,56 @@ def test_ui_workflow_loads_in_the_real_frontend(server, encoder_url, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_templates_are_listed_and_load_from_the_template_browser(server, name):
-    report = server.load_workflow_ui(template=name)
-    assert sorted(report["templates_listed"][PACK_NAME]) == sorted(NAMES)  # each once
+def test_templates_are_listed_and_load_from_the_template_browser(server, name, tmp_path):
+    """As the template browser loads it: no problem, no overlapping nodes, no tiny badge (the loaders select the
+    published files), and a screenshot of the whole graph (docs/images/ with H3_UPDATE_SCREENSHOTS=1)."""
+    shot = (SCREENSHOTS if os.environ.get("H3_UPDATE_SCREENSHOTS") else tmp_path) / f"template_{name}.png"
+    report = server.load_workflow_ui(template=TITLES[name], screenshot=shot)
+    assert sorted(report["templates_listed"][PACK_NAME]) == sorted(TITLES.values())  # each once
+    assert report["overlaps"] == [], [(b["id"], b["title"], b["y"], b["h"]) for b in report["boxes"]]
+    assert report["tiny_badges"] == {}
+    assert shot.stat().st_size > 10_000
+    if shot.parent == SCREENSHOTS:
+        small_png(shot)
     assert report["thumbnail"]["status"] == 200 and report["thumbnail"]["type"] == "image/jpeg"
     assert report["missing_types"] == [] and report["dangling_links"] == [] and report["error_nodes"] == []
     assert report["node_count"] == report["expected_node_count"] > 0
     assert report["problems"] == [] and report["returncode"] == 0, report["problems"]
-    assert len(missing_models_dialog(report)) == len(json.loads((TEMPLATES / f"{name}.json").read_text())["models"])
+    assert len(missing_models_dialog(report)) == len(template(name)["models"])
+
+
+def small_png(path: Path, colours: int = 64) -> None:
+    """A screenshot for the docs at a fraction of its size: the canvas's flat colours fit a small palette."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        palette = image.convert("RGB").quantize(colors=colours)
+    palette.save(path, optimize=True)
 
 
 def test_frontend_test_fails_on_a_workflow_alert(server):
     # The check above would catch the old files: a top-level id that is not a UUID raises the schema alert.
-    workflow = json.loads((TEMPLATES / "t2va.json").read_text())
+    workflow = template("t2va")
     workflow["id"] = "minimax-h3-split-t2va"
     report = server.load_workflow_ui(workflow)
     assert report["returncode"] == 4 and not report["ok"]
     assert any("Invalid workflow against zod schema" in p and "Invalid uuid" in p for p in report["problems"])
+
+
+def test_search_finds_the_pack_by_minimax_and_h3(server):
+    """What a user types: the template browser's search and the canvas's node search (frontend 1.32.9) find the
+    pack by "MiniMax" and "H3", and its Sampler and Decode by "sampler" and "vae decode"."""
+    report = server.load_workflow_ui(search_templates=["H3", "MiniMax", "ref2va"],
+                                     search_nodes=["H3", "MiniMax", "sampler", "vae decode"])
+    assert report["returncode"] == 0, report.get("error")
+    assert sorted(report["template_search"]["H3"]) == sorted(TITLES.values())
+    assert set(TITLES.values()) <= set(report["template_search"]["MiniMax"])
+    assert {TITLES["ref2va"], TITLES["ref2va_remote"]} <= set(report["template_search"]["ref2va"])
+    found = {query: [name.strip() for name in names] for query, names in report["node_search"].items()}
+    names = {entry["display_name"] for entry in server.pack_nodes().values()}
+    assert names <= set(found["H3"]) and names <= set(found["MiniMax"])
+    assert "MiniMax H3 Sampler" in found["sampler"]
+    assert "MiniMax H3 VAE Decode (video + audio)" in found["vae decode"]
 
 
 def test_no_previews_unless_the_user_asks(server):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import urllib.request
 import uuid
@@ -31,8 +30,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 INPUTS = HERE / "inputs"
 TEMPLATES = "example_workflows"  # relative to the repo root; ComfyUI serves it as the pack's templates
-TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
-TINY_FILE = "[embedded] tiny H3 / "  # + one of the tiny's single files (the quantised graphs pick them)
+TINY = "[embedded] tiny H3 (noise)"  # the loaders' embedded choice (nodes/comfy_bridge.py TINY_CHOICE)
+TINY_FILE = "[embedded] tiny H3 / "  # + one of the tiny's single files (the quantised API graphs pick them)
 FL2VA = "fl2va (t2va, first/last frame)"
 REF2VA = "ref2va (references)"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8190"
@@ -48,40 +47,48 @@ EXAMPLE_MEDIA = {
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 
-# The real files each loader stands for (the shipped graphs select the embedded tiny model). The frontend
-# offers the missing ones for download into models/<directory>/; it only accepts safetensors files.
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A published file a loader selects in the user templates, and the embedded tiny H3's stand-in for it in the
+    API workflows (the demo and tests run those)."""
+
+    name: str
+    directory: str
+    tiny: str
+
+
+# The frontend offers the missing files for download into models/<directory>/; it only accepts safetensors files.
 HF = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
 REAL_MODELS = {
-    "text_encoder": ("qwen3vl_32b_minimax_h3_bf16.safetensors", "text_encoders"),
-    "vae": ("minimax_h3_video_vae_fp16.safetensors", "vae"),
-    "audio_vae": ("minimax_h3_audio_vae_fp32.safetensors", "vae"),
-    FL2VA: ("minimax_h3_fl2va_bf16.safetensors", "diffusion_models"),
-    REF2VA: ("minimax_h3_ref2va_bf16.safetensors", "diffusion_models"),
-    # A loader set to a tiny twin stands for the published file of the same format ("<key> <variant>").
-    "text_encoder int8_convrot": ("qwen3vl_32b_minimax_h3_int8_convrot.safetensors", "text_encoders"),
-    "text_encoder nvfp4_awq": ("qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "text_encoders"),
-    f"{FL2VA} pruned_int8_convrot": ("minimax_h3_fl2va_pruned_int8_convrot.safetensors", "diffusion_models"),
-    f"{FL2VA} pruned_fp8_scaled": ("minimax_h3_fl2va_pruned_fp8_scaled.safetensors", "diffusion_models"),
+    "text_encoder": ModelFile("qwen3vl_32b_minimax_h3_bf16.safetensors", "text_encoders", TINY),
+    "vae": ModelFile("minimax_h3_video_vae_fp16.safetensors", "vae", TINY),
+    "audio_vae": ModelFile("minimax_h3_audio_vae_fp32.safetensors", "vae", TINY),
+    "fl2va": ModelFile("minimax_h3_fl2va_bf16.safetensors", "diffusion_models", TINY),
+    "ref2va": ModelFile("minimax_h3_ref2va_bf16.safetensors", "diffusion_models", TINY),
+    "text_encoder int8_convrot": ModelFile("qwen3vl_32b_minimax_h3_int8_convrot.safetensors", "text_encoders",
+                                           TINY_FILE + "qwen3vl_minimax_h3_tiny_int8_convrot.safetensors"),
+    "text_encoder nvfp4_awq": ModelFile("qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "text_encoders",
+                                        TINY_FILE + "qwen3vl_minimax_h3_tiny_nvfp4_awq.safetensors"),
+    "fl2va pruned_int8_convrot": ModelFile("minimax_h3_fl2va_pruned_int8_convrot.safetensors", "diffusion_models",
+                                           TINY_FILE + "minimax_h3_tiny_fl2va_pruned_int8_convrot.safetensors"),
+    "fl2va pruned_fp8_scaled": ModelFile("minimax_h3_fl2va_pruned_fp8_scaled.safetensors", "diffusion_models",
+                                         TINY_FILE + "minimax_h3_tiny_fl2va_pruned_fp8_scaled.safetensors"),
 }
+PARTITION_OF = {"fl2va": FL2VA, "ref2va": REF2VA}
 
-
-def _with_variant(key: str, choice: str) -> str:
-    """`key`, or `key variant` when the loader picks a tiny twin (`..._tiny_[fl2va_|ref2va_]<variant>.safetensors`)."""
-    match = re.search(r"_tiny_(?:fl2va_|ref2va_)?(.+)\.safetensors$", choice) if choice.startswith(TINY_FILE) else None
-    return key if match is None or match.group(1) == "fp32" else f"{key} {match.group(1)}"
-
-
-LOADER_MODEL_KEY = {
-    "H3SplitTextEncoderLoader": lambda inputs: _with_variant("text_encoder", inputs["text_encoder"]),
-    "H3SplitVideoVAELoader": lambda inputs: "vae",
-    "H3SplitAudioVAELoader": lambda inputs: "audio_vae",
-    "H3SplitDiTLoader": lambda inputs: _with_variant(inputs["partition"], inputs["dit"]),
+# The widget of each loader that names its file.
+LOADER_INPUT = {
+    "H3SplitTextEncoderLoader": "text_encoder",
+    "H3SplitVideoVAELoader": "vae",
+    "H3SplitAudioVAELoader": "audio_vae",
+    "H3SplitDiTLoader": "dit",
 }
 
 
 def model_entry(key: str) -> dict:
-    name, directory = REAL_MODELS[key]
-    return {"name": name, "url": f"{HF}/{directory}/{name}", "directory": directory}
+    model = REAL_MODELS[key]
+    return {"name": model.name, "url": f"{HF}/{model.directory}/{model.name}", "directory": model.directory}
 
 
 @dataclass
@@ -90,26 +97,82 @@ class Node:
     class_type: str
     inputs: dict  # name -> widget value, or (node, output slot) for a link
     title: str | None = None
+    model: str | None = None  # a loader's REAL_MODELS key
+    before: Node | None = None  # a note: the node it sits above
+    column: int | None = None  # canvas column (None: one after its inputs)
+
+    def inputs_for(self, tiny: bool) -> dict:
+        """The inputs with a loader's file: the published one, or (tiny) the embedded tiny H3's stand-in."""
+        if self.model is None:
+            return self.inputs
+        model = REAL_MODELS[self.model]
+        return {LOADER_INPUT[self.class_type]: model.tiny if tiny else model.name, **self.inputs}
+
+
+NOTE = "Note"  # core's frontend-only note node: shown on the canvas, never part of a prompt
+
+# Canvas layout: the model loaders in the first column, then one column per step of the graph (a node may name
+# its column to share one with the step before, as a chain of encoders or Decode and Save do), nodes stacked in
+# declaration order. Heights are what frontend 1.32.9 draws each node at (previews and
+# players included), so nothing overlaps and no loader has an empty body (tests/ui checks the boxes).
+COLUMN_X, COLUMN_GAP, ROW_GAP, TOP = 420, 60, 50, 40
+NODE_WIDTH = {"H3SplitTextEncode": 400, "H3SplitRemoteEncode": 400, NOTE: 360, "SaveVideo": 400}
+TITLE_H, SLOT_H, WIDGET_H, PAD = 30, 20, 24, 12
+EXTRA_H = {  # what a node draws below its widgets
+    "LoadImage": 240,  # the image preview
+    "LoadVideo": 310,  # the video player
+    "LoadAudio": 70,  # the audio player
+    "SaveVideo": 260,  # the result's player
+    "H3SplitTextEncode": 110,  # the multiline prompt
+    "H3SplitRemoteEncode": 110,
+    NOTE: 0,
+}
+
+
+def estimated_height(class_type: str, sockets: int, outputs: int, widgets: int, text: str = "") -> int:
+    if class_type == NOTE:
+        return TITLE_H + 20 + 18 * (len(text) // 44 + text.count("\n") + 1)
+    return TITLE_H + SLOT_H * max(sockets, outputs) + WIDGET_H * widgets + EXTRA_H.get(class_type, 0) + PAD
 
 
 @dataclass
 class Graph:
-    name: str
+    key: str  # the API file's name and the workflow's identity (its UUID)
+    title: str  # the template's name in ComfyUI's template browser: what its search reads
     description: str
     nodes: list[Node] = field(default_factory=list)
+    notes: list[Node] = field(default_factory=list)  # numbered after the nodes: the API form keeps its ids
 
-    def add(self, class_type: str, title: str | None = None, **inputs) -> Node:
-        node = Node(len(self.nodes) + 1, class_type, inputs, title)
+    def add(self, class_type: str, title: str | None = None, model: str | None = None, column: int | None = None,
+            **inputs) -> Node:
+        node = Node(len(self.nodes) + 1, class_type, inputs, title, model, column=column)
         self.nodes.append(node)
         return node
+
+    def note(self, text: str, before: Node) -> Node:
+        """A note on the canvas, placed right above `before` in its column."""
+        node = Node(0, NOTE, {"text": text}, before=before)
+        self.notes.append(node)
+        return node
+
+    def runnable(self) -> list[Node]:
+        return self.nodes
+
+    def _canvas_nodes(self) -> list[Node]:
+        """The nodes, then the notes numbered after them."""
+        for number, note in enumerate(self.notes, start=len(self.nodes) + 1):
+            note.id = number
+        return self.nodes + self.notes
 
     # --- API format ------------------------------------------------------------------------------
 
     def api(self) -> dict:
+        """The API workflow: every loader on the embedded tiny H3 (the demo and the tests run these)."""
         out = {}
-        for node in self.nodes:
+        for node in self.runnable():
             inputs = {
-                name: [str(value[0].id), value[1]] if _is_link(value) else value for name, value in node.inputs.items()
+                name: [str(value[0].id), value[1]] if _is_link(value) else value
+                for name, value in node.inputs_for(tiny=True).items()
             }
             out[str(node.id)] = {"class_type": node.class_type, "inputs": inputs}
             if node.title:
@@ -118,36 +181,46 @@ class Graph:
 
     # --- UI format -------------------------------------------------------------------------------
 
-    def ui(self, object_info: dict) -> dict:
+    def ui(self, object_info: dict, tiny: bool = False) -> dict:
+        """The UI workflow: loaders on the published files (tiny=True: on the embedded tiny H3, for tests)."""
         links, ui_nodes = [], []
         out_links: dict[tuple[int, int], list[int]] = {}
-        for node in self.nodes:
+        for node in self.runnable():
             for value in node.inputs.values():
                 if _is_link(value):
                     link_id = len(links) + 1
                     links.append([link_id, value[0].id, value[1], node.id, None, None])
                     out_links.setdefault((value[0].id, value[1]), []).append(link_id)
-        depth = self._depths()
-        rows: dict[int, int] = {}
-        for node in self.nodes:
+        order = self._order()
+        entries = {}
+        for node in self._canvas_nodes():
+            if node.class_type == NOTE:
+                text = node.inputs["text"]
+                entries[node.id] = {
+                    "id": node.id, "type": NOTE, "size": [NODE_WIDTH[NOTE], estimated_height(NOTE, 0, 0, 0, text)],
+                    "flags": {}, "order": len(order) + node.id, "mode": 0, "inputs": [], "outputs": [],
+                    "properties": {"text": ""}, "widgets_values": [text], "color": "#432", "bgcolor": "#653",
+                }  # fmt: skip
+                continue
             info = object_info.get(node.class_type)
             if info is None:
                 raise KeyError(f"{node.class_type} is not registered in this ComfyUI (is the pack loaded?)")
-            order = info.get("input_order", {})
+            inputs = node.inputs_for(tiny)
+            input_order = info.get("input_order", {})
             specs = {**info["input"].get("required", {}), **info["input"].get("optional", {})}
-            names = list(order.get("required", [])) + list(order.get("optional", []))
+            names = list(input_order.get("required", [])) + list(input_order.get("optional", []))
             sockets, widgets = [], []
             for name in names:
                 kind = specs[name][0]
                 options = specs[name][1] if len(specs[name]) > 1 else {}
                 is_widget = isinstance(kind, list) or kind in WIDGET_TYPES
-                value = node.inputs.get(name)
+                value = inputs.get(name)
                 if is_widget and not _is_link(value):
                     widgets.append(options.get("default") if value is None else value)
                     if options.get("control_after_generate"):
                         widgets.append("fixed")
                     continue
-                if value is None and not is_widget and name not in node.inputs:
+                if value is None and not is_widget and name not in inputs:
                     sockets.append({"name": name, "type": kind, "link": None})
                     continue
                 link_id = next(
@@ -170,53 +243,86 @@ class Graph:
                 }
                 for i in range(len(info["output"]))
             ]
-            column = depth[node.id]
-            row = rows.get(column, 0)
-            rows[column] = row + 1
+            shown_widgets = len(widgets) - (1 if node.class_type in ("LoadImage", "LoadVideo", "LoadAudio") else 0)
+            height = estimated_height(node.class_type, len(sockets), len(outputs), shown_widgets + (
+                1 if node.class_type in ("LoadImage", "LoadVideo", "LoadAudio") else 0))
             entry = {
                 "id": node.id,
                 "type": node.class_type,
-                "pos": [40 + 400 * column, 40 + 300 * row],
-                "size": [360, 120 + 26 * (len(widgets) + max(len(sockets), len(outputs)))],
+                "size": [NODE_WIDTH.get(node.class_type, 340), height],
                 "flags": {},
-                "order": self._order().index(node.id),
+                "order": order.index(node.id),
                 "mode": 0,
                 "inputs": sockets,
                 "outputs": outputs,
                 "properties": {"Node name for S&R": node.class_type},
                 "widgets_values": widgets,
             }
-            if node.class_type in LOADER_MODEL_KEY:
-                entry["properties"]["models"] = [model_entry(LOADER_MODEL_KEY[node.class_type](node.inputs))]
+            if node.model is not None:
+                entry["properties"]["models"] = [model_entry(node.model)]
             if node.title:
                 entry["title"] = node.title
-            ui_nodes.append(entry)
+            entries[node.id] = entry
+        for node_id, pos in self._layout(entries).items():
+            entries[node_id]["pos"] = pos
+        ui_nodes = [{"id": e["id"], "type": e["type"], "pos": e["pos"], **{k: v for k, v in e.items()
+                                                                            if k not in ("id", "type", "pos")}}
+                    for e in (entries[node.id] for node in self._canvas_nodes())]
         return {
             # The frontend's schema wants a UUID; a name-based one keeps the file reproducible.
-            "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"minimax-h3-split/workflows/{self.name}")),
+            "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"minimax-h3-split/workflows/{self.key}")),
             "revision": 0,
-            "last_node_id": len(self.nodes),
+            "last_node_id": len(self._canvas_nodes()),
             "last_link_id": len(links),
             "nodes": ui_nodes,
             "links": links,
             "groups": [],
             "config": {},
-            "extra": {"info": {"name": self.name, "description": self.description}},
+            "extra": {"info": {"name": self.title, "description": self.description}},
             "version": 0.4,
             "models": self.models(),
         }
 
+    def _layout(self, entries: dict) -> dict[int, list[int]]:
+        """Top-left corner of every node: columns by step, a loader one column before its first user, a note above
+        the node it explains; each column stacked top-down in declaration order."""
+        column = self._columns()
+        column.update({node.id: node.column for node in self.runnable() if node.column is not None})
+        stacks: dict[int, list[Node]] = {}
+        for node in self.nodes:
+            for note in (n for n in self.notes if n.before is node):
+                stacks.setdefault(column[node.id], []).append(note)
+            stacks.setdefault(column[node.id], []).append(node)
+        widths = {c: max(entries[n.id]["size"][0] for n in nodes) for c, nodes in stacks.items()}
+        positions, x = {}, TOP
+        for c in sorted(stacks):
+            y = TOP
+            for node in stacks[c]:
+                positions[node.id] = [x, y]
+                y += entries[node.id]["size"][1] + ROW_GAP
+            x += widths[c] + COLUMN_GAP
+        return positions
+
+    def _columns(self) -> dict[int, int]:
+        depth = self._depths()
+        column = dict(depth)
+        for node in reversed(self.runnable()):  # users are declared after what they use
+            users = [n for n in self.runnable() if any(_is_link(v) and v[0] is node for v in n.inputs.values())]
+            if not any(_is_link(v) for v in node.inputs.values()) and users:
+                column[node.id] = max(0, min(column[u.id] for u in users) - 1)
+        return column
+
     def models(self) -> list[dict]:
-        """The real files this graph's loaders stand for, in node order, once each."""
-        keys = [LOADER_MODEL_KEY[n.class_type](n.inputs) for n in self.nodes if n.class_type in LOADER_MODEL_KEY]
-        return [model_entry(key) for key in dict.fromkeys(keys)]
+        """The published files this graph's loaders select, in node order, once each."""
+        return [model_entry(key) for key in dict.fromkeys(n.model for n in self.nodes if n.model is not None)]
 
     def _order(self) -> list[int]:
-        return [node.id for node in sorted(self.nodes, key=lambda n: (self._depths()[n.id], n.id))]
+        depth = self._depths()
+        return [node.id for node in sorted(self.runnable(), key=lambda n: (depth[n.id], n.id))]
 
     def _depths(self) -> dict[int, int]:
         depth: dict[int, int] = {}
-        for node in self.nodes:  # nodes are declared after their inputs
+        for node in self.runnable():  # nodes are declared after their inputs
             parents = [value[0].id for value in node.inputs.values() if _is_link(value)]
             depth[node.id] = 1 + max((depth[p] for p in parents), default=-1)
         return depth
@@ -228,21 +334,33 @@ def _is_link(value) -> bool:
 
 # --- the shipped graphs ------------------------------------------------------------------------
 
+MODELS_NOTE = (
+    "The loaders select the published MiniMax H3 files (the Missing Models dialog downloads them into models/). "
+    "To try this graph without them, set each loader to '[embedded] tiny H3 (noise)': a built-in miniature with "
+    "random weights, so the output is noise."
+)
+AUDIO_NOTE = (
+    "Reference tags count each kind in order: <Picture 1> is the image, <Video 1> the video. Audio is numbered "
+    "soundtracks first: <Audio 1> is Video 1's soundtrack, so the Load Audio file is <Audio 2>."
+)
 
-def _models(graph: Graph, partition: str, text_encoder: bool = True, te_file: str = "", dit_file: str = ""):
-    """The four loaders on the embedded tiny H3, or on one of its single files (`te_file`, `dit_file`)."""
-    te_choice = TINY_FILE + te_file if te_file else TINY
-    te = graph.add("H3SplitTextEncoderLoader", text_encoder=te_choice) if text_encoder else None
-    vae = graph.add("H3SplitVideoVAELoader", vae=TINY)
-    audio_vae = graph.add("H3SplitAudioVAELoader", audio_vae=TINY)
-    dit_choice = TINY_FILE + dit_file if dit_file else TINY
-    dit = graph.add("H3SplitDiTLoader", dit=dit_choice, partition=partition, weight_dtype="default")
-    return te, vae, audio_vae, dit
+
+def _models(graph: Graph, dit: str, text_encoder: str | None = "text_encoder"):
+    """The four loaders on published files (REAL_MODELS keys); the API form puts each on its tiny stand-in."""
+    te = graph.add("H3SplitTextEncoderLoader", model=text_encoder, column=0) if text_encoder else None
+    vae = graph.add("H3SplitVideoVAELoader", model="vae", column=0)
+    audio_vae = graph.add("H3SplitAudioVAELoader", model="audio_vae", column=0)
+    partition = PARTITION_OF[dit.split()[0]]
+    dit_node = graph.add("H3SplitDiTLoader", model=dit, partition=partition, weight_dtype="default", column=0)
+    graph.note(MODELS_NOTE, before=te or vae)
+    return te, vae, audio_vae, dit_node
 
 
-def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str) -> None:
+def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str, column: int) -> None:
+    """Sampler, then Decode with Save Video below it."""
     latent = graph.add(
         "H3SplitSampler",
+        column=column,
         dit=(dit, 0),
         conditioning=(conditioning, 0),
         seed=0,
@@ -250,104 +368,119 @@ def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str) -> Non
         video_shift=12.0,
         audio_shift=3.0,
     )
-    decoded = graph.add("H3SplitDecode", latent=(latent, 0), vae=(vae, 0), audio_vae=(audio_vae, 0))
-    graph.add("SaveVideo", video=(decoded, 0), filename_prefix=f"h3/{prefix}", format="mp4", codec="h264")
+    decoded = graph.add("H3SplitDecode", latent=(latent, 0), vae=(vae, 0), audio_vae=(audio_vae, 0), column=column + 1)
+    graph.add("SaveVideo", video=(decoded, 0), filename_prefix=f"h3/{prefix}", format="mp4", codec="h264",
+              column=column + 1)
 
 
 def _references(graph: Graph):
-    image = graph.add("LoadImage", image=EXAMPLE_MEDIA["image"])
-    video = graph.add("LoadVideo", file=EXAMPLE_MEDIA["video"])
-    audio = graph.add("LoadAudio", audio=EXAMPLE_MEDIA["audio"])
-    return graph.add("H3SplitReferences", ref_image_1=(image, 0), ref_video_1=(video, 0), ref_audio_1=(audio, 0))
+    image = graph.add("LoadImage", image=EXAMPLE_MEDIA["image"], column=1)
+    video = graph.add("LoadVideo", file=EXAMPLE_MEDIA["video"], column=1)
+    audio = graph.add("LoadAudio", audio=EXAMPLE_MEDIA["audio"], column=1)
+    refs = graph.add("H3SplitReferences", ref_image_1=(image, 0), ref_video_1=(video, 0), ref_audio_1=(audio, 0),
+                     column=2)
+    graph.note(AUDIO_NOTE, before=refs)
+    return refs
 
 
-def _text_encode(graph: Graph, text_encoder, prompt: str, task: str, media=None):
+def _keyframes(graph: Graph):
+    first = graph.add("LoadImage", image=EXAMPLE_MEDIA["first"], column=1)
+    last = graph.add("LoadImage", image=EXAMPLE_MEDIA["last"], column=1)
+    return graph.add("H3SplitKeyframes", first_frame=(first, 0), last_frame=(last, 0), column=2)
+
+
+def _text_encode(graph: Graph, text_encoder, prompt: str, task: str, media=None, column: int = 1):
     """The Text Encode node every example uses: the canvas from H3's rule (0 x 0), the shortest output (124)."""
     inputs = {"text_encoder": (text_encoder, 0), "prompt": prompt, "width": 0, "height": 0, "length": 124}
     if media is not None:
         inputs["media"] = (media, 0)
-    return graph.add("H3SplitTextEncode", **inputs, task=task)
+    return graph.add("H3SplitTextEncode", **inputs, task=task, column=column)
+
+
+T2VA_PROMPT = "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps."
+FL2VA_PROMPT = "The test card slides into the night sky; a low hum rises."
+REF2VA_PROMPT = "<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>."
 
 
 def build_graphs() -> list[Graph]:
+    """The shipped graphs. Titles start with "MiniMax H3", then the graph's short name, then what it does: frontend
+    1.32.9's template search reads only a custom node template's file name (the title is the file name), and its
+    fuzzy match scores a word by how far from the start it stands (a word past ~40 characters is not found)."""
     graphs = []
 
-    g = Graph("t2va", "Text to video + audio (FL2VA DiT). Tiny model: replace each loader's choice with real weights.")
-    te, vae, audio_vae, dit = _models(g, FL2VA)
-    cond = _text_encode(
-        g, te, "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps.", "t2va"
-    )
-    _finish(g, dit, cond, vae, audio_vae, "t2va")
+    g = Graph("t2va", "MiniMax H3 t2va - text to video with audio",
+              "MiniMax H3 text to video with stereo audio: a prompt in, a 5 s mp4 with sound out (FL2VA DiT).")
+    te, vae, audio_vae, dit = _models(g, "fl2va")
+    cond = _text_encode(g, te, T2VA_PROMPT, "t2va")
+    _finish(g, dit, cond, vae, audio_vae, "t2va", column=2)
     graphs.append(g)
 
-    g = Graph("fl2va", "First and last frame to video + audio (FL2VA DiT).")
-    te, vae, audio_vae, dit = _models(g, FL2VA)
-    first = g.add("LoadImage", image=EXAMPLE_MEDIA["first"])
-    last = g.add("LoadImage", image=EXAMPLE_MEDIA["last"])
-    keyframes = g.add("H3SplitKeyframes", first_frame=(first, 0), last_frame=(last, 0))
-    text = _text_encode(g, te, "The test card slides into the night sky; a low hum rises.", "fl2va", media=keyframes)
-    cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0))
-    _finish(g, dit, cond, vae, audio_vae, "fl2va")
+    g = Graph("fl2va", "MiniMax H3 fl2va - first and last frame to video",
+              "MiniMax H3 image to video with audio: the clip starts on the first image and ends on the last "
+              "(FL2VA DiT).")
+    te, vae, audio_vae, dit = _models(g, "fl2va")
+    keyframes = _keyframes(g)
+    text = _text_encode(g, te, FL2VA_PROMPT, "fl2va", media=keyframes, column=2)
+    cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0), column=2)
+    _finish(g, dit, cond, vae, audio_vae, "fl2va", column=3)
     graphs.append(g)
 
-    g = Graph("ref2va", "References (image, video with soundtrack, audio) to video + audio (Ref2VA DiT).")
-    te, vae, audio_vae, dit = _models(g, REF2VA)
+    g = Graph("ref2va", "MiniMax H3 ref2va - reference image, video and audio to video",
+              "MiniMax H3 reference to video with audio: the prompt names an image, a video with its soundtrack "
+              "and an audio clip as <Picture 1>, <Video 1>, <Audio 2> (Ref2VA DiT).")
+    te, vae, audio_vae, dit = _models(g, "ref2va")
     refs = _references(g)
-    text = _text_encode(
-        g, te, "<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>.", "ref2va", media=refs
-    )
-    video_cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0))
-    cond = g.add("H3SplitAudioVAEEncode", conditioning=(video_cond, 0), audio_vae=(audio_vae, 0))
-    _finish(g, dit, cond, vae, audio_vae, "ref2va")
+    text = _text_encode(g, te, REF2VA_PROMPT, "ref2va", media=refs, column=3)
+    video_cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0), column=3)
+    cond = g.add("H3SplitAudioVAEEncode", conditioning=(video_cond, 0), audio_vae=(audio_vae, 0), column=3)
+    _finish(g, dit, cond, vae, audio_vae, "ref2va", column=4)
     graphs.append(g)
 
     g = Graph(
         "ref2va_remote",
-        "The ref2va graph with every encoder on a remote H3 encoder endpoint "
+        "MiniMax H3 ref2va_remote - references to video with a remote encoder",
+        "MiniMax H3 reference to video with every encoder on a remote H3 encoder endpoint "
         "(`python -m h3_core serve`): this machine loads only the DiT and the VAE decoders. The token, if the "
         "server needs one, comes from the H3_ENCODER_TOKEN environment variable.",
     )
-    _, vae, audio_vae, dit = _models(g, REF2VA, text_encoder=False)
+    _, vae, audio_vae, dit = _models(g, "ref2va", text_encoder=None)
     refs = _references(g)
     cond = g.add(
         "H3SplitRemoteEncode",
-        prompt="<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>.",
+        prompt=REF2VA_PROMPT,
         width=0,
         height=0,
         length=124,
         endpoint=DEFAULT_ENDPOINT,
         media=(refs, 0),
         task="ref2va",
+        column=3,
     )
-    _finish(g, dit, cond, vae, audio_vae, "ref2va_remote")
+    _finish(g, dit, cond, vae, audio_vae, "ref2va_remote", column=4)
     graphs.append(g)
 
     g = Graph(
         "t2va_pruned_int8",
-        "Text to video + audio on quantised files: the pruned int8 (ConvRot) DiT and the int8 text encoder, about "
-        "21 GB + 27 GB instead of 66 GB + 51 GB. Set on the embedded tiny H3's twins of those files.",
+        "MiniMax H3 t2va_pruned_int8 - text to video on int8 files",
+        "MiniMax H3 text to video with audio on quantised files: the pruned int8 (ConvRot) DiT and the int8 text "
+        "encoder, about 21 GB + 27 GB instead of 66 GB + 51 GB.",
     )
-    te, vae, audio_vae, dit = _models(g, FL2VA, te_file="qwen3vl_minimax_h3_tiny_int8_convrot.safetensors",
-                                      dit_file="minimax_h3_tiny_fl2va_pruned_int8_convrot.safetensors")
-    cond = _text_encode(
-        g, te, "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps.", "t2va"
-    )
-    _finish(g, dit, cond, vae, audio_vae, "t2va_pruned_int8")
+    te, vae, audio_vae, dit = _models(g, "fl2va pruned_int8_convrot", text_encoder="text_encoder int8_convrot")
+    cond = _text_encode(g, te, T2VA_PROMPT, "t2va")
+    _finish(g, dit, cond, vae, audio_vae, "t2va_pruned_int8", column=2)
     graphs.append(g)
 
     g = Graph(
         "fl2va_pruned_fp8_nvfp4",
-        "First and last frame to video + audio on the smallest text encoder: the pruned fp8 DiT (about 21 GB) and "
-        "the NVFP4 (AWQ) text encoder (about 16 GB). Set on the embedded tiny H3's twins of those files.",
+        "MiniMax H3 fl2va_pruned_fp8_nvfp4 - first and last frame on fp8 and NVFP4 files",
+        "MiniMax H3 first and last frame to video on the smallest files: the pruned fp8 DiT (about 21 GB) and "
+        "the NVFP4 (AWQ) text encoder (about 16 GB).",
     )
-    te, vae, audio_vae, dit = _models(g, FL2VA, te_file="qwen3vl_minimax_h3_tiny_nvfp4_awq.safetensors",
-                                      dit_file="minimax_h3_tiny_fl2va_pruned_fp8_scaled.safetensors")
-    first = g.add("LoadImage", image=EXAMPLE_MEDIA["first"])
-    last = g.add("LoadImage", image=EXAMPLE_MEDIA["last"])
-    keyframes = g.add("H3SplitKeyframes", first_frame=(first, 0), last_frame=(last, 0))
-    text = _text_encode(g, te, "The test card slides into the night sky; a low hum rises.", "fl2va", media=keyframes)
-    cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0))
-    _finish(g, dit, cond, vae, audio_vae, "fl2va_pruned_fp8_nvfp4")
+    te, vae, audio_vae, dit = _models(g, "fl2va pruned_fp8_scaled", text_encoder="text_encoder nvfp4_awq")
+    keyframes = _keyframes(g)
+    text = _text_encode(g, te, FL2VA_PROMPT, "fl2va", media=keyframes, column=2)
+    cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0), column=2)
+    _finish(g, dit, cond, vae, audio_vae, "fl2va_pruned_fp8_nvfp4", column=3)
     graphs.append(g)
     return graphs
 
@@ -422,11 +555,11 @@ def render_thumbnail(graph: Graph) -> bytes:
     draw = ImageDraw.Draw(image)
     title_font = ImageFont.load_default(size=26)
     font = ImageFont.load_default(size=10)
-    draw.text((16, 12), f"MiniMax H3 · {graph.name}", fill=(235, 235, 235), font=title_font)
+    draw.text((16, 12), f"MiniMax H3 · {graph.key}", fill=(235, 235, 235), font=title_font)
     depth = graph._depths()
     columns = max(depth.values()) + 1
     by_column: dict[int, list[Node]] = {}
-    for node in graph.nodes:
+    for node in graph.runnable():
         by_column.setdefault(depth[node.id], []).append(node)
     box_w = (width - 24) / columns - 8
     centre = {}
@@ -438,12 +571,12 @@ def render_thumbnail(graph: Graph) -> bytes:
             y0 = 56 + row * (box_h + 6)
             boxes[node.id] = (x0, y0, x0 + box_w, y0 + box_h)
             centre[node.id] = (x0 + box_w / 2, y0 + box_h / 2)
-    for node in graph.nodes:  # links under the boxes
+    for node in graph.runnable():  # links under the boxes
         for value in node.inputs.values():
             if _is_link(value):
                 y0, y1 = centre[value[0].id][1], centre[node.id][1]
                 draw.line([(boxes[value[0].id][2], y0), (boxes[node.id][0], y1)], fill=(150, 150, 150), width=2)
-    for node in graph.nodes:
+    for node in graph.runnable():
         draw.rounded_rectangle(boxes[node.id], radius=4, fill=COLOURS[_role(node.class_type)])
         label = node.class_type.removeprefix("H3Split")
         while font.getlength(label) > box_w - 8:  # clip to the box
@@ -459,10 +592,16 @@ def render_all(object_info: dict) -> dict[str, str | bytes]:
     example_workflows/, the API form in workflows/api/."""
     files: dict[str, str | bytes] = {}
     for graph in build_graphs():
-        files[f"{TEMPLATES}/{graph.name}.json"] = json.dumps(graph.ui(object_info), indent=2) + "\n"
-        files[f"{TEMPLATES}/{graph.name}.jpg"] = render_thumbnail(graph)
-        files[f"workflows/api/{graph.name}.json"] = json.dumps(graph.api(), indent=2) + "\n"
+        files[f"{TEMPLATES}/{graph.title}.json"] = json.dumps(graph.ui(object_info), indent=2) + "\n"
+        files[f"{TEMPLATES}/{graph.title}.jpg"] = render_thumbnail(graph)
+        files[f"workflows/api/{graph.key}.json"] = json.dumps(graph.api(), indent=2) + "\n"
     return files
+
+
+def tiny_templates(object_info: dict) -> dict[str, dict]:
+    """Key -> the UI workflow with every loader on the embedded tiny H3: what the tests run through the frontend
+    (built from the same graphs as the shipped templates, never written to example_workflows/)."""
+    return {graph.key: graph.ui(object_info, tiny=True) for graph in build_graphs()}
 
 
 def main(argv=None) -> int:

@@ -4,11 +4,13 @@
 //     node tests/ui/load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]...
 //     node tests/ui/load_workflow.mjs --template PACK/NAME [...]   (as the template browser does; the report
 //                                                                   adds templates_listed and thumbnail)
+//     --screenshot PNG: the whole graph fitted into a 1600x1000 window, dialogs closed
 //
 // Prints one JSON line on stdout:
 //   { ok, node_count, expected_node_count, missing_types: [type], missing_nodes: [{id, type}],
 //     dangling_links: [{id, why}], error_nodes: [{id, type}], prompt: <graphToPrompt().output>,
-//     widgets: {node id: [{name, type}]},
+//     widgets: {node id: [{name, type}]}, boxes: [{id, type, title, x, y, w, h}] (title bar included),
+//     overlaps: [[id, id]] (boxes that overlap), tiny_badges: {node id: text} (loaders on the tiny H3),
 //     prompt_node_count, run: null | {prompt_id, status_str, completed, outputs, messages, error},
 //     console_errors: [..], alerts, toasts, dialogs, page_errors, failed_requests, problems: [..],
 //     boot_console_errors, boot_failed_requests,
@@ -24,7 +26,8 @@ import { randomUUID } from "node:crypto";
 import { chromium } from "playwright-core";
 
 const args = process.argv.slice(2);
-const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null };
+const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null,
+  searchTemplates: [], searchNodes: [] };
 for (let i = 0; i < args.length; i++) {
   const a = args[i];
   if (a === "--run") opt.run = true;
@@ -32,11 +35,13 @@ for (let i = 0; i < args.length; i++) {
   else if (a === "--screenshot") opt.screenshot = args[++i];
   else if (a === "--wait-type") opt.waitTypes.push(args[++i]);
   else if (a === "--template") opt.template = args[++i];
+  else if (a === "--search-templates") opt.searchTemplates.push(args[++i]);
+  else if (a === "--search-nodes") opt.searchNodes.push(args[++i]);
   else if (!opt.workflow) opt.workflow = a;
   else throw new Error(`unexpected argument ${a}`);
 }
 const BASE = (process.env.COMFY_URL || "").replace(/\/$/, "");
-if (!BASE || !(opt.workflow || opt.template)) {
+if (!BASE || !(opt.workflow || opt.template || opt.searchTemplates.length || opt.searchNodes.length)) {
   console.error("usage: COMFY_URL=... CHROMIUM_PATH=... node load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]");
   process.exit(3);
 }
@@ -80,7 +85,7 @@ async function main() {
       "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"],
   });
   try {
-    const page = await browser.newPage({ viewport: { width: 1400, height: 900 } });
+    const page = await browser.newPage({ viewport: opt.screenshot ? { width: 1600, height: 1000 } : { width: 1400, height: 900 } });
     await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());
     // What a user would see or what broke: window.alert/confirm, toasts (the frontend's alerts),
     // dialogs (missing nodes / missing models), uncaught page errors, console errors.
@@ -127,6 +132,54 @@ async function main() {
     );
     report.timings.frontend_ready_s = since();
 
+    if (opt.searchTemplates.length || opt.searchNodes.length) {
+      // What a user finds by typing into the template browser's search and the canvas's node search (double-click).
+      report.node_search = {};
+      if (opt.searchNodes.length) await page.evaluate(() => window.app.graph.clear()); // an empty canvas to click on
+      for (const query of opt.searchNodes) {
+        const canvas = page.locator("#graph-canvas");
+        await canvas.dblclick({ position: { x: 700, y: 500 } });
+        const box = page.locator(".comfy-vue-node-search-container input").first();
+        await box.waitFor();
+        await box.fill(query);
+        await page.waitForTimeout(1200);
+        report.node_search[query] = await page.locator(".comfy-vue-node-search-container .option-display-name, "
+          + ".p-autocomplete-overlay .option-display-name").evaluateAll(
+          (items) => items.map((i) => i.innerText.trim().split("\n")[0]));
+        await page.keyboard.press("Escape");
+        await page.waitForTimeout(300);
+      }
+      report.template_search = {};
+      if (opt.searchTemplates.length) {
+        await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.BrowseTemplates"));
+        await page.locator('[data-testid="template-workflows-content"]').waitFor();
+        await page.waitForTimeout(1500); // the template list loads after the dialog opens
+        const box = page.locator(".p-dialog").getByPlaceholder(/search/i).first();
+        const cards = () => page.locator('[data-testid^="template-workflow-"]').evaluateAll(
+          (found) => found.map((c) => c.getAttribute("data-testid").replace("template-workflow-", "")));
+        await page.locator('[data-testid^="template-workflow-"]').first().waitFor(); // the full list, before a search
+        await page.waitForTimeout(1000);
+        let shown = await cards();
+        for (const query of opt.searchTemplates) {
+          await box.click(); // typed as a user types: a programmatic fill does not reach the debounced search
+          await page.keyboard.press("Control+A");
+          await page.keyboard.press("Backspace");
+          await page.keyboard.type(query, { delay: 60 });
+          // The search is debounced and the grid re-renders later: wait until the cards change, then hold still.
+          const before = JSON.stringify(shown), deadline = Date.now() + 15000;
+          let last = before, stableSince = Date.now();
+          while (Date.now() < deadline) {
+            await page.waitForTimeout(300);
+            const now = JSON.stringify(await cards());
+            if (now !== last) { last = now; stableSince = Date.now(); }
+            if (last !== before && Date.now() - stableSince > 3000) break;
+          }
+          shown = JSON.parse(last);
+          report.template_search[query] = shown;
+        }
+      }
+      if (!opt.workflow && !opt.template) { report.ok = true; return 0; }
+    }
     if (opt.template) {
       // What the template browser does: list the custom nodes' templates, fetch one, show its thumbnail.
       const [module, name] = opt.template.split("/");
@@ -183,8 +236,27 @@ async function main() {
       return { node_count: nodes.length, missing, dangling, errors, prompt, promptError, widgets };
     }, { wf: workflow, name: opt.template ? opt.template.split("/")[1] : basename(opt.workflow), template: !!opt.template });
     report.timings.loaded_s = since();
-    await page.waitForTimeout(500); // toasts and dialogs render on the next frames
+    await page.waitForTimeout(1500); // toasts, dialogs and media previews (which resize their nodes) render on later frames
     const seen = await page.evaluate(() => window.__h3Seen);
+    // Each node's box on the canvas (title bar included) as drawn now, and every pair that overlaps.
+    const layout = await page.evaluate(() => {
+      const app = window.app, LG = window.LiteGraph;
+      const nodes = app.graph.nodes || app.graph._nodes || [];
+      const titleH = LG.NODE_TITLE_HEIGHT || 30;
+      const boxes = nodes.map((n) => ({ id: n.id, type: n.type, title: n.title, x: n.pos[0], y: n.pos[1] - titleH,
+        w: n.size[0], h: n.size[1] + titleH }));
+      const overlaps = [];
+      for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+        const a = boxes[i], b = boxes[j];
+        if (a.x < b.x + b.w && b.x < a.x + a.w && a.y < b.y + b.h && b.y < a.y + a.h) overlaps.push([a.id, b.id]);
+      }
+      // The pack's tiny-model badge (web/tiny_badge.js) of each loader that shows one.
+      const tinyBadges = Object.fromEntries(nodes.filter((n) => n.h3TinyBadge?.()).map((n) => [n.id, n.h3TinyBadge()]));
+      return { boxes, overlaps, tinyBadges };
+    });
+    report.boxes = layout.boxes;
+    report.overlaps = layout.overlaps;
+    report.tiny_badges = layout.tinyBadges;
     report.toasts = seen.toasts;
     report.dialogs = seen.dialogs;
 
@@ -206,7 +278,18 @@ async function main() {
       ...report.console_errors.filter((e) => !OFFLINE_NOISE.some((re) => re.test(e))).map((e) => `console: ${e}`),
       ...report.failed_requests.filter((r) => !EXPECTED_404.some((re) => re.test(r))).map((r) => `request: ${r}`),
     ];
-    if (opt.screenshot) await page.screenshot({ path: opt.screenshot });
+    if (opt.screenshot) {
+      // The whole graph in view, as a user sees it after closing the dialogs.
+      await page.keyboard.press("Escape");
+      await page.evaluate(async () => {
+        const canvas = window.app.canvas;
+        canvas.min_font_size_for_lod = 0; // draw text at any zoom (a small screenshot stays readable)
+        await window.app.extensionManager.command.execute("Comfy.Canvas.FitView");
+        canvas.setDirty(true, true);
+      });
+      await page.waitForTimeout(700);
+      await page.screenshot({ path: opt.screenshot });
+    }
 
     const structural = report.missing_types.length || report.dangling_links.length;
     if (opt.run && !structural && loaded.prompt) report.run = await runPrompt(loaded.prompt);
