@@ -11,13 +11,15 @@
     comfy_bridge.py     the one module touching ComfyUI internals (model management, progress, types)
     low_vram.py         DiT / text-encoder layers streamed by ComfyUI's low-VRAM loading (cast-weights protocol)
     memory.py           what each node asks ComfyUI to keep free (the planner's activation estimate)
+    input_checks.py     queue-time checks, reported one `input: message` line per problem
+    validation_errors.py  POST /prompt: one error per problem, on the input it names (not one per input)
 
 Node ids start with `H3Split` and never change; new widgets are appended, never inserted.
 """
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import conditioning_io, decode, encode, loaders, media, sample
+from . import conditioning_io, decode, encode, loaders, media, sample, validation_errors
 
 NODE_MODULES = [loaders, media, encode, sample, decode, conditioning_io]
 try:  # the remote node needs only h3_core.remote; keep the pack usable if it fails to import
@@ -55,4 +57,5 @@ class H3Extension(ComfyExtension):
         install_example_inputs()  # cores that predate on_load (e.g. 0.3.75) only call this
         if encode_ahead is not None:
             encode_ahead.install()  # the on-prompt hook (idempotent)
+        validation_errors.install()  # one validation error per problem (idempotent)
         return [node for module in NODE_MODULES for node in module.NODES]

@@ -17,7 +17,7 @@ from ..h3_core import assembly, component_cache, rules
 from ..h3_core.encoder import EncoderStage
 from . import comfy_bridge as bridge
 from . import memory
-from .input_checks import check_declared
+from .input_checks import Problem, declared_problems, report
 from .media import MediaBundle
 from .types import CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
 
@@ -28,17 +28,63 @@ TASKS = ["auto", "t2va", "fl2va", "ref2va"]
 VAE_PARTS = component_cache.MemoryTier(512 << 20)
 
 
-def check_numbers(width: int, height: int, length: int) -> bool | str:
-    """Cheap static checks shared by Text Encode and Remote Encode (validate_inputs)."""
-    try:
-        rules.check_output_frames(length)
-        if (width == 0) != (height == 0):
-            raise rules.H3InputError("width and height must both be 0 (auto) or both be set")
-        if width:
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def numbers_problems(width, height, length) -> list[Problem]:
+    """The canvas and length problems Text Encode and Remote Encode share, each on the input that causes it.
+    Values of the wrong type are left to the declared check."""
+    problems: list[Problem] = []
+    if _is_int(length):
+        try:
+            rules.check_output_frames(length)
+        except rules.H3InputError as error:
+            problems.append(("length", str(error)))
+    if not (_is_int(width) and _is_int(height)):
+        return problems
+    if (width == 0) != (height == 0):
+        unset, other = ("height", "width") if width else ("width", "height")
+        problems.append((unset, f"width and height must both be 0 (auto) or both be set: set {unset} too, or set "
+                                f"{other} to 0"))
+        return problems
+    if not width:
+        return problems
+    step = rules.CANVAS_MULTIPLE
+    off_grid = [(name, value) for name, value in (("width", width), ("height", height)) if value % step]
+    for name, value in off_grid:
+        problems.append((name, f"must be a multiple of {step} px (VAE /16 x DiT patch 2), got {value}; nearest "
+                               f"valid: {max(step, value // step * step)} or {-(-value // step) * step}"))
+    if not off_grid:
+        try:
             rules.check_canvas(width, height)
-    except rules.H3InputError as error:
-        return str(error)
-    return True
+        except rules.H3InputError as error:
+            # aspect or size: both edges cause it; reported once, on width (the edge listed first)
+            problems.append(("width", str(error)))
+    return problems
+
+
+def prompt_problems(prompt) -> list[Problem]:
+    if isinstance(prompt, str) and not prompt.strip():
+        return [("prompt", "the prompt is empty: describe the video and its sound (H3 needs a non-empty prompt)")]
+    return []
+
+
+def encode_problems(node_cls, values: dict, more: list[Problem] = ()) -> bool | str:
+    """validate_inputs of Text Encode / Remote Encode: the rules' problems (and `more`, the node's own) first, then
+    the declared bounds of the inputs those found nothing wrong with (one problem per input)."""
+    problems = prompt_problems(values.get("prompt")) + numbers_problems(
+        values.get("width"), values.get("height"), values.get("length")
+    ) + list(more)
+    blamed = {name for name, _ in problems}
+    problems += [problem for problem in declared_problems(node_cls, values) if problem[0] not in blamed]
+    return report(problems)
+
+
+def check_numbers(width: int, height: int, length: int) -> bool | str:
+    """True, or the first canvas/length problem (for callers that raise one message)."""
+    problems = numbers_problems(width, height, length)
+    return f"{problems[0][0]}: {problems[0][1]}" if problems else True
 
 
 def numbers_inputs() -> list:
@@ -49,22 +95,25 @@ def numbers_inputs() -> list:
             min=0,
             max=rules.MAX_CANVAS_EDGE,
             step=32,
-            tooltip=f"Output width in px, a multiple of 32 (VAE /16 x patch 2), at most {rules.MAX_CANVAS_EDGE} px "
-            f"and {rules.MAX_CANVAS_PIXELS} px in area (H3's trained range). 0 = H3's canvas rule: 16:9, or the "
-            "first keyframe's aspect, at a 768 px short edge (64 px for the tiny model).",
+            tooltip=f"Output width in px, a multiple of 32, at most {rules.MAX_CANVAS_EDGE} px and "
+            f"{rules.MAX_CANVAS_PIXELS} px in area (H3's trained range). 0 = automatic: 16:9, or the first "
+            "keyframe's aspect, at a 768 px short edge (64 px for the tiny model).",
         ),
         io.Int.Input(
             "height", default=0, min=0, max=rules.MAX_CANVAS_EDGE, step=32,
-            tooltip=f"Output height in px, a multiple of 32, at most {rules.MAX_CANVAS_EDGE} px; 0 = auto.",
+            tooltip=f"Output height in px, a multiple of 32, at most {rules.MAX_CANVAS_EDGE} px; 0 = automatic "
+            "(set both or neither).",
         ),
         io.Int.Input(
-            # min 5 + step 17 keeps the widget on the 17k+5 grid; validate_inputs holds the 124..345 range.
+            # min 124 + step 17 keeps the arrows on the 17k+5 grid (124, 141, ..., 345); validate_inputs refuses a
+            # typed value off the grid. Saved workflows store a value, so the bounds change no saved graph.
             "length",
             default=rules.MIN_FRAMES,
-            min=rules.LATENTS_PER_CLIP,
+            min=rules.MIN_FRAMES,
             max=rules.MAX_FRAMES,
             step=rules.FRAMES_PER_CLIP,
-            tooltip="Frames at 24 fps on the video VAE's 17k+5 grid; H3 generates 124 (5.2 s) to 345 (14.4 s).",
+            tooltip=f"Video length in frames at {rules.FPS} fps: {rules.MIN_FRAMES} (5.2 s) to {rules.MAX_FRAMES} "
+            f"(14.4 s) in steps of {rules.FRAMES_PER_CLIP} frames (the video VAE's clip grid, 17k+5).",
         ),
     ]
 
@@ -136,9 +185,8 @@ class TextEncode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width, height, length, **kwargs):
-        declared = check_declared(cls, dict(kwargs, width=width, height=height, length=length))
-        return check_numbers(width, height, length) if declared is True else declared
+    def validate_inputs(cls, **kwargs):
+        return encode_problems(cls, kwargs)
 
     @classmethod
     def execute(cls, text_encoder, prompt, width, height, length, media=None, task="auto") -> io.NodeOutput:
