@@ -13,13 +13,14 @@
     memory.py           what each node asks ComfyUI to keep free (the planner's activation estimate)
     input_checks.py     queue-time checks, reported one `input: message` line per problem
     validation_errors.py  POST /prompt: one error per problem, on the input it names (not one per input)
+    error_names.py      the pack's exception types named without a file-system path in ComfyUI's reports
 
 Node ids start with `H3Split` and never change; new widgets are appended, never inserted.
 """
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import conditioning_io, decode, encode, loaders, media, sample, validation_errors
+from . import conditioning_io, decode, encode, error_names, loaders, media, sample, validation_errors
 
 NODE_MODULES = [loaders, media, encode, sample, decode, conditioning_io]
 try:  # the remote node needs only h3_core.remote; keep the pack usable if it fails to import
@@ -58,4 +59,5 @@ class H3Extension(ComfyExtension):
         if encode_ahead is not None:
             encode_ahead.install()  # the on-prompt hook (idempotent)
         validation_errors.install()  # one validation error per problem (idempotent)
+        error_names.rename(__name__.rpartition(".")[0])  # the pack's exception types without a path in reports
         return [node for module in NODE_MODULES for node in module.NODES]

@@ -73,3 +73,23 @@ def test_length_widget_stays_on_the_grid(server):
     spec = server.object_info("H3SplitTextEncode")["input"]["required"]["length"][1]
     assert (spec["min"], spec["max"], spec["step"]) == (124, 345, 17)
     assert all((spec["min"] + k * spec["step"]) % 17 == 5 for k in range(14))
+
+
+def test_a_short_reference_audio_is_the_references_nodes_error(server):
+    """Known only once the media is decoded (run time), but blamed on the node that brought it, with a type that
+    reads as the pack's (no file-system path in ComfyUI's report)."""
+    import numpy as np
+
+    from h3_core import media
+
+    short = server.input_dir / "h3test_1s.wav"
+    tone = np.stack([np.sin(np.arange(32000) / 32000 * 2 * np.pi * 220)] * 2).astype(np.float32) * 0.2
+    short.write_bytes(media.encode_wav_bytes(tone, 32000, sample_format="s16"))
+    graph = api("ref2va")
+    graph[key_of(graph, "LoadAudio")]["inputs"]["audio"] = short.name
+    result = server.run_prompt(graph, timeout=600, check=False)
+    assert result.status == "error"
+    assert result.error["node_type"] == "H3SplitReferences", result.error
+    assert "reference audio 1 must be 2-15 s long, got 1.00 s" in result.error["exception_message"]
+    assert "ref_audio_1" in result.error["exception_message"]
+    assert result.error["exception_type"] == "minimax_h3.h3_core.rules.H3InputError"
