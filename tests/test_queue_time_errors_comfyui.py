@@ -93,3 +93,49 @@ def test_a_short_reference_audio_is_the_references_nodes_error(server):
     assert "reference audio 1 must be 2-15 s long, got 1.00 s" in result.error["exception_message"]
     assert "ref_audio_1" in result.error["exception_message"]
     assert result.error["exception_type"] == "minimax_h3.h3_core.rules.H3InputError"
+
+
+# --- loaders: lists by component, refusals from the header, the DiT partition the file says ------------------
+
+
+def options(server, class_type: str, name: str) -> list[str]:
+    spec = server.object_info(class_type)["input"]["required"][name]
+    return spec[1]["options"] if spec[0] == "COMBO" else spec[0]
+
+
+def user_files(listed: list[str]) -> list[str]:
+    return [name for name in listed if not name.startswith("[embedded]") and not name.startswith("minimax_h3/")]
+
+
+def test_vae_loaders_list_only_their_component_user_files_first(server):
+    video = options(server, "H3SplitVideoVAELoader", "vae")
+    audio = options(server, "H3SplitAudioVAELoader", "audio_vae")
+    assert user_files(video) and user_files(audio)
+    assert all("video_vae" in name for name in user_files(video)), video
+    assert all("audio_vae" in name for name in user_files(audio)), audio
+    for listed in (video, audio):  # the user's files before the embedded tiny entries
+        firsts = [i for i, name in enumerate(listed) if name.startswith("[embedded]")]
+        assert firsts and min(firsts) > max(listed.index(name) for name in user_files(listed))
+    assert not any("audio_vae" in name for name in video) and not any("video_vae" in name for name in audio)
+
+
+def test_a_file_of_another_component_is_refused_at_queue_time(server):
+    audio_file = user_files(options(server, "H3SplitAudioVAELoader", "audio_vae"))[0]
+    errors = refused(server, edited("t2va", "H3SplitVideoVAELoader", vae=audio_file), "H3SplitVideoVAELoader")
+    assert errors == [("vae", f"vae - {audio_file} holds the H3 audio VAE, not the video VAE: load it with "
+                              "H3 Audio VAE Loader")]
+
+
+def test_a_missing_model_file_is_refused_at_queue_time(server):
+    errors = refused(server, edited("t2va", "H3SplitDiTLoader", dit="minimax_h3_fl2va_bf16.safetensors"),
+                     "H3SplitDiTLoader")
+    assert len(errors) == 1 and errors[0][0] == "dit", errors
+    assert "minimax_h3_fl2va_bf16.safetensors is not in models/diffusion_models/: download it there" in errors[0][1]
+
+
+def test_the_dit_file_says_its_partition(server):
+    """A saved workflow whose partition widget contradicts its DiT file runs on the partition the file says."""
+    dits = user_files(options(server, "H3SplitDiTLoader", "dit"))
+    fl2va = next(name for name in dits if "fl2va" in name and "pruned" not in name and "fp32" in name)
+    graph = edited("t2va", "H3SplitDiTLoader", dit=fl2va, partition="ref2va (references)")
+    assert server.run_prompt(graph, timeout=600).status == "success"
