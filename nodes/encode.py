@@ -16,12 +16,15 @@ from comfy_api.latest import io
 from ..h3_core import assembly, component_cache, rules
 from ..h3_core.encoder import EncoderStage
 from . import comfy_bridge as bridge
-from . import memory
+from . import memory, progress_text
 from .input_checks import Problem, declared_problems, report
 from .media import MediaBundle
 from .types import CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
 
 TASKS = ["auto", "t2va", "fl2va", "ref2va"]
+TASK_TOOLTIP = ("What to make: t2va from the prompt alone, fl2va from first/last frames (H3 Keyframes), ref2va from "
+                "references (H3 References). auto: decided by the media connected (references -> ref2va, keyframes "
+                "-> fl2va, nothing -> t2va).")
 # ComfyUI re-runs a VAE encode node whenever its input conditioning changes, and a new prompt changes it: without
 # this, every prompt edit re-encodes unchanged reference videos. Parts are keyed by content and VAE identity
 # (h3_core/component_cache.py), so an entry is only reused for the very pixels and weights that produced it.
@@ -163,7 +166,7 @@ class TextEncode(io.ComfyNode):
             "per keyframe/reference image and per 2 fps pair of reference-video frames. Starts the conditioning "
             "the VAE encode nodes add to.",
             inputs=[
-                TextEncoder.Input("text_encoder"),
+                TextEncoder.Input("text_encoder", tooltip="From H3 Text Encoder Loader."),
                 io.String.Input(
                     "prompt",
                     multiline=True,
@@ -177,7 +180,7 @@ class TextEncode(io.ComfyNode):
                     options=TASKS,
                     default="auto",
                     optional=True,
-                    tooltip="auto: references -> ref2va, keyframes -> fl2va, nothing -> t2va.",
+                    tooltip=TASK_TOOLTIP,
                 ),
             ],
             outputs=[io.Conditioning.Output()],
@@ -202,14 +205,14 @@ class TextEncode(io.ComfyNode):
             fingerprint=text_encoder.fingerprint,
             device=device,
         )
-        with bridge.phase_progress(None):  # None: the running node (ComfyUI's executing context)
+        with progress_text.phases():  # None: the running node (ComfyUI's executing context)
             return io.NodeOutput(assembly.to_core(assembly.add_text(parts, stage)))
 
 
 class _VAEEncode(io.ComfyNode):
     """Adds one VAE encoder's part to a conditioning started by H3 Text Encode."""
 
-    NODE_ID = DISPLAY_NAME = DESCRIPTION = MODEL_INPUT = ""
+    NODE_ID = DISPLAY_NAME = DESCRIPTION = MODEL_INPUT = LOADER = ""
     MODEL_TYPE = None
     NEEDED = ""  # the Prepared property saying whether the request needs this encoder
     ADD = None  # the h3_core.assembly function adding the part
@@ -222,7 +225,10 @@ class _VAEEncode(io.ComfyNode):
             display_name=cls.DISPLAY_NAME,
             category=f"{CATEGORY}/encode",
             description=cls.DESCRIPTION,
-            inputs=[io.Conditioning.Input("conditioning"), cls.MODEL_TYPE.Input(cls.MODEL_INPUT)],
+            inputs=[
+                io.Conditioning.Input("conditioning", tooltip="From H3 Text Encode (or the encode node before this)."),
+                cls.MODEL_TYPE.Input(cls.MODEL_INPUT, tooltip=f"From {cls.LOADER}."),
+            ],
             outputs=[io.Conditioning.Output()],
         )
 
@@ -237,7 +243,7 @@ class _VAEEncode(io.ComfyNode):
             modules={cls.STAGE_KEY: model.module}, pipeline_config=parts.pipeline_config, device=device,
             fingerprint=model.fingerprint,
         )
-        with bridge.phase_progress(None), component_cache.using(VAE_PARTS):
+        with progress_text.phases(), component_cache.using(VAE_PARTS):
             return io.NodeOutput(assembly.to_core(cls.ADD(parts, stage)))
 
 
@@ -248,7 +254,7 @@ class VideoVAEEncode(_VAEEncode):
         "seed 42 through fp16, as the release does) and adds them to the conditioning. A t2va conditioning passes "
         "through."
     )
-    MODEL_INPUT, MODEL_TYPE, STAGE_KEY = "vae", VideoVAE, "vae"
+    MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "vae", VideoVAE, "vae", "H3 Video VAE Loader"
     NEEDED, ADD = "needs_video_vae", staticmethod(assembly.add_video)
 
 
@@ -258,7 +264,7 @@ class AudioVAEEncode(_VAEEncode):
         "Encodes reference-video soundtracks and reference audios (32 kHz stereo, 40 latents/s, posterior mean) and "
         "adds them to the conditioning. A request without audio passes through."
     )
-    MODEL_INPUT, MODEL_TYPE, STAGE_KEY = "audio_vae", AudioVAE, "audio_vae"
+    MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "audio_vae", AudioVAE, "audio_vae", "H3 Audio VAE Loader"
     NEEDED, ADD = "needs_audio_vae", staticmethod(assembly.add_audio)
 
 

@@ -22,7 +22,7 @@ from comfy_api.latest import io
 from ..h3_core import devices, dtypes
 from ..h3_core.models import ModelSource
 from . import comfy_bridge as bridge
-from . import model_files
+from . import model_files, progress_text
 from .input_checks import declared_problems, report
 from .types import CATEGORY, AudioVAE, DiT, TextEncoder, VideoVAE
 
@@ -89,12 +89,16 @@ def _placed(choice: str | None, load_device, offload_device):
 
 
 def _load(source: ModelSource, component: str, dtype: torch.dtype, load_device, offload_device, stream: bool):
-    with bridge.phase_progress(None):  # bytes read, on the running loader node's bar
+    with progress_text.phases():  # bytes read, on the running loader node's bar and text
         module = source.load(component, dtype=dtype)
     return bridge.managed(module, load_device, offload_device, stream=stream)
 
 
 def _fingerprint_file(folder: str, choice: str) -> str:
+    if model_files.is_tiny(choice):
+        # Queue time must not build the tiny H3 (~30 s with no node running: the first run's silent wait). It is
+        # built from seed 0, deterministically: its name is its identity.
+        return f"embedded:{choice}"
     path, _ = bridge.resolve_model_path(folder, choice)
     stat = path.stat()
     return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
@@ -172,6 +176,10 @@ class _ComponentLoader(io.ComfyNode):
         # runs text encoders on the CPU, where float32 would make the 32B encoder 4x its bf16 file in RAM. A device
         # the user names is the rule's device.
         rule_device = mm.get_torch_device() if device in (None, DEFAULT_DEVICE) else load_device
+        if model_files.is_tiny(inputs[cls.INPUT_ID]) and model_files.tiny_needs_build():
+            with progress_text.PhaseText() as text:  # one call with no sub-steps: the heartbeat shows it working
+                text.show("build_tiny")
+                bridge.tiny_dir()
         slot = cls.slot(inputs)
         dtype = dtypes.compute_dtype(slot, rule_device, weight_dtype)
         source = _source(cls.FOLDER, inputs[cls.INPUT_ID], slot)

@@ -60,8 +60,19 @@ def identify(path: Path) -> Identity:
     return found
 
 
-def _is_tiny(choice: str) -> bool:
+def is_tiny(choice: str) -> bool:
     return choice == bridge.TINY_CHOICE or choice.startswith(bridge.TINY_FILE_PREFIX)
+
+
+def tiny_needs_build() -> bool:
+    """Whether resolving an embedded-tiny choice will build the tiny H3 first (as `comfy_bridge.tiny_dir` does)."""
+    import folder_paths
+
+    preset = os.environ.get("H3_TINY_DIR")
+    if preset and (Path(preset) / "tiny.json").is_file():
+        return False
+    bridge.register_model_folder()
+    return not (Path(folder_paths.get_folder_paths(bridge.PACK_FOLDER)[0]) / "tiny" / "tiny.json").is_file()
 
 
 def _is_model_folder(choice: str) -> bool:
@@ -73,7 +84,7 @@ def choices(folder: str, component: str) -> list[str]:
     listed = bridge.model_choices(folder)
     files, folders, tiny = [], [], []
     for choice in listed:
-        if _is_tiny(choice):
+        if is_tiny(choice):
             name = choice.removeprefix(bridge.TINY_FILE_PREFIX)
             if choice == bridge.TINY_CHOICE or TINY_NAME_TOKENS[component] in name:
                 tiny.append(choice)
@@ -92,7 +103,7 @@ def choices(folder: str, component: str) -> list[str]:
 def problems(folder: str, component: str, choice: str, loader_of: dict[str, str]) -> str | None:
     """Why `choice` cannot load as `component` (missing, unreadable, another component), known without loading:
     None when it can (or when only loading can tell: the embedded tiny H3, a model folder's contents)."""
-    if not isinstance(choice, str) or _is_tiny(choice):
+    if not isinstance(choice, str) or is_tiny(choice):
         return None  # the tiny's names are checked when it resolves (a fixed list; resolving may build it)
     try:
         path, whole_folder = bridge.resolve_model_path(folder, choice)

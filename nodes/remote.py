@@ -34,7 +34,7 @@ from ..h3_core.remote.client import (
 )
 from . import comfy_bridge as bridge
 from . import encode_ahead
-from .encode import TASKS, encode_problems, numbers_inputs, request_from
+from .encode import TASK_TOOLTIP, TASKS, encode_problems, numbers_inputs, request_from
 from .input_checks import check_declared
 from .types import CATEGORY, Media
 
@@ -115,7 +115,7 @@ class RemoteEncode(io.ComfyNode):
                                 tooltip="Encoder endpoint URL; several, comma-separated, fail over in order. "
                                 "Use https:// through a TLS proxy off this machine (docs/DEPLOY.md)."),
                 Media.Input("media", optional=True, tooltip="Keyframes (fl2va) or references (ref2va)."),
-                io.Combo.Input("task", options=TASKS, default="auto", optional=True),
+                io.Combo.Input("task", options=TASKS, default="auto", optional=True, tooltip=TASK_TOOLTIP),
                 io.Int.Input("timeout_s", default=600, min=5, max=7200, optional=True,
                              tooltip="Seconds to wait for the server's answer (connecting times out much sooner)."),
             ],
