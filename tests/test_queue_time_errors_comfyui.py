@@ -139,3 +139,36 @@ def test_the_dit_file_says_its_partition(server):
     fl2va = next(name for name in dits if "fl2va" in name and "pruned" not in name and "fp32" in name)
     graph = edited("t2va", "H3SplitDiTLoader", dit=fl2va, partition="ref2va (references)")
     assert server.run_prompt(graph, timeout=600).status == "success"
+
+
+# --- progress that says what happens ---------------------------------------------------------------------------
+
+
+def progress_texts(result, node: str) -> list[str]:
+    """The progress-text lines ComfyUI sent for `node` (binary ws frames of type 3: node id length, id, text)."""
+    import struct
+
+    texts = []
+    for frame in result.binary:
+        if len(frame) < 8 or struct.unpack(">I", frame[:4])[0] != 3:
+            continue
+        length = struct.unpack(">I", frame[4:8])[0]
+        if frame[8:8 + length].decode() == node:
+            texts.append(frame[8 + length:].decode())
+    return texts
+
+
+def test_progress_text_says_what_each_node_does(server):
+    graph = api("t2va")
+    sampler, decode = key_of(graph, "H3SplitSampler"), key_of(graph, "H3SplitDecode")
+    graph[sampler]["inputs"].update(steps=4, seed=11)  # 4 noise levels: 3 DiT forwards
+    result = server.run_prompt(graph, timeout=600)
+    forwards = [text for text in progress_texts(result, sampler) if text.startswith("DiT forward")]
+    assert forwards[-3:] == ["DiT forward 1/3", "DiT forward 2/3", "DiT forward 3/3"], forwards
+    ticks = [m for m in result.of_type("progress") if m.get("node") == sampler]
+    assert ticks and max(m["max"] for m in ticks) == 3 and ticks[-1]["value"] == 3
+    decoding = progress_texts(result, decode)
+    assert any(text.startswith("decoding video: tile") for text in decoding), decoding
+    assert any(text.startswith("decoding audio") for text in decoding), decoding
+    text_encode = progress_texts(result, key_of(graph, "H3SplitTextEncode"))
+    assert any(text.startswith("text encoder: layer") for text in text_encode), text_encode
