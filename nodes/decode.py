@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..h3_core import rules
 from ..h3_core.diffusion import AVLatents, DiffusionStage
 from . import comfy_bridge as bridge
-from . import progress_text
+from . import loaders, progress_text
 from .types import CATEGORY, AudioVAE, VideoVAE
 
 
@@ -23,8 +23,8 @@ class Decode(io.ComfyNode):
             "(32 kHz stereo, trimmed to the video's duration). Feeds core SaveVideo, PreviewAudio, GetVideoComponents.",
             inputs=[
                 io.Latent.Input("latent", tooltip="From H3 Sampler."),
-                VideoVAE.Input("vae", tooltip="From H3 Video VAE Loader."),
-                AudioVAE.Input("audio_vae", tooltip="From H3 Audio VAE Loader."),
+                VideoVAE.Input("vae", tooltip=f"From {loaders.VideoVAELoader.DISPLAY_NAME}."),
+                AudioVAE.Input("audio_vae", tooltip=f"From {loaders.AudioVAELoader.DISPLAY_NAME}."),
             ],
             outputs=[
                 io.Video.Output(display_name="video"),

@@ -16,7 +16,7 @@ from comfy_api.latest import io
 from ..h3_core import assembly, component_cache, rules
 from ..h3_core.encoder import EncoderStage
 from . import comfy_bridge as bridge
-from . import memory, progress_text
+from . import loaders, memory, progress_text
 from .input_checks import Problem, declared_problems, report
 from .media import MediaBundle
 from .types import CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
@@ -166,7 +166,7 @@ class TextEncode(io.ComfyNode):
             "per keyframe/reference image and per 2 fps pair of reference-video frames. Starts the conditioning "
             "the VAE encode nodes add to.",
             inputs=[
-                TextEncoder.Input("text_encoder", tooltip="From H3 Text Encoder Loader."),
+                TextEncoder.Input("text_encoder", tooltip=f"From {loaders.TextEncoderLoader.DISPLAY_NAME}."),
                 io.String.Input(
                     "prompt",
                     multiline=True,
@@ -254,7 +254,7 @@ class VideoVAEEncode(_VAEEncode):
         "seed 42 through fp16, as the release does) and adds them to the conditioning. A t2va conditioning passes "
         "through."
     )
-    MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "vae", VideoVAE, "vae", "H3 Video VAE Loader"
+    MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "vae", VideoVAE, "vae", loaders.VideoVAELoader.DISPLAY_NAME
     NEEDED, ADD = "needs_video_vae", staticmethod(assembly.add_video)
 
 
@@ -264,7 +264,7 @@ class AudioVAEEncode(_VAEEncode):
         "Encodes reference-video soundtracks and reference audios (32 kHz stereo, 40 latents/s, posterior mean) and "
         "adds them to the conditioning. A request without audio passes through."
     )
-    MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "audio_vae", AudioVAE, "audio_vae", "H3 Audio VAE Loader"
+    MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "audio_vae", AudioVAE, "audio_vae", loaders.AudioVAELoader.DISPLAY_NAME
     NEEDED, ADD = "needs_audio_vae", staticmethod(assembly.add_audio)
 
 

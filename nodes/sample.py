@@ -11,6 +11,7 @@ from ..h3_core.lora import LoRA
 from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
 from . import comfy_bridge as bridge
 from . import memory, progress_text
+from .loaders import DiTLoader
 from .types import CATEGORY, DiT
 
 NO_LORA = "none"
@@ -27,7 +28,7 @@ class Sampler(io.ComfyNode):
             "video shift 12, audio shift 3, one forward per step (guidance-distilled: no CFG, no negative prompt). "
             "The seed means what diffusers' torch.Generator('cpu').manual_seed(seed) means.",
             inputs=[
-                DiT.Input("dit", tooltip="From H3 DiT Loader: the partition the conditioning's task needs."),
+                DiT.Input("dit", tooltip=f"From {DiTLoader.DISPLAY_NAME}: the partition the task needs."),
                 io.Conditioning.Input(
                     "conditioning", tooltip="From the H3 encode nodes, Remote Encode or Load Conditioning."
                 ),
@@ -104,7 +105,8 @@ class Sampler(io.ComfyNode):
         if dit.extra["partition"] != needed:
             raise ValueError(
                 f"this {cond.task} conditioning needs the {COMPONENT_NAMES[needed]}; the loaded DiT is the "
-                f"{COMPONENT_NAMES[dit.extra['partition']]} (set H3 DiT Loader's partition)"
+                f"{COMPONENT_NAMES[dit.extra['partition']]} (in {DiTLoader.DISPLAY_NAME}, pick a DiT file of the "
+                "other partition, or set `partition` for a model folder)"
             )
         adapter = None if lora in (None, NO_LORA) else LoRA.load(folder_paths.get_full_path_or_raise("loras", lora))
         dtype = dit.dtype

@@ -122,8 +122,8 @@ def test_vae_loaders_list_only_their_component_user_files_first(server):
 def test_a_file_of_another_component_is_refused_at_queue_time(server):
     audio_file = user_files(options(server, "H3SplitAudioVAELoader", "audio_vae"))[0]
     errors = refused(server, edited("t2va", "H3SplitVideoVAELoader", vae=audio_file), "H3SplitVideoVAELoader")
-    assert errors == [("vae", f"vae - {audio_file} holds the H3 audio VAE, not the video VAE: load it with "
-                              "H3 Audio VAE Loader")]
+    loader = server.object_info("H3SplitAudioVAELoader")["display_name"]  # named as the user sees it
+    assert errors == [("vae", f"vae - {audio_file} holds the H3 audio VAE, not the video VAE: load it with {loader}")]
 
 
 def test_a_missing_model_file_is_refused_at_queue_time(server):
