@@ -172,3 +172,37 @@ def test_progress_text_says_what_each_node_does(server):
     assert any(text.startswith("decoding audio") for text in decoding), decoding
     text_encode = progress_texts(result, key_of(graph, "H3SplitTextEncode"))
     assert any(text.startswith("text encoder: layer") for text in text_encode), text_encode
+
+
+# --- what the real frontend shows -------------------------------------------------------------------------------
+
+
+def test_the_frontend_shows_a_bad_length_once_on_length(server, tmp_path):
+    """Run from the real frontend (1.32.9) with length 107: one error, on `length`, and the dialog says it once."""
+    import os
+    import subprocess
+
+    from comfy_harness import chromium_path, ui_available
+
+    ok, reason = ui_available()
+    if not ok:
+        pytest.skip(reason)
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "workflows" / "ui"
+    workflow = json.loads((fixtures / "t2va.json").read_text())
+    text_encode = next(node for node in workflow["nodes"] if node["type"] == "H3SplitTextEncode")
+    widgets = [spec for spec in server.object_info("H3SplitTextEncode")["input_order"]["required"]
+               if spec not in ("text_encoder",)]
+    text_encode["widgets_values"][widgets.index("length")] = 107
+    path = tmp_path / "t2va_length_107.json"
+    path.write_text(json.dumps(workflow))
+    ui = Path(__file__).resolve().parent / "ui"
+    env = {**os.environ, "COMFY_URL": server.url, "CHROMIUM_PATH": chromium_path() or ""}
+    done = subprocess.run(["node", str(ui / "queue_errors.mjs"), str(path)], cwd=ui, env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-3000:]
+    report = json.loads(lines[-1])
+    node = report["node_errors"][str(text_encode["id"])]
+    assert node["inputs"] == ["length"], node
+    shown = "\n".join(report["dialogs"])
+    assert shown.count("got 107 frames") == 1, shown
