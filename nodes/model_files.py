@@ -52,7 +52,7 @@ def identify(path: Path) -> Identity:
         try:
             detection = weights.detect(str(path))
             found = Identity(detection.component, detection.partition)
-        except (weights.H3WeightsError, OSError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - any file a user drops in must list (or refuse), never crash
             found = Identity(None, problem=str(error).replace(str(path.parent) + os.sep, ""))
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
@@ -110,7 +110,7 @@ def problems(folder: str, component: str, choice: str, loader_of: dict[str, str]
     except FileNotFoundError:
         return (f"{choice} is not in models/{folder}/: download it there (the template's model list links it), "
                 "or pick a file this list shows")
-    except ValueError as error:
+    except (OSError, ValueError) as error:
         return str(error)
     if whole_folder:
         return None
