@@ -13,6 +13,7 @@ embedded tiny H3's entries (the tiny's own files, filtered by their fixed names:
 from __future__ import annotations
 
 import os
+import stat as stat_module
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def identify(path: Path) -> Identity:
     stat = path.stat()
     key = (str(path), stat.st_size, stat.st_mtime_ns)
     found = _CACHE.get(key)
+    if found is None and not stat_module.S_ISREG(stat.st_mode):
+        return Identity(None, problem="not a regular file")  # a FIFO or device would block the header read
     if found is None:
         try:
             detection = weights.detect(str(path))
