@@ -57,8 +57,8 @@ def declared_problems(node_cls, values: Mapping[str, object]) -> list[Problem]:
             if value is None or not isinstance(spec, (tuple, list)) or not spec:
                 continue
             problem = _declared_problem(spec, value)
-            if problem:
-                problems.append((name, problem))
+            if problem:  # the message names its input: it also reads right where ComfyUI shows it alone
+                problems.append((name, f"{name} {problem}"))
     return problems
 
 
@@ -90,5 +90,4 @@ def check_declared(node_cls, values: Mapping[str, object]) -> bool | str:
     problems = declared_problems(node_cls, values)
     if not problems:
         return True
-    name, message = problems[0]
-    return f"{name} {message}"
+    return problems[0][1]
