@@ -56,7 +56,7 @@ def numbers_problems(width, height, length) -> list[Problem]:
     step = rules.CANVAS_MULTIPLE
     off_grid = [(name, value) for name, value in (("width", width), ("height", height)) if value % step]
     for name, value in off_grid:
-        problems.append((name, f"must be a multiple of {step} px (VAE /16 x DiT patch 2), got {value}; nearest "
+        problems.append((name, f"{name} must be a multiple of {step} px (VAE /16 x DiT patch 2), got {value}; nearest "
                                f"valid: {max(step, value // step * step)} or {-(-value // step) * step}"))
     if not off_grid:
         try:

@@ -59,7 +59,7 @@ def test_each_problem_once_on_its_own_input(server):
 
 def test_off_grid_canvas_names_the_edge(server):
     errors = refused(server, edited("t2va", "H3SplitTextEncode", width=128, height=100), "H3SplitTextEncode")
-    assert errors == [("height", "height - must be a multiple of 32 px (VAE /16 x DiT patch 2), got 100; "
+    assert errors == [("height", "height - height must be a multiple of 32 px (VAE /16 x DiT patch 2), got 100; "
                                  "nearest valid: 96 or 128")]
 
 
