@@ -74,14 +74,13 @@ def prompt_problems(prompt) -> list[Problem]:
 
 
 def encode_problems(node_cls, values: dict, more: list[Problem] = ()) -> bool | str:
-    """validate_inputs of Text Encode / Remote Encode: the rules' problems (and `more`, the node's own) first, then
-    the declared bounds of the inputs those found nothing wrong with (one problem per input)."""
-    problems = prompt_problems(values.get("prompt")) + numbers_problems(
-        values.get("width"), values.get("height"), values.get("length")
-    ) + list(more)
-    blamed = {name for name, _ in problems}
-    problems += [problem for problem in declared_problems(node_cls, values) if problem[0] not in blamed]
-    return report(problems)
+    """validate_inputs of Text Encode / Remote Encode: each input's declared type and bounds first, then the rules
+    (and `more`, the node's own) on the inputs that passed them; one problem per input."""
+    declared = declared_problems(node_cls, values)
+    blamed = {name for name, _ in declared}
+    passed = {name: (None if name in blamed else values.get(name)) for name in ("width", "height", "length")}
+    problems = declared + prompt_problems(values.get("prompt")) + numbers_problems(**passed)
+    return report(problems + [problem for problem in more if problem[0] not in blamed])
 
 
 def check_numbers(width: int, height: int, length: int) -> bool | str:
