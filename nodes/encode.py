@@ -77,6 +77,8 @@ def encode_problems(node_cls, values: dict, more: list[Problem] = ()) -> bool | 
     """validate_inputs of Text Encode / Remote Encode: each input's declared type and bounds first, then the rules
     (and `more`, the node's own) on the inputs that passed them; one problem per input."""
     declared = declared_problems(node_cls, values)
+    # an integer length gets the rules' message (the 124-345 range and the 17k+5 grid, with the nearest valid)
+    declared = [problem for problem in declared if problem[0] != "length" or not _is_int(values.get("length"))]
     blamed = {name for name, _ in declared}
     passed = {name: (None if name in blamed else values.get(name)) for name in ("width", "height", "length")}
     problems = declared + prompt_problems(values.get("prompt")) + numbers_problems(**passed)
