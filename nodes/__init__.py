@@ -12,13 +12,16 @@
     comfy_queue_seam.py the queue / executor internals encode-ahead reads, feature-detected (off when missing)
     low_vram.py         DiT / text-encoder layers streamed by ComfyUI's low-VRAM loading (cast-weights protocol)
     memory.py           what each node asks ComfyUI to keep free (the planner's activation estimate)
+    input_checks.py     queue-time checks, reported one `input: message` line per problem
+    validation_errors.py  POST /prompt: one error per problem, on the input it names (not one per input)
+    error_names.py      the pack's exception types named without a file-system path in ComfyUI's reports
 
 Node ids start with `H3Split` and never change; new widgets are appended, never inserted.
 """
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import conditioning_io, decode, encode, loaders, media, sample
+from . import conditioning_io, decode, encode, error_names, loaders, media, sample, validation_errors
 
 NODE_MODULES = [loaders, media, encode, sample, decode, conditioning_io]
 try:  # the remote node needs only h3_core.remote; keep the pack usable if it fails to import
@@ -56,4 +59,6 @@ class H3Extension(ComfyExtension):
         install_example_inputs()  # cores that predate on_load (e.g. 0.3.75) only call this
         if encode_ahead is not None:
             encode_ahead.install(remote.AHEAD)  # the on-prompt hook (idempotent)
+        validation_errors.install()  # one validation error per problem (idempotent)
+        error_names.rename(__name__.rpartition(".")[0])  # the pack's exception types without a path in reports
         return [node for module in NODE_MODULES for node in module.NODES]

@@ -7,6 +7,7 @@ from comfy_api.latest import io
 from ..h3_core import facts
 from ..h3_core.diffusion import AVLatents, DiffusionStage
 from . import comfy_bridge as bridge
+from . import loaders, progress_text
 from .types import LATENT_CATEGORY, AudioVAE, VideoVAE
 
 
@@ -20,7 +21,11 @@ class Decode(io.ComfyNode):
             description="Decodes the AV latent: video with the video VAE's tiled ViT decoder (24 fps), streamed tile "
             "by tile into the output (memory: the video once plus one tile's work), audio with the BigVGAN decoder "
             "(32 kHz stereo, trimmed to the video's duration). Feeds core SaveVideo, PreviewAudio, GetVideoComponents.",
-            inputs=[io.Latent.Input("latent"), VideoVAE.Input("vae"), AudioVAE.Input("audio_vae")],
+            inputs=[
+                io.Latent.Input("latent", tooltip="From H3 Sampler."),
+                VideoVAE.Input("vae", tooltip=f"From {loaders.VideoVAELoader.DISPLAY_NAME}."),
+                AudioVAE.Input("audio_vae", tooltip=f"From {loaders.AudioVAELoader.DISPLAY_NAME}."),
+            ],
             outputs=[
                 io.Video.Output(display_name="video"),
                 io.Image.Output(display_name="frames"),
@@ -37,7 +42,7 @@ class Decode(io.ComfyNode):
         latents = AVLatents(video=video, audio=AVLatents.audio_from_comfy(audio))
         # Streamed tile by tile into one preallocated float32 video, which is the IMAGE output itself (and the
         # VIDEO's frames, shared, not copied): the node holds the video once plus one tile's work.
-        with bridge.phase_progress(None):  # decode tiles, then the audio decode
+        with progress_text.phases():  # decode tiles, then the audio decode
             decoded = bridge.run_interruptible(stage.decode, latents, cancel=bridge.InterruptFlag())
         return io.NodeOutput(*bridge.to_video(decoded.video, decoded.audio, decoded.sample_rate, facts.FPS))
 

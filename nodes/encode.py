@@ -16,29 +16,79 @@ from comfy_api.latest import io
 from ..h3_core import assembly, component_cache, facts, rules
 from ..h3_core.encoder import EncoderStage
 from . import comfy_bridge as bridge
-from . import memory
-from .input_checks import check_declared
+from . import loaders, memory, progress_text
+from .input_checks import Problem, declared_problems, report
 from .media import MediaBundle
 from .types import CONDITIONING_CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
 
 TASKS = ["auto", "t2va", "fl2va", "ref2va"]
+TASK_TOOLTIP = ("What to make: t2va from the prompt alone, fl2va from first/last frames (H3 Keyframes), ref2va from "
+                "references (H3 References). auto: decided by the media connected (references -> ref2va, keyframes "
+                "-> fl2va, nothing -> t2va).")
 # ComfyUI re-runs a VAE encode node whenever its input conditioning changes, and a new prompt changes it: without
 # this, every prompt edit re-encodes unchanged reference videos. Parts are keyed by content and VAE identity
 # (h3_core/component_cache.py), so an entry is only reused for the very pixels and weights that produced it.
 VAE_PARTS = component_cache.MemoryTier(512 << 20)
 
 
-def check_numbers(width: int, height: int, length: int) -> bool | str:
-    """Cheap static checks shared by Text Encode and Remote Encode (validate_inputs)."""
-    try:
-        rules.check_output_frames(length)
-        if (width == 0) != (height == 0):
-            raise rules.H3InputError("width and height must both be 0 (auto) or both be set")
-        if width:
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def numbers_problems(width, height, length) -> list[Problem]:
+    """The canvas and length problems Text Encode and Remote Encode share, each on the input that causes it.
+    Values of the wrong type are left to the declared check."""
+    problems: list[Problem] = []
+    if _is_int(length):
+        try:
+            rules.check_output_frames(length)
+        except rules.H3InputError as error:
+            problems.append(("length", str(error)))
+    if not (_is_int(width) and _is_int(height)):
+        return problems
+    if (width == 0) != (height == 0):
+        unset, other = ("height", "width") if width else ("width", "height")
+        problems.append((unset, f"width and height must both be 0 (auto) or both be set: set {unset} too, or set "
+                                f"{other} to 0"))
+        return problems
+    if not width:
+        return problems
+    step = rules.CANVAS_MULTIPLE
+    off_grid = [(name, value) for name, value in (("width", width), ("height", height)) if value % step]
+    for name, value in off_grid:
+        problems.append((name, f"{name} must be a multiple of {step} px (VAE /16 x DiT patch 2), got {value}; nearest "
+                               f"valid: {max(step, value // step * step)} or {-(-value // step) * step}"))
+    if not off_grid:
+        try:
             rules.check_canvas(width, height)
-    except rules.H3InputError as error:
-        return str(error)
-    return True
+        except rules.H3InputError as error:
+            # aspect or size: both edges cause it; reported once, on width (the edge listed first)
+            problems.append(("width", str(error)))
+    return problems
+
+
+def prompt_problems(prompt) -> list[Problem]:
+    if isinstance(prompt, str) and not prompt.strip():
+        return [("prompt", "the prompt is empty: describe the video and its sound (H3 needs a non-empty prompt)")]
+    return []
+
+
+def encode_problems(node_cls, values: dict, more: list[Problem] = ()) -> bool | str:
+    """validate_inputs of Text Encode / Remote Encode: each input's declared type and bounds first, then the rules
+    (and `more`, the node's own) on the inputs that passed them; one problem per input."""
+    declared = declared_problems(node_cls, values)
+    # an integer length gets the rules' message (the 124-345 range and the 17k+5 grid, with the nearest valid)
+    declared = [problem for problem in declared if problem[0] != "length" or not _is_int(values.get("length"))]
+    blamed = {name for name, _ in declared}
+    passed = {name: (None if name in blamed else values.get(name)) for name in ("width", "height", "length")}
+    problems = declared + prompt_problems(values.get("prompt")) + numbers_problems(**passed)
+    return report(problems + [problem for problem in more if problem[0] not in blamed])
+
+
+def check_numbers(width: int, height: int, length: int) -> bool | str:
+    """True, or the first canvas/length problem (for callers that raise one message)."""
+    problems = numbers_problems(width, height, length)
+    return f"{problems[0][0]}: {problems[0][1]}" if problems else True
 
 
 def numbers_inputs() -> list:
@@ -49,22 +99,25 @@ def numbers_inputs() -> list:
             min=0,
             max=facts.MAX_CANVAS_EDGE,
             step=32,
-            tooltip=f"Output width in px, a multiple of 32 (VAE /16 x patch 2), at most {facts.MAX_CANVAS_EDGE} px "
-            f"and {facts.MAX_CANVAS_PIXELS} px in area (H3's trained range). 0 = H3's canvas rule: 16:9, or the "
-            "first keyframe's aspect, at a 768 px short edge (64 px for the tiny model).",
+            tooltip=f"Output width in px, a multiple of 32, at most {facts.MAX_CANVAS_EDGE} px and "
+            f"{facts.MAX_CANVAS_PIXELS} px in area (H3's trained range). 0 = automatic: 16:9, or the first "
+            "keyframe's aspect, at a 768 px short edge (64 px for the tiny model).",
         ),
         io.Int.Input(
             "height", default=0, min=0, max=facts.MAX_CANVAS_EDGE, step=32,
-            tooltip=f"Output height in px, a multiple of 32, at most {facts.MAX_CANVAS_EDGE} px; 0 = auto.",
+            tooltip=f"Output height in px, a multiple of 32, at most {facts.MAX_CANVAS_EDGE} px; 0 = automatic "
+            "(set both or neither).",
         ),
         io.Int.Input(
-            # min 5 + step 17 keeps the widget on the 17k+5 grid; validate_inputs holds the 124..345 range.
+            # min 124 + step 17 keeps the arrows on the 17k+5 grid (124, 141, ..., 345); validate_inputs refuses a
+            # typed value off the grid. Saved workflows store a value, so the bounds change no saved graph.
             "length",
             default=facts.MIN_FRAMES,
-            min=facts.LATENTS_PER_CLIP,
+            min=facts.MIN_FRAMES,
             max=facts.MAX_FRAMES,
             step=facts.FRAMES_PER_CLIP,
-            tooltip="Frames at 24 fps on the video VAE's 17k+5 grid; H3 generates 124 (5.2 s) to 345 (14.4 s).",
+            tooltip=f"Video length in frames at {facts.FPS} fps: {facts.MIN_FRAMES} (5.2 s) to {facts.MAX_FRAMES} "
+            f"(14.4 s) in steps of {facts.FRAMES_PER_CLIP} frames (the video VAE's clip grid, 17k+5).",
         ),
     ]
 
@@ -114,7 +167,7 @@ class TextEncode(io.ComfyNode):
             "per keyframe/reference image and per 2 fps pair of reference-video frames. Starts the conditioning "
             "the VAE encode nodes add to.",
             inputs=[
-                TextEncoder.Input("text_encoder"),
+                TextEncoder.Input("text_encoder", tooltip=f"From {loaders.TextEncoderLoader.DISPLAY_NAME}."),
                 io.String.Input(
                     "prompt",
                     multiline=True,
@@ -128,7 +181,7 @@ class TextEncode(io.ComfyNode):
                     options=TASKS,
                     default="auto",
                     optional=True,
-                    tooltip="auto: references -> ref2va, keyframes -> fl2va, nothing -> t2va.",
+                    tooltip=TASK_TOOLTIP,
                 ),
             ],
             outputs=[io.Conditioning.Output()],
@@ -136,9 +189,8 @@ class TextEncode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width, height, length, **kwargs):
-        declared = check_declared(cls, dict(kwargs, width=width, height=height, length=length))
-        return check_numbers(width, height, length) if declared is True else declared
+    def validate_inputs(cls, **kwargs):
+        return encode_problems(cls, kwargs)
 
     @classmethod
     def execute(cls, text_encoder, prompt, width, height, length, media=None, task="auto") -> io.NodeOutput:
@@ -154,14 +206,14 @@ class TextEncode(io.ComfyNode):
             fingerprint=text_encoder.fingerprint,
             device=device,
         )
-        with bridge.phase_progress(None):  # None: the running node (ComfyUI's executing context)
+        with progress_text.phases():  # None: the running node (ComfyUI's executing context)
             return io.NodeOutput(assembly.to_core(assembly.add_text(parts, stage)))
 
 
 class _VAEEncode(io.ComfyNode):
     """Adds one VAE encoder's part to a conditioning started by H3 Text Encode."""
 
-    NODE_ID = DISPLAY_NAME = DESCRIPTION = MODEL_INPUT = ""
+    NODE_ID = DISPLAY_NAME = DESCRIPTION = MODEL_INPUT = LOADER = ""
     MODEL_TYPE = None
     NEEDED = ""  # the Prepared property saying whether the request needs this encoder
     ADD = None  # the h3_core.assembly function adding the part
@@ -174,7 +226,10 @@ class _VAEEncode(io.ComfyNode):
             display_name=cls.DISPLAY_NAME,
             category=CONDITIONING_CATEGORY,
             description=cls.DESCRIPTION,
-            inputs=[io.Conditioning.Input("conditioning"), cls.MODEL_TYPE.Input(cls.MODEL_INPUT)],
+            inputs=[
+                io.Conditioning.Input("conditioning", tooltip="From H3 Text Encode (or the encode node before this)."),
+                cls.MODEL_TYPE.Input(cls.MODEL_INPUT, tooltip=f"From {cls.LOADER}."),
+            ],
             outputs=[io.Conditioning.Output()],
         )
 
@@ -189,7 +244,7 @@ class _VAEEncode(io.ComfyNode):
             modules={cls.STAGE_KEY: model.module}, pipeline_config=parts.pipeline_config, device=device,
             fingerprint=model.fingerprint,
         )
-        with bridge.phase_progress(None), component_cache.using(VAE_PARTS):
+        with progress_text.phases(), component_cache.using(VAE_PARTS):
             return io.NodeOutput(assembly.to_core(cls.ADD(parts, stage)))
 
 
@@ -200,7 +255,7 @@ class VideoVAEEncode(_VAEEncode):
         "seed 42 through fp16, as the release does) and adds them to the conditioning. A t2va conditioning passes "
         "through."
     )
-    MODEL_INPUT, MODEL_TYPE, STAGE_KEY = "vae", VideoVAE, "vae"
+    MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "vae", VideoVAE, "vae", loaders.VideoVAELoader.DISPLAY_NAME
     NEEDED, ADD = "needs_video_vae", staticmethod(assembly.add_video)
 
 
@@ -210,7 +265,7 @@ class AudioVAEEncode(_VAEEncode):
         "Encodes reference-video soundtracks and reference audios (32 kHz stereo, 40 latents/s, posterior mean) and "
         "adds them to the conditioning. A request without audio passes through."
     )
-    MODEL_INPUT, MODEL_TYPE, STAGE_KEY = "audio_vae", AudioVAE, "audio_vae"
+    MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "audio_vae", AudioVAE, "audio_vae", loaders.AudioVAELoader.DISPLAY_NAME
     NEEDED, ADD = "needs_audio_vae", staticmethod(assembly.add_audio)
 
 

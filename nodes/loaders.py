@@ -22,6 +22,8 @@ from comfy_api.latest import io
 from ..h3_core import devices, dtypes
 from ..h3_core.models import ModelSource
 from . import comfy_bridge as bridge
+from . import model_files, progress_text
+from .input_checks import declared_problems, report
 from .types import LOADERS_CATEGORY, AudioVAE, DiT, TextEncoder, VideoVAE
 
 
@@ -87,12 +89,16 @@ def _placed(choice: str | None, load_device, offload_device):
 
 
 def _load(source: ModelSource, component: str, dtype: torch.dtype, load_device, offload_device, stream: bool):
-    with bridge.phase_progress(None):  # bytes read, on the running loader node's bar
+    with progress_text.phases():  # bytes read, on the running loader node's bar and text
         module = source.load(component, dtype=dtype)
     return bridge.managed(module, load_device, offload_device, stream=stream)
 
 
 def _fingerprint_file(folder: str, choice: str) -> str:
+    if model_files.is_tiny(choice):
+        # Queue time must not build the tiny H3 (~30 s with no node running: the first run's silent wait). It is
+        # built from seed 0, deterministically: its name is its identity.
+        return f"embedded:{choice}"
     path, _ = bridge.resolve_model_path(folder, choice)
     stat = path.stat()
     return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
@@ -102,6 +108,7 @@ class _ComponentLoader(io.ComfyNode):
     """One loader per H3 component; subclasses only say which, and from which folder."""
 
     NODE_ID = DISPLAY_NAME = DESCRIPTION = INPUT_ID = FOLDER = COMPONENT = FILE_HINT = ""
+    FILE_COMPONENT = ""  # the weights handler a file must hold (model_files); the COMPONENT unless a DiT
     OUTPUT = None
     WEIGHT_DTYPES = ["default", "fp32"]
     STREAM = False  # layers stream under ComfyUI's low-VRAM loading (the big ones: text encoder, DiT)
@@ -109,6 +116,15 @@ class _ComponentLoader(io.ComfyNode):
     @staticmethod
     def devices():
         return mm.vae_device(), mm.vae_offload_device()
+
+    @classmethod
+    def what(cls) -> str:
+        return cls.DISPLAY_NAME.removeprefix("Load MiniMax H3 ")
+
+    @classmethod
+    def extra_inputs(cls) -> list:
+        """Widgets between the file and weight_dtype (the DiT's partition); their order is saved workflows'."""
+        return []
 
     @classmethod
     def define_schema(cls):
@@ -120,20 +136,38 @@ class _ComponentLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input(
                     cls.INPUT_ID,
-                    options=bridge.model_choices(cls.FOLDER),
-                    tooltip=f"A file in models/{cls.FOLDER} (Comfy-Org {cls.FILE_HINT}), a model folder in "
-                    "models/minimax_h3, or the embedded tiny H3.",
+                    options=model_files.choices(cls.FOLDER, cls.FILE_COMPONENT or cls.COMPONENT),
+                    tooltip=f"The {cls.what()} file: your files in models/{cls.FOLDER} that hold it (Comfy-Org "
+                    f"{cls.FILE_HINT}), then model folders in models/minimax_h3, then the embedded tiny H3 (random "
+                    "weights: its outputs are noise; for trying a graph out).",
                 ),
-                _weight_dtype_input(cls.WEIGHT_DTYPES, cls.DISPLAY_NAME.removeprefix("Load MiniMax H3 ")),
-                _device_input(cls.DISPLAY_NAME.removeprefix("Load MiniMax H3 ")),
+                *cls.extra_inputs(),
+                _weight_dtype_input(cls.WEIGHT_DTYPES, cls.what()),
+                _device_input(cls.what()),
             ],
             outputs=[cls.OUTPUT.Output()],
         )
 
     @classmethod
+    def validate_inputs(cls, **inputs):
+        """Queue time, no model loaded: the file is there and holds this loader's component (its header says)."""
+        problems = [problem for problem in declared_problems(cls, inputs) if problem[0] != cls.INPUT_ID]
+        wrong = model_files.problems(cls.FOLDER, cls.FILE_COMPONENT or cls.COMPONENT, inputs.get(cls.INPUT_ID),
+                                     LOADER_OF)
+        return report(([(cls.INPUT_ID, wrong)] if wrong else []) + problems)
+
+    @classmethod
     def fingerprint_inputs(cls, **inputs):
-        return (f"{_fingerprint_file(cls.FOLDER, inputs[cls.INPUT_ID])}|{inputs.get('weight_dtype', 'default')}"
-                f"|{inputs.get('device', DEFAULT_DEVICE)}")
+        widgets = [inputs.get(spec.id) for spec in cls.extra_inputs()]
+        return "|".join(str(part) for part in (
+            _fingerprint_file(cls.FOLDER, inputs[cls.INPUT_ID]), *widgets, inputs.get("weight_dtype", "default"),
+            inputs.get("device", DEFAULT_DEVICE),
+        ))
+
+    @classmethod
+    def slot(cls, inputs: dict) -> str:
+        """The pipeline component this load fills (the DiT's depends on the file or its partition widget)."""
+        return cls.COMPONENT
 
     @classmethod
     def execute(cls, weight_dtype: str = "default", device: str = DEFAULT_DEVICE, **inputs) -> io.NodeOutput:
@@ -142,13 +176,18 @@ class _ComponentLoader(io.ComfyNode):
         # runs text encoders on the CPU, where float32 would make the 32B encoder 4x its bf16 file in RAM. A device
         # the user names is the rule's device.
         rule_device = mm.get_torch_device() if device in (None, DEFAULT_DEVICE) else load_device
-        dtype = dtypes.compute_dtype(cls.COMPONENT, rule_device, weight_dtype)
-        source = _source(cls.FOLDER, inputs[cls.INPUT_ID], cls.COMPONENT)
-        patcher = _load(source, cls.COMPONENT, dtype, load_device, offload_device, cls.STREAM)
-        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), cls.extra(source), dtype))
+        if model_files.is_tiny(inputs[cls.INPUT_ID]) and model_files.tiny_needs_build():
+            with progress_text.PhaseText() as text:  # one call with no sub-steps: the heartbeat shows it working
+                text.show("build_tiny")
+                bridge.tiny_dir()
+        slot = cls.slot(inputs)
+        dtype = dtypes.compute_dtype(slot, rule_device, weight_dtype)
+        source = _source(cls.FOLDER, inputs[cls.INPUT_ID], slot)
+        patcher = _load(source, slot, dtype, load_device, offload_device, cls.STREAM)
+        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), cls.extra(source, slot), dtype))
 
     @classmethod
-    def extra(cls, source: ModelSource) -> dict:
+    def extra(cls, source: ModelSource, slot: str) -> dict:
         return {}
 
 
@@ -167,7 +206,7 @@ class TextEncoderLoader(_ComponentLoader):
         return mm.text_encoder_device(), mm.text_encoder_offload_device()
 
     @classmethod
-    def extra(cls, source: ModelSource) -> dict:
+    def extra(cls, source: ModelSource, slot: str) -> dict:
         return {"tokenizer": source.load_tokenizer(), "processor": source.load_processor()}
 
 
@@ -195,53 +234,44 @@ class AudioVAELoader(_ComponentLoader):
 PARTITIONS = {"fl2va (t2va, first/last frame)": "transformer", "ref2va (references)": "transformer_ref"}
 
 
-class DiTLoader(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(
-            node_id="H3SplitDiTLoader",
-            display_name="Load MiniMax H3 DiT",
-            category=LOADERS_CATEGORY,
-            description="Loads one H3 DiT partition (33B at full size): FL2VA serves t2va and first/last-frame "
-            "requests, Ref2VA serves reference requests.",
-            inputs=[
-                io.Combo.Input(
-                    "dit",
-                    options=bridge.model_choices("diffusion_models"),
-                    tooltip="A file in models/diffusion_models "
-                    "(Comfy-Org minimax_h3_{fl2va,ref2va}_bf16.safetensors, or a GGUF file, also from models/unet), a "
-                    "model folder in models/minimax_h3, or the embedded tiny H3.",
-                ),
-                io.Combo.Input(
-                    "partition",
-                    options=list(PARTITIONS),
-                    tooltip="Which partition to take from a model folder. For a single file, its name (fl2va/ref2va) "
-                    "decides and this must agree.",
-                ),
-                io.Combo.Input(
-                    "weight_dtype",
-                    options=["default", "bf16", "fp32"],
-                    optional=True,
-                    tooltip="Dtype the DiT is loaded and runs in. default: bf16 on a GPU, fp32 on CPU (the pack's one "
-                    "rule).",
-                ),
-                _device_input("DiT"),
-            ],
-            outputs=[DiT.Output()],
-        )
+class DiTLoader(_ComponentLoader):
+    """The DiT: one partition of it. A file says which (its name token, read by weights.detect); the `partition`
+    widget, kept so saved workflows load unchanged, picks it from a model folder (which holds both) and for a file
+    that does not say. A file that says is never overruled by the widget, so the two cannot contradict."""
+
+    NODE_ID, DISPLAY_NAME = "H3SplitDiTLoader", "Load MiniMax H3 DiT"
+    DESCRIPTION = (
+        "Loads one H3 DiT partition (33B at full size): FL2VA serves t2va and first/last-frame requests, Ref2VA "
+        "serves reference requests. A DiT file says which it is; `partition` matters only for a model folder."
+    )
+    INPUT_ID, FOLDER, COMPONENT, FILE_COMPONENT = "dit", "diffusion_models", "transformer", model_files.DIT
+    FILE_HINT, OUTPUT = "minimax_h3_{fl2va,ref2va}_bf16.safetensors, or a GGUF file, also from models/unet", DiT
+    WEIGHT_DTYPES, STREAM = ["default", "bf16", "fp32"], True
+
+    @staticmethod
+    def devices():
+        return mm.get_torch_device(), mm.unet_offload_device()
 
     @classmethod
-    def fingerprint_inputs(cls, dit, partition, weight_dtype="default", device=DEFAULT_DEVICE):
-        return f"{_fingerprint_file('diffusion_models', dit)}|{partition}|{weight_dtype}|{device}"
+    def extra_inputs(cls) -> list:
+        return [
+            io.Combo.Input(
+                "partition",
+                options=list(PARTITIONS),
+                tooltip="Which DiT to take from a model folder in models/minimax_h3 (it holds both). A DiT file "
+                "says which it is (fl2va or ref2va in its name) and that decides, whatever this shows.",
+            ),
+        ]
 
     @classmethod
-    def execute(cls, dit, partition, weight_dtype="default", device=DEFAULT_DEVICE) -> io.NodeOutput:
-        component = PARTITIONS[partition]
-        load_device, offload_device = _placed(device, mm.get_torch_device(), mm.unet_offload_device())
-        dtype = dtypes.compute_dtype(component, load_device, weight_dtype)
-        source = _source("diffusion_models", dit, component)  # a single file of the other partition is refused here
-        patcher = _load(source, component, dtype, load_device, offload_device, stream=True)
-        return io.NodeOutput(LoadedModel(patcher, source, source.fingerprint(), {"partition": component}, dtype))
+    def slot(cls, inputs: dict) -> str:
+        said = model_files.file_partition(cls.FOLDER, inputs[cls.INPUT_ID])
+        return model_files.PARTITION_SLOTS[said] if said else PARTITIONS[inputs["partition"]]
+
+    @classmethod
+    def extra(cls, source: ModelSource, slot: str) -> dict:
+        return {"partition": slot}
 
 
 NODES = [TextEncoderLoader, VideoVAELoader, AudioVAELoader, DiTLoader]
+LOADER_OF = {loader.FILE_COMPONENT or loader.COMPONENT: loader.DISPLAY_NAME for loader in NODES}

@@ -15,6 +15,7 @@ from comfy_api.latest import io
 
 from ..h3_core import facts
 from ..h3_core.request import AudioInput, EncodeRequest, VideoInput
+from ..h3_core.rules import H3InputError
 from . import comfy_bridge as bridge
 from .types import CONDITIONING_CATEGORY, Media
 
@@ -120,6 +121,7 @@ class References(io.ComfyNode):
     def execute(cls, media=None, **sockets) -> io.NodeOutput:
         bundle = media or MediaBundle()
         images, videos, audios = list(bundle.ref_images), list(bundle.ref_videos), list(bundle.ref_audios)
+        added = {}  # socket -> the clip it brought, in the order the prompt's tags count them
         for i in range(1, MAX_IMAGE_SOCKETS + 1):
             if sockets.get(f"ref_image_{i}") is not None:
                 images.append(bridge.image_to_uint8(sockets[f"ref_image_{i}"], f"ref_image_{i}"))
@@ -127,15 +129,46 @@ class References(io.ComfyNode):
             if sockets.get(f"ref_video_{i}") is not None:
                 frames, fps, audio, rate = bridge.video_components(sockets[f"ref_video_{i}"])
                 videos.append(VideoInput(frames=frames, fps=fps, audio=audio, sample_rate=rate))
+                added[f"ref_video_{i}"] = videos[-1]
         for i in range(1, MAX_AUDIO_SOCKETS + 1):
             if sockets.get(f"ref_audio_{i}") is not None:
                 waveform, rate = bridge.audio_to_numpy(sockets[f"ref_audio_{i}"], f"ref_audio_{i}")
                 audios.append(AudioInput(waveform=waveform, sample_rate=rate))
+                added[f"ref_audio_{i}"] = audios[-1]
         if not (images or videos or audios):
             raise ValueError("H3 References needs at least one reference image, video or audio")
+        _check_clip_lengths(bundle, added)
         return io.NodeOutput(
             replace(bundle, ref_images=tuple(images), ref_videos=tuple(videos), ref_audios=tuple(audios))
         )
+
+
+def _clip_problem(what: str, seconds: float | None, low: float, high: float) -> str | None:
+    if seconds is None or low <= seconds <= high:
+        return None
+    return f"{what} must be {low:g}-{high:g} s long, got {seconds:.2f} s"
+
+
+def _check_clip_lengths(bundle: MediaBundle, sockets: dict) -> None:
+    """Each clip this node adds, against H3's per-clip bounds: a clip of the wrong length is this node's (and its
+    Load Video / Load Audio's) error, not Text Encode's. The budgets that depend on the output length (15 s of
+    audio in all, cut to the video's length) stay with the encode nodes, which know the length."""
+    videos = [(name, item) for name, item in sockets.items() if name.startswith("ref_video_")]
+    audios = [(name, item) for name, item in sockets.items() if name.startswith("ref_audio_")]
+    for index, (socket, video) in enumerate(videos, start=len(bundle.ref_videos) + 1):
+        for problem in (
+            _clip_problem(f"reference video {index}", video.seconds, facts.MIN_REFERENCE_VIDEO_S,
+                          facts.MAX_AUDIO_CLIP_S),
+            _clip_problem(f"the soundtrack of reference video {index}", video.soundtrack_seconds,
+                          facts.MIN_AUDIO_CLIP_S, facts.MAX_AUDIO_CLIP_S),
+        ):
+            if problem:
+                raise H3InputError(f"{problem} (H3 References, {socket}: trim or replace that video)")
+    for index, (socket, audio) in enumerate(audios, start=len(bundle.ref_audios) + 1):
+        problem = _clip_problem(f"reference audio {index}", audio.seconds, facts.MIN_AUDIO_CLIP_S,
+                                facts.MAX_AUDIO_CLIP_S)
+        if problem:
+            raise H3InputError(f"{problem} (H3 References, {socket}: trim or replace that audio)")
 
 
 NODES = [Keyframes, References]

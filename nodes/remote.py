@@ -35,7 +35,7 @@ from ..h3_core.remote.client import (
 )
 from . import comfy_bridge as bridge
 from . import encode_ahead
-from .encode import TASKS, check_numbers, numbers_inputs, request_from
+from .encode import TASK_TOOLTIP, TASKS, encode_problems, numbers_inputs, request_from
 from .input_checks import check_declared
 from .types import CONDITIONING_CATEGORY, Media
 
@@ -165,7 +165,7 @@ class RemoteEncode(io.ComfyNode):
                                 tooltip="Encoder endpoint URL; several, comma-separated, fail over in order. "
                                 "Use https:// through a TLS proxy off this machine (docs/DEPLOY.md)."),
                 Media.Input("media", optional=True, tooltip="Keyframes (fl2va) or references (ref2va)."),
-                io.Combo.Input("task", options=TASKS, default="auto", optional=True),
+                io.Combo.Input("task", options=TASKS, default="auto", optional=True, tooltip=TASK_TOOLTIP),
                 io.Int.Input("timeout_s", default=600, min=5, max=7200, optional=True,
                              tooltip="Seconds to wait for the server's answer (connecting times out much sooner)."),
             ],
@@ -174,16 +174,14 @@ class RemoteEncode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width, height, length, endpoint, **kwargs):
-        # **kwargs makes ComfyUI skip its own bounds checks on every input: check what this node declares here.
-        declared = check_declared(cls, dict(kwargs, width=width, height=height, length=length, endpoint=endpoint))
-        if declared is not True:
-            return declared
-        try:
-            credentials.token_for(_urls(endpoint))  # no network: the URL syntax and the token policy only
-        except credentials.CredentialPolicyError as error:
-            return str(error)
-        return check_numbers(width, height, length)
+    def validate_inputs(cls, **kwargs):
+        endpoint = []
+        if isinstance(kwargs.get("endpoint"), str):
+            try:
+                credentials.token_for(_urls(kwargs["endpoint"]))  # no network: the URL syntax and the token policy
+            except credentials.CredentialPolicyError as error:
+                endpoint.append(("endpoint", str(error)))
+        return encode_problems(cls, kwargs, endpoint)
 
     @classmethod
     def fingerprint_inputs(cls, prompt, width, height, length, endpoint, task="auto", timeout_s=600, **kwargs):

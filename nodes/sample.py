@@ -10,7 +10,8 @@ from ..h3_core.diffusion import DiffusionStage, SamplingOptions
 from ..h3_core.lora import LoRA
 from ..h3_core.models import COMPONENT_NAMES, PARTITION_OF_TASK
 from . import comfy_bridge as bridge
-from . import memory
+from . import memory, progress_text
+from .loaders import DiTLoader
 from .types import SAMPLING_CATEGORY, DiT
 
 NO_LORA = "none"
@@ -27,18 +28,24 @@ class Sampler(io.ComfyNode):
             "video shift 12, audio shift 3, one forward per step (guidance-distilled: no CFG, no negative prompt). "
             "The seed means what diffusers' torch.Generator('cpu').manual_seed(seed) means.",
             inputs=[
-                DiT.Input("dit"),
+                DiT.Input("dit", tooltip=f"From {DiTLoader.DISPLAY_NAME}: the partition the task needs."),
                 io.Conditioning.Input(
                     "conditioning", tooltip="From the H3 encode nodes, Remote Encode or Load Conditioning."
                 ),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+                io.Int.Input(
+                    "seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                    tooltip="The noise the video and sound start from: the same seed, inputs and settings give the "
+                    "same result (as `python -m h3_core generate --seed`). control after generate: randomize picks "
+                    "a new one each run, fixed keeps it.",
+                ),
                 io.Int.Input(
                     "steps",
                     default=50,
                     min=2,
                     max=200,
-                    tooltip="Sigma points including the final 0 (diffusers' num_inference_steps): "
-                    "steps - 1 DiT forwards. Turbo LoRAs use 5 or 9.",
+                    tooltip="Sampling steps as diffusers counts them (num_inference_steps: noise levels including the "
+                    "final 0), so steps - 1 DiT forwards, one progress tick each (8 -> 7). 50 is the release's "
+                    "setting for the real weights; a Turbo LoRA uses 5 or 9 (its card).",
                 ),
                 io.Float.Input(
                     "video_shift",
@@ -110,10 +117,13 @@ class Sampler(io.ComfyNode):
         if dit.extra["partition"] != needed:
             raise ValueError(
                 f"this {cond.task} conditioning needs the {COMPONENT_NAMES[needed]}; the loaded DiT is the "
-                f"{COMPONENT_NAMES[dit.extra['partition']]} (set Load MiniMax H3 DiT's partition)"
+                f"{COMPONENT_NAMES[dit.extra['partition']]} (in {DiTLoader.DISPLAY_NAME}, pick a DiT file of the "
+                "other partition, or set `partition` for a model folder)"
             )
         adapter = None if lora in (None, NO_LORA) else LoRA.load(folder_paths.get_full_path_or_raise("loras", lora))
-        report = bridge.progress_callback(cls.hidden.unique_id)
+        # one tick and one "DiT forward k/n" line per forward: steps - 1 of them
+        report = progress_text.with_text(bridge.progress_callback(cls.hidden.unique_id), cls.hidden.unique_id,
+                                         "denoise")
         options = SamplingOptions(
             steps=steps,
             seed=seed,

@@ -177,15 +177,16 @@ def test_loader_folder_choices_stay_inside_models_minimax_h3(server):
                    "minimax_h3//etc", "minimax_h3/" + str(escape)):
         graph = {"1": {"class_type": "H3SplitVideoVAELoader", "inputs": {"vae": choice}},
                  "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
-        result = server.run_prompt(graph, timeout=60, check=False)
-        assert result.status == "error", choice
-        assert result.error["exception_message"].startswith("model folder: "), result.error["exception_message"]
-        assert result.error["exception_type"].endswith("safe_paths.UnsafePathError")
+        # refused at queue time (the loader's validate_inputs resolves the choice), on the `vae` input
+        status, body = server.post_prompt_expect_error(graph)
+        errors = body["node_errors"]["1"]["errors"]
+        assert status == 400 and [e["extra_info"]["input_name"] for e in errors] == ["vae"], body
+        assert errors[0]["details"].startswith("vae - model folder: "), errors
     (server.base_dir / "models" / "vae" / "h3sec.ckpt").write_bytes(b"not a pickle, but never read")
     graph = {"1": {"class_type": "H3SplitVideoVAELoader", "inputs": {"vae": "h3sec.ckpt"}},
              "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
-    result = server.run_prompt(graph, timeout=60, check=False)
-    assert result.status == "error" and "is not a .safetensors file" in result.error["exception_message"]
+    status, body = server.post_prompt_expect_error(graph)
+    assert status == 400 and "is not a .safetensors file" in json.dumps(body["node_errors"]["1"])
 
 
 # --- item 5: Remote Encode sends the token only where the environment says ----------------------------------

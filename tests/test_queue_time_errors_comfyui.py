@@ -1,0 +1,210 @@
+"""Mistakes the graph shows are refused by POST /prompt (queue time, no model loaded), once each, on the input
+that causes them, in a real ComfyUI 0.3.75 on loopback with the pack's shipped API workflows."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from comfy_harness import comfy  # noqa: F401  (session fixture)
+
+WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows" / "api"
+
+
+@pytest.fixture(scope="module")
+def server(comfy, tiny_dir):
+    comfy.add_model("minimax_h3", tiny_dir, "tiny")  # the loaders' embedded-tiny choice, prebuilt
+    return comfy
+
+
+def api(name: str) -> dict:
+    return json.loads((WORKFLOWS / f"{name}.json").read_text())
+
+
+def key_of(graph: dict, class_type: str) -> str:
+    return next(key for key, node in graph.items() if node["class_type"] == class_type)
+
+
+def refused(server, graph: dict, class_type: str) -> list[tuple[str, str]]:
+    """POST /prompt, expecting a 400; the (input_name, details) of the errors on the node of `class_type`."""
+    status, body = server.post_prompt_expect_error(graph)
+    assert status == 400, body
+    node = body["node_errors"][key_of(graph, class_type)]
+    return [(error["extra_info"].get("input_name"), error["details"]) for error in node["errors"]]
+
+
+def edited(name: str, class_type: str, **inputs) -> dict:
+    graph = copy.deepcopy(api(name))
+    graph[key_of(graph, class_type)]["inputs"].update(inputs)
+    return graph
+
+
+def test_a_bad_length_is_one_error_on_length(server):
+    errors = refused(server, edited("t2va", "H3SplitTextEncode", length=107), "H3SplitTextEncode")
+    assert len(errors) == 1, errors
+    name, details = errors[0]
+    assert name == "length" and "124-345 frames" in details and "got 107 frames" in details
+
+
+def test_each_problem_once_on_its_own_input(server):
+    graph = edited("t2va", "H3SplitTextEncode", prompt="  ", width=640, height=0, length=130)
+    errors = dict(refused(server, graph, "H3SplitTextEncode"))
+    assert sorted(errors) == ["height", "length", "prompt"], errors
+    assert "prompt is empty" in errors["prompt"]
+    assert "set height too" in errors["height"]
+    assert "17k+5" in errors["length"] and "nearest valid: 124 or 141" in errors["length"]
+
+
+def test_off_grid_canvas_names_the_edge(server):
+    errors = refused(server, edited("t2va", "H3SplitTextEncode", width=128, height=100), "H3SplitTextEncode")
+    assert errors == [("height", "height - height must be a multiple of 32 px (VAE /16 x DiT patch 2), got 100; "
+                                 "nearest valid: 96 or 128")]
+
+
+def test_remote_encode_endpoint_problem_lands_on_endpoint(server):
+    graph = edited("ref2va_remote", "H3SplitRemoteEncode", endpoint="ftp://example.invalid", length=124)
+    errors = refused(server, graph, "H3SplitRemoteEncode")
+    assert [name for name, _ in errors] == ["endpoint"], errors
+
+
+def test_length_widget_stays_on_the_grid(server):
+    spec = server.object_info("H3SplitTextEncode")["input"]["required"]["length"][1]
+    assert (spec["min"], spec["max"], spec["step"]) == (124, 345, 17)
+    assert all((spec["min"] + k * spec["step"]) % 17 == 5 for k in range(14))
+
+
+def test_a_short_reference_audio_is_the_references_nodes_error(server):
+    """Known only once the media is decoded (run time), but blamed on the node that brought it, with a type that
+    reads as the pack's (no file-system path in ComfyUI's report)."""
+    import numpy as np
+
+    from h3_core import media
+
+    short = server.input_dir / "h3test_1s.wav"
+    tone = np.stack([np.sin(np.arange(32000) / 32000 * 2 * np.pi * 220)] * 2).astype(np.float32) * 0.2
+    short.write_bytes(media.encode_wav_bytes(tone, 32000, sample_format="s16"))
+    graph = api("ref2va")
+    graph[key_of(graph, "LoadAudio")]["inputs"]["audio"] = short.name
+    result = server.run_prompt(graph, timeout=600, check=False)
+    assert result.status == "error"
+    assert result.error["node_type"] == "H3SplitReferences", result.error
+    assert "reference audio 1 must be 2-15 s long, got 1.00 s" in result.error["exception_message"]
+    assert "ref_audio_1" in result.error["exception_message"]
+    assert result.error["exception_type"] == "minimax_h3.h3_core.rules.H3InputError"
+
+
+# --- loaders: lists by component, refusals from the header, the DiT partition the file says ------------------
+
+
+def options(server, class_type: str, name: str) -> list[str]:
+    spec = server.object_info(class_type)["input"]["required"][name]
+    return spec[1]["options"] if spec[0] == "COMBO" else spec[0]
+
+
+def user_files(listed: list[str]) -> list[str]:
+    return [name for name in listed if not name.startswith("[embedded]") and not name.startswith("minimax_h3/")]
+
+
+def test_vae_loaders_list_only_their_component_user_files_first(server):
+    video = options(server, "H3SplitVideoVAELoader", "vae")
+    audio = options(server, "H3SplitAudioVAELoader", "audio_vae")
+    assert user_files(video) and user_files(audio)
+    assert all("video_vae" in name for name in user_files(video)), video
+    assert all("audio_vae" in name for name in user_files(audio)), audio
+    for listed in (video, audio):  # the user's files before the embedded tiny entries
+        firsts = [i for i, name in enumerate(listed) if name.startswith("[embedded]")]
+        assert firsts and min(firsts) > max(listed.index(name) for name in user_files(listed))
+    assert not any("audio_vae" in name for name in video) and not any("video_vae" in name for name in audio)
+
+
+def test_a_file_of_another_component_is_refused_at_queue_time(server):
+    audio_file = user_files(options(server, "H3SplitAudioVAELoader", "audio_vae"))[0]
+    errors = refused(server, edited("t2va", "H3SplitVideoVAELoader", vae=audio_file), "H3SplitVideoVAELoader")
+    loader = server.object_info("H3SplitAudioVAELoader")["display_name"]  # named as the user sees it
+    assert errors == [("vae", f"vae - {audio_file} holds the H3 audio VAE, not the video VAE: load it with {loader}")]
+
+
+def test_a_missing_model_file_is_refused_at_queue_time(server):
+    errors = refused(server, edited("t2va", "H3SplitDiTLoader", dit="minimax_h3_fl2va_bf16.safetensors"),
+                     "H3SplitDiTLoader")
+    assert len(errors) == 1 and errors[0][0] == "dit", errors
+    assert "minimax_h3_fl2va_bf16.safetensors is not in models/diffusion_models/: download it there" in errors[0][1]
+
+
+def test_the_dit_file_says_its_partition(server):
+    """A saved workflow whose partition widget contradicts its DiT file runs on the partition the file says."""
+    dits = user_files(options(server, "H3SplitDiTLoader", "dit"))
+    fl2va = next(name for name in dits if "fl2va" in name and "pruned" not in name and "fp32" in name)
+    graph = edited("t2va", "H3SplitDiTLoader", dit=fl2va, partition="ref2va (references)")
+    assert server.run_prompt(graph, timeout=600).status == "success"
+
+
+# --- progress that says what happens ---------------------------------------------------------------------------
+
+
+def progress_texts(result, node: str) -> list[str]:
+    """The progress-text lines ComfyUI sent for `node` (binary ws frames of type 3: node id length, id, text)."""
+    import struct
+
+    texts = []
+    for frame in result.binary:
+        if len(frame) < 8 or struct.unpack(">I", frame[:4])[0] != 3:
+            continue
+        length = struct.unpack(">I", frame[4:8])[0]
+        if frame[8:8 + length].decode() == node:
+            texts.append(frame[8 + length:].decode())
+    return texts
+
+
+def test_progress_text_says_what_each_node_does(server):
+    graph = api("t2va")
+    sampler, decode = key_of(graph, "H3SplitSampler"), key_of(graph, "H3SplitDecode")
+    graph[sampler]["inputs"].update(steps=4, seed=11)  # 4 noise levels: 3 DiT forwards
+    # a prompt no other test sends: ComfyUI's cache would skip a Text Encode another test already ran
+    graph[key_of(graph, "H3SplitTextEncode")]["inputs"]["prompt"] = "A heron lifts off a misty lake; wingbeats, frogs."
+    result = server.run_prompt(graph, timeout=600)
+    forwards = [text for text in progress_texts(result, sampler) if text.startswith("DiT forward")]
+    assert forwards[-3:] == ["DiT forward 1/3", "DiT forward 2/3", "DiT forward 3/3"], forwards
+    ticks = [m for m in result.of_type("progress") if m.get("node") == sampler]
+    assert ticks and max(m["max"] for m in ticks) == 3 and ticks[-1]["value"] == 3
+    decoding = progress_texts(result, decode)
+    assert any(text.startswith("decoding video: tile") for text in decoding), decoding
+    assert any(text.startswith("decoding audio") for text in decoding), decoding
+    text_encode = progress_texts(result, key_of(graph, "H3SplitTextEncode"))
+    assert any(text.startswith("text encoder: layer") for text in text_encode), text_encode
+
+
+# --- what the real frontend shows -------------------------------------------------------------------------------
+
+
+def test_the_frontend_shows_a_bad_length_once_on_length(server, tmp_path):
+    """Run from the real frontend (1.32.9) with length 107: one error, on `length`, and the dialog says it once."""
+    import os
+    import subprocess
+
+    from comfy_harness import chromium_path, ui_available
+
+    ok, reason = ui_available()
+    if not ok:
+        pytest.skip(reason)
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "workflows" / "ui"
+    workflow = json.loads((fixtures / "t2va.json").read_text())
+    text_encode = next(node for node in workflow["nodes"] if node["type"] == "H3SplitTextEncode")
+    widgets = [spec for spec in server.object_info("H3SplitTextEncode")["input_order"]["required"]
+               if spec not in ("text_encoder",)]
+    text_encode["widgets_values"][widgets.index("length")] = 107
+    path = tmp_path / "t2va_length_107.json"
+    path.write_text(json.dumps(workflow))
+    ui = Path(__file__).resolve().parent / "ui"
+    env = {**os.environ, "COMFY_URL": server.url, "CHROMIUM_PATH": chromium_path() or ""}
+    done = subprocess.run(["node", str(ui / "queue_errors.mjs"), str(path)], cwd=ui, env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-3000:]
+    report = json.loads(lines[-1])
+    node = report["node_errors"][str(text_encode["id"])]
+    assert node["inputs"] == ["length"], node
+    shown = "\n".join(report["dialogs"])
+    assert shown.count("got 107 frames") == 1, shown
