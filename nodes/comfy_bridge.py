@@ -18,7 +18,7 @@ import folder_paths
 import numpy as np
 import torch
 
-from ..h3_core import media, previews, progress, rules, safe_paths, tiny_files
+from ..h3_core import media, previews, rules, safe_paths, tiny_files
 from ..h3_core.progress import Cancelled
 from . import low_vram
 
@@ -199,19 +199,6 @@ def progress_text(node_id: str | None, template: str):
             server.send_progress_text(template.format(value), node_id)
 
     return show
-
-
-def phase_progress(node_id: str | None):
-    """A `progress.reporting` sink: every named phase h3_core reports inside a node drives that node's bar
-    (one bar per phase, restarted when the phase changes: e.g. decode tiles, then the audio decode)."""
-    state = {"phase": None, "bar": None}
-
-    def sink(phase: str, done: int, total: int) -> None:
-        if state["phase"] != phase:
-            state["phase"], state["bar"] = phase, comfy.utils.ProgressBar(total, node_id=node_id)
-        state["bar"].update_absolute(done, total)
-
-    return progress.reporting(sink)
 
 
 # --- live previews --------------------------------------------------------------------------------
