@@ -1,7 +1,7 @@
 """Progress that says what the running node does: the bar per phase and a line of text under it.
 
-h3_core reports named phases (`h3_core.progress.PHASES`); each gets the node's bar (restarted when the phase changes)
-does, plus ComfyUI's progress-text line ("decoding audio (one pass) - 12 s"). A phase whose work has no
+h3_core reports named phases (`h3_core.progress.PHASES`); each gets the node's bar (restarted when the phase
+changes) plus ComfyUI's progress-text line ("decoding audio (one pass) - 12 s"). A phase whose work has no
 sub-steps (the audio decode is one call; building the embedded tiny H3 is one call) would sit at 0 % with nothing
 moving, so a heartbeat refreshes the text with the elapsed time every second until the phase ticks or ends: no
 phase stays silent for more than a second or two.
