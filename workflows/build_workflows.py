@@ -35,7 +35,8 @@ TINY_FILE = "[embedded] tiny H3 / "  # + one of the tiny's single files (the qua
 FL2VA = "fl2va (t2va, first/last frame)"
 REF2VA = "ref2va (references)"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8190"
-STEPS = 8  # the tiny model's demo setting; real weights use 50 (or a Turbo LoRA's 5/9)
+STEPS = 8  # the tiny model's demo setting (API workflows, the tiny form of the templates)
+RELEASE_STEPS = 50  # what the user templates, on the published files, sample with: the release setting
 
 EXAMPLE_MEDIA = {
     "first": "h3_example_first_frame.png",
@@ -100,9 +101,12 @@ class Node:
     model: str | None = None  # a loader's REAL_MODELS key
     before: Node | None = None  # a note: the node it sits above
     column: int | None = None  # canvas column (None: one after its inputs)
+    published: dict = field(default_factory=dict)  # widget values of the form on the published files
 
     def inputs_for(self, tiny: bool) -> dict:
         """The inputs with a loader's file: the published one, or (tiny) the embedded tiny H3's stand-in."""
+        if not tiny and self.published:
+            return {**self.inputs, **self.published}
         if self.model is None:
             return self.inputs
         model = REAL_MODELS[self.model]
@@ -368,6 +372,7 @@ def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str, column
         video_shift=12.0,
         audio_shift=3.0,
     )
+    latent.published = {"steps": RELEASE_STEPS}
     decoded = graph.add("H3SplitDecode", latent=(latent, 0), vae=(vae, 0), audio_vae=(audio_vae, 0), column=column + 1)
     graph.add("SaveVideo", video=(decoded, 0), filename_prefix=f"h3/{prefix}", format="mp4", codec="h264",
               column=column + 1)
