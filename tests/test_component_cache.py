@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from test_remote_server import CASES
+from support.remote_cases import CASES
 
 from h3_core import component_cache
 from h3_core.component_cache import CacheRecord, MemoryTier

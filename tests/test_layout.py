@@ -97,3 +97,28 @@ def test_h3_core_imports_itself_relatively():
         if "h3_core" in _imported_modules(path)
     ]
     assert offenders == []
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/support/: a test module importing another (`from test_x import helper`, or a
+    fixture) ties one module's collection to another's and hides what is shared. tests/support/ imports no test
+    module either."""
+    tests = REPO / "tests"
+    modules = {path.stem for path in tests.glob("test_*.py")}
+    offenders = {}
+    for path in sorted([*tests.glob("test_*.py"), *(tests / "support").glob("*.py"), tests / "conftest.py"]):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        hits = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            hits.update(name for name in names if name.removeprefix("tests.") in modules)
+        if hits:
+            offenders[str(path.relative_to(REPO))] = sorted(hits)
+    assert offenders == {}, f"move what these share into tests/support/: {offenders}"
+    assert not [path.name for path in tests.glob("*.py") if not path.name.startswith("test_")
+                and path.name != "conftest.py"], "support modules belong in tests/support/"

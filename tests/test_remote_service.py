@@ -10,7 +10,7 @@ import asyncio
 import gc
 
 import pytest
-from service_support import run_service
+from support.service_support import run_service
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
