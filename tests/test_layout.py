@@ -122,3 +122,18 @@ def test_no_test_module_imports_another():
     assert offenders == {}, f"move what these share into tests/support/: {offenders}"
     assert not [path.name for path in tests.glob("*.py") if not path.name.startswith("test_")
                 and path.name != "conftest.py"], "support modules belong in tests/support/"
+
+
+def test_every_test_module_is_in_a_tier():
+    """tests/conftest.py's TIERS classifies every test module (a forgotten one would silently join the fast tier),
+    names no module that does not exist, and uses only the markers pyproject.toml registers."""
+    from conftest import SLOW_TESTS, TIERS
+
+    modules = {path.stem for path in (REPO / "tests").glob("test_*.py")}
+    assert sorted(modules - set(TIERS)) == [], "add these to TIERS in tests/conftest.py"
+    assert sorted(set(TIERS) - modules) == []
+    assert {key.split("::")[0] for key in SLOW_TESTS} <= modules
+    registered = {line.split(":")[0] for line in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]
+                  ["pytest"]["ini_options"]["markers"]}
+    used = {marker for markers in [*TIERS.values(), *SLOW_TESTS.values()] for marker in markers}
+    assert used <= registered == {"slow", "comfyui", "ray", "process"}
