@@ -33,6 +33,16 @@ def tiny_dir(tmp_path_factory) -> Path:
     return tiny.build(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
+@pytest.fixture(scope="session")
+def encoder_stage(tiny_dir):
+    """The tiny H3's `EncoderStage` (text, video and audio encoders), loaded once per session: its modules are only
+    read, and torch's thread count (what bitwise results depend on) is set per module by `one_thread`."""
+    from h3_core.encoder import EncoderStage
+    from h3_core.models import ModelSource
+
+    return EncoderStage(ModelSource.from_path(tiny_dir))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Run a module's local encodes on SERVER_THREADS torch threads (restored afterwards)."""
@@ -57,6 +67,7 @@ def parity_threads():
 SLOW, COMFYUI, RAY, PROCESS = "slow", "comfyui", "ray", "process"
 
 #: module -> the markers of every test in it; () is the fast tier (tests that need `tiny_dir` are slow anyway).
+#: Slow modules that need no tiny build: they build diffusers' reference models or release-size headers.
 TIERS: dict[str, tuple[str, ...]] = {
     "test_assembly": (SLOW,),
     "test_bench_quick": (SLOW,),
@@ -110,9 +121,9 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_pruned_dit": (SLOW,),
     "test_quant_formats": (),
     "test_quant_pipeline": (SLOW,),
-    "test_quant_release": (),
+    "test_quant_release": (SLOW,),
     "test_quant_twins": (SLOW,),
-    "test_qwen_assets": (),
+    "test_qwen_assets": (SLOW,),
     "test_readme_assets": (PROCESS,),
     "test_remote_fairness": (SLOW,),
     "test_remote_faults": (SLOW, PROCESS),
@@ -134,16 +145,21 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_tiny": (SLOW,),
     "test_vae_encode": (SLOW,),
     "test_vae_stream": (SLOW,),
-    "test_weights_detect_check": (),
-    "test_weights_registry": (),
-    "test_weights_release_meta": (),
-    "test_weights_roundtrip": (),
-    "test_weights_text_encoder": (),
+    "test_weights_detect_check": (SLOW,),
+    "test_weights_registry": (SLOW,),
+    "test_weights_release_meta": (SLOW,),
+    "test_weights_roundtrip": (SLOW,),
+    "test_weights_text_encoder": (SLOW,),
     "test_workflow_fixtures": (COMFYUI,),
 }
 
-#: The slow tests of otherwise fast modules, by node id without parameters (measured with --durations).
+#: The slow tests of otherwise fast modules, "module::function" (all its parameters), measured with --durations.
 SLOW_TESTS: dict[str, tuple[str, ...]] = {
+    "test_hostile_client::test_cli_encode_with_a_trickling_server_ends_at_its_timeout": (SLOW, PROCESS),
+    "test_hostile_files::test_a_93_mb_header_is_refused_before_parsing_under_50_mb": (SLOW, PROCESS),
+    "test_hostile_files::test_cli_refuses_a_canvas_beyond_the_trained_range": (SLOW, PROCESS),
+    "test_hostile_files::test_a_file_truncated_after_load_does_not_kill_the_reader": (SLOW, PROCESS),
+    "test_quant_formats::test_lora_on_quant_linear_is_a_branch_beside_the_codes": (SLOW,),
 }
 
 

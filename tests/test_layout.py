@@ -1,6 +1,7 @@
 """The pack's layout promises: h3_core never imports ComfyUI, V3-only entry point, no torch pin."""
 
 import ast
+import re
 from pathlib import Path
 
 import tomllib
@@ -105,18 +106,12 @@ def test_no_test_module_imports_another():
     module either."""
     tests = REPO / "tests"
     modules = {path.stem for path in tests.glob("test_*.py")}
+    # import test_x / import tests.test_x / from test_x import ... / from tests.test_x import ... / from tests import
+    imports = re.compile(r"^\s*(?:import|from)\s+(?:tests\.)?(test_\w+)|^\s*from\s+tests\s+import\s+(test_\w+)", re.M)
     offenders = {}
     for path in sorted([*tests.glob("test_*.py"), *(tests / "support").glob("*.py"), tests / "conftest.py"]):
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        hits = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-            else:
-                continue
-            hits.update(name for name in names if name.removeprefix("tests.") in modules)
+        hits = {name for match in imports.finditer(path.read_text(encoding="utf-8")) for name in match.groups()
+                if name in modules}
         if hits:
             offenders[str(path.relative_to(REPO))] = sorted(hits)
     assert offenders == {}, f"move what these share into tests/support/: {offenders}"
