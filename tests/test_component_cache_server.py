@@ -18,8 +18,6 @@ from support.encoder_process import ServerProcess
 from support.remote_cases import CASES
 from support.remote_http import cache_components, metric_samples, raw, wire
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote import protocol
 from h3_core.remote.server import ServerConfig, ServerThread
 from h3_core.testing import SERVER_THREADS
@@ -33,8 +31,8 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 @pytest.fixture(scope="module")

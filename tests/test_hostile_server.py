@@ -23,8 +23,6 @@ import pytest
 from support.remote_http import connect, read_status, start_upload
 
 from h3_core import media, rules
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote import packing, protocol
 from h3_core.remote.client import EncoderClient
 from h3_core.remote.protocol import Limits
@@ -36,8 +34,8 @@ REQUEST = EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, nu
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir, one_thread):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage, one_thread):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def _eventually(condition, limit_s: float = 30.0) -> bool:

@@ -13,16 +13,14 @@ import pytest
 from support.comfy_harness import comfy, free_port  # noqa: F401  (session fixture)
 from support.remote_cases import PacedStage, SlowStage
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote import polling
 from h3_core.remote.server import ServerConfig, ServerThread
 from h3_core.testing import SERVER_THREADS, wait_until
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def remote_graph(endpoint: str, prompt: str) -> dict:

@@ -20,8 +20,6 @@ import numpy as np
 import pytest
 from support.encoder_process import REPO, ServerProcess, server_env
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote.client import EncoderClient, RemoteUnavailableError
 from h3_core.request import EncodeRequest, VideoInput
 from h3_core.testing import SERVER_THREADS, wait_until
@@ -50,8 +48,8 @@ def _heavy(tag: str) -> EncodeRequest:
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def test_non_loopback_bind_without_token_is_refused_at_start(tmp_path):

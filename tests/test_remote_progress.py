@@ -18,8 +18,6 @@ import pytest
 from support.remote_cases import CASES, PacedStage, SlowStage
 from support.remote_http import raw, wire
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.progress import Cancelled
 from h3_core.remote import http as http_module
 from h3_core.remote import polling, tracking
@@ -38,8 +36,8 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def _get(url, path, headers=None):

@@ -28,9 +28,7 @@ pytest.importorskip("ray.serve")
 from support.remote_cases import CASES, hostile_cases, send_hostile  # noqa: E402
 from support.remote_http import cache_components, metric_samples, raw, read_status, start_upload, wire  # noqa: E402
 
-from h3_core.encoder import EncoderStage  # noqa: E402
 from h3_core.facts import AUDIO_SAMPLE_RATE  # noqa: E402
-from h3_core.models import ModelSource  # noqa: E402
 from h3_core.remote import protocol  # noqa: E402
 from h3_core.remote.client import EncoderClient, RemoteAuthError, RemoteEncodeError  # noqa: E402
 from h3_core.remote.protocol import Limits  # noqa: E402
@@ -55,8 +53,8 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def _free_port() -> int:

@@ -17,8 +17,6 @@ import pytest
 from support.remote_cases import CASES, SlowStage, hostile_cases, send_hostile
 from support.remote_http import raw, wire
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.progress import Cancelled
 from h3_core.remote import handler as handler_module
 from h3_core.remote import protocol
@@ -45,8 +43,8 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,14 @@ import gc
 import pytest
 from support.service_support import run_service
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote import protocol
 from h3_core.remote.protocol import ProtocolError
 from h3_core.remote.service import EncoderService, ServerConfig
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def _spec(**fields):
