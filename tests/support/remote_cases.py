@@ -237,10 +237,10 @@ def hostile_cases() -> list[tuple[str, str, str, dict, bytes]]:
     return cases
 
 
-def send_hostile(url: str, cases, headers: dict | None = None) -> tuple[list[str], dict[int, int]]:
+def send_hostile(url: str, cases, headers: dict | None = None, strict: bool = True) -> tuple[list[str], dict[int, int]]:
     """Send every hostile case; (failures, count per status). A failure is no answer, a status outside 4xx, or a
-    4xx without a JSON error body (except bad Content-Length: aiohttp's HTTP parser answers a plain-text 400
-    before the application runs)."""
+    4xx without a JSON error code. `strict` (the aiohttp server) also asks for the error's message and for 400 on
+    a bad Content-Length, which aiohttp's HTTP parser answers in plain text before the application runs."""
     failures, statuses = [], {}
     for label, method, path, case_headers, body in cases:
         try:
@@ -252,12 +252,12 @@ def send_hostile(url: str, cases, headers: dict | None = None) -> tuple[list[str
         if not 400 <= status < 500:
             failures.append(f"{label}: {status} {data[:200]!r}")
         elif label.startswith("bad Content-Length"):
-            if status != 400:
+            if strict and status != 400:
                 failures.append(f"{label}: {status}")
         else:
             try:
                 error = json.loads(data)["error"]
-                assert error["code"] and error["message"]
+                assert error["code"] and (not strict or error["message"])
             except Exception:  # noqa: BLE001
                 failures.append(f"{label}: {status} without a JSON error body: {data[:120]!r}")
     return failures, statuses
