@@ -2,7 +2,7 @@
 # Set up (if needed) and run the whole test suite. Extra arguments go to pytest.
 #   bash scripts/test.sh           everything (what CI runs)
 #   bash scripts/test.sh --fast    the fast tier: no tiny-model runs, ComfyUI, Ray or server processes (tiers:
-#                                  tests/conftest.py TIERS); a few minutes, for the inner loop
+#                                  tests/conftest.py TIERS); about a minute, for the inner loop
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 FAST=0
