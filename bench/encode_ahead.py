@@ -1,6 +1,6 @@
 """Encode-ahead in a real ComfyUI: a queue of two ref2va prompts with and without it (nodes/encode_ahead.py).
 
-A real ComfyUI (tests/comfy_harness.py: `.comfyui/`, CPU, loopback) with the pack, and a real H3 encoder server
+A real ComfyUI (tests/support/comfy_harness.py: `.comfyui/`, CPU, loopback) with the pack, and a real H3 encoder server
 (`python -m h3_core serve`) listed in H3_ENCODER_URLS, both on the embedded tiny H3. One round posts two ref2va
 prompts (the shipped ref2va_remote workflow, each with its own prompt text so neither ComfyUI's cache nor the
 server's serves them) at once and times from the first POST to the second prompt's end. The arms differ only in
@@ -77,7 +77,7 @@ def _pair(comfy, endpoint: str, ahead: bool, tag: str, steps: int) -> float:
 
 def run(models: Path, *, rounds: int = 4, steps: int = 8, threads: int = 1) -> dict:
     sys.path.insert(0, str(common.REPO / "tests"))
-    import comfy_harness
+    from support import comfy_harness
 
     env = common.worker_env(threads)
     port = comfy_harness.free_port()

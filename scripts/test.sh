@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite. Extra arguments go to pytest.
+#   bash scripts/test.sh           everything (what CI runs)
+#   bash scripts/test.sh --fast    the fast tier: no tiny-model runs, ComfyUI, Ray or server processes (tiers:
+#                                  tests/conftest.py TIERS); about a minute, for the inner loop
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+FAST=0
+if [[ "${1:-}" == "--fast" ]]; then
+  FAST=1
+  shift
+fi
 VENV=$("$REPO/scripts/setup_env.sh")
-# ComfyUI 0.3.75 + chromium + playwright-core for the in-ComfyUI tests (fast when already set up).
-H3_VENV="$VENV" bash "$REPO/scripts/setup_comfyui.sh"
+# ComfyUI 0.3.75 + chromium + playwright-core for the in-ComfyUI tests (fast when already set up; the fast tier
+# starts no ComfyUI).
+if [[ $FAST == 0 ]]; then
+  H3_VENV="$VENV" bash "$REPO/scripts/setup_comfyui.sh"
+fi
 cd "$REPO"
 # Lint first (configuration in pyproject.toml): a style error fails the run like a failing test.
 "$VENV/bin/ruff" check .
 # Fixed thread count: bitwise stage-split parity assumes it (docs/ARCHITECTURE.md §2.1, trap 5).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} H3_THREADS=${H3_THREADS:-2}
+if [[ $FAST == 1 ]]; then
+  exec "$VENV/bin/python" -m pytest -q --fast "$@"  # = -m "not slow and not comfyui and not ray and not process"
+fi
 exec "$VENV/bin/python" -m pytest -q "$@"

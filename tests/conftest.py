@@ -1,6 +1,14 @@
-"""Shared fixtures: the embedded tiny H3 is built once per test session.
+"""Shared fixtures (the embedded tiny H3 is built once per test session) and the test tiers.
 
 Set H3_TINY_DIR to reuse an existing build while iterating locally (CI always builds fresh).
+
+Tiers: every test module is classified in `TIERS` below (tests/test_layout.py checks it: a new module must be
+added). The markers are registered in pyproject.toml; the fast tier
+(`bash scripts/test.sh --fast`) is every test with none of them:
+  slow     runs the tiny H3 or diffusers' reference models (any test that needs the `tiny_dir` build is slow)
+  comfyui  a real ComfyUI server (and its frontend in Chromium)
+  ray      a local Ray instance (one per machine)
+  process  starts encoder servers, sandboxes or fresh Pythons as real processes
 """
 
 import os
@@ -25,6 +33,16 @@ def tiny_dir(tmp_path_factory) -> Path:
     return tiny.build(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
+@pytest.fixture(scope="session")
+def encoder_stage(tiny_dir):
+    """The tiny H3's `EncoderStage` (text, video and audio encoders), loaded once per session: its modules are only
+    read, and torch's thread count (what bitwise results depend on) is set per module by `one_thread`."""
+    from h3_core.encoder import EncoderStage
+    from h3_core.models import ModelSource
+
+    return EncoderStage(ModelSource.from_path(tiny_dir))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Run a module's local encodes on SERVER_THREADS torch threads (restored afterwards)."""
@@ -42,3 +60,136 @@ def parity_threads():
     torch.set_num_threads(int(os.environ.get("H3_THREADS", "2")))
     yield
     torch.set_num_threads(before)
+
+
+# --- test tiers ----------------------------------------------------------------------------------------------
+
+SLOW, COMFYUI, RAY, PROCESS = "slow", "comfyui", "ray", "process"
+
+#: module -> the markers of every test in it; () is the fast tier (tests that need `tiny_dir` are slow anyway).
+#: Slow modules that need no tiny build: they build diffusers' reference models or release-size headers.
+TIERS: dict[str, tuple[str, ...]] = {
+    "test_assembly": (SLOW,),
+    "test_bench_quick": (SLOW,),
+    "test_cli_components": (SLOW,),
+    "test_clock": (),
+    "test_comfyui_server": (COMFYUI,),
+    "test_community_formats": (SLOW,),
+    "test_component_cache": (SLOW,),
+    "test_component_cache_server": (SLOW, PROCESS),
+    "test_contract_comfy": (),
+    "test_contract_comfy_edits": (),
+    "test_contract_conditioning": (),
+    "test_contract_hygiene": (),
+    "test_contract_layout": (),
+    "test_contract_vllm": (),
+    "test_contract_wire": (),
+    "test_contract_wire_hostile": (),
+    "test_contract_wire_zero_copy": (),
+    "test_core_conditioning_comfyui": (COMFYUI,),
+    "test_credentials": (),
+    "test_deploy_docs": (PROCESS,),
+    "test_deploy_install": (PROCESS,),
+    "test_deploy_sandbox": (PROCESS,),
+    "test_diffusers_adapter": (),
+    "test_docs_commands": (PROCESS,),
+    "test_dtypes": (),
+    "test_encode_ahead_comfyui": (COMFYUI,),
+    "test_facts": (),
+    "test_fair_queue_sharing": (SLOW,),
+    "test_gguf": (SLOW,),
+    "test_gguf_comfyui": (COMFYUI,),
+    "test_gpu_check": (SLOW,),
+    "test_hostile_client": (),
+    "test_hostile_files": (),
+    "test_hostile_files_comfyui": (COMFYUI,),
+    "test_hostile_media": (PROCESS,),
+    "test_hostile_process": (SLOW, PROCESS),
+    "test_hostile_sandbox_lifetime": (SLOW, PROCESS),
+    "test_hostile_server": (SLOW,),
+    "test_layout": (),
+    "test_lora": (SLOW,),
+    "test_low_vram_comfyui": (COMFYUI,),
+    "test_media": (),
+    "test_nodes_comfyui": (COMFYUI,),
+    "test_nodes_remote_progress": (COMFYUI,),
+    "test_nodes_security": (COMFYUI,),
+    "test_offload": (SLOW,),
+    "test_planner": (),
+    "test_previews": (SLOW,),
+    "test_previews_comfyui": (COMFYUI,),
+    "test_pruned_dit": (SLOW,),
+    "test_quant_formats": (),
+    "test_quant_pipeline": (SLOW,),
+    "test_quant_release": (SLOW,),
+    "test_quant_twins": (SLOW,),
+    "test_qwen_assets": (SLOW,),
+    "test_readme_assets": (PROCESS,),
+    "test_remote_fairness": (SLOW,),
+    "test_remote_faults": (SLOW, PROCESS),
+    "test_remote_metrics": (SLOW,),
+    "test_remote_progress": (SLOW,),
+    "test_remote_protocol": (),
+    "test_remote_ray": (SLOW, RAY),
+    "test_remote_ray_config": (),
+    "test_remote_server": (SLOW,),
+    "test_remote_service": (SLOW,),
+    "test_remote_sharding": (SLOW,),
+    "test_rules": (),
+    "test_safe_paths": (),
+    "test_safetensors_header": (),
+    "test_sequence_parallel": (SLOW, PROCESS),
+    "test_stage_split": (SLOW,),
+    "test_step_cache": (SLOW,),
+    "test_stress_script": (PROCESS,),
+    "test_tiny": (SLOW,),
+    "test_vae_encode": (SLOW,),
+    "test_vae_stream": (SLOW,),
+    "test_weights_detect_check": (SLOW,),
+    "test_weights_registry": (SLOW,),
+    "test_weights_release_meta": (SLOW,),
+    "test_weights_roundtrip": (SLOW,),
+    "test_weights_text_encoder": (SLOW,),
+    "test_workflow_fixtures": (COMFYUI,),
+}
+
+#: The slow tests of otherwise fast modules, "module::function" (all its parameters), measured with --durations.
+SLOW_TESTS: dict[str, tuple[str, ...]] = {
+    "test_hostile_client::test_cli_encode_with_a_trickling_server_ends_at_its_timeout": (SLOW, PROCESS),
+    "test_hostile_files::test_a_93_mb_header_is_refused_before_parsing_under_50_mb": (SLOW, PROCESS),
+    "test_hostile_files::test_cli_refuses_a_canvas_beyond_the_trained_range": (SLOW, PROCESS),
+    "test_hostile_files::test_a_file_truncated_after_load_does_not_kill_the_reader": (SLOW, PROCESS),
+    "test_quant_formats::test_lora_on_quant_linear_is_a_branch_beside_the_codes": (SLOW,),
+}
+
+
+FAST = "not slow and not comfyui and not ray and not process"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help=f"the fast tier: -m '{FAST}', without even importing the modules that have no fast test")
+
+
+def pytest_configure(config):
+    if config.getoption("fast"):
+        given = config.option.markexpr
+        config.option.markexpr = f"({given}) and {FAST}" if given else FAST
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under --fast, a module whose every test is in a slow tier is not imported (ray, diffusers' models...)."""
+    if config.getoption("fast") and collection_path.suffix == ".py" and TIERS.get(collection_path.stem):
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.stem
+        markers = set(TIERS.get(module, ()))
+        markers.update(SLOW_TESTS.get(f"{module}::{item.originalname}", ()))
+        if "tiny_dir" in item.fixturenames:  # the session's tiny build alone takes a minute on 2 busy cores
+            markers.add(SLOW)
+        for name in sorted(markers):
+            item.add_marker(name)

@@ -1,7 +1,7 @@
 """The pack inside a real ComfyUI 0.3.75 server and its real frontend (CPU, loopback).
 
 Core nodes only, plus whatever the pack registers: these tests prove the harness
-(tests/comfy_harness.py) and the environment (scripts/setup_comfyui.sh), so that the node tests
+(tests/support/comfy_harness.py) and the environment (scripts/setup_comfyui.sh), so that the node tests
 can rely on them. One server for the whole session.
 """
 
@@ -14,7 +14,7 @@ import wave
 from pathlib import Path
 
 import pytest
-from comfy_harness import PACK_NAME, ComfyServer, comfy, import_failures  # noqa: F401  (comfy: fixture)
+from support.comfy_harness import PACK_NAME, ComfyServer, comfy, import_failures  # noqa: F401  (comfy: fixture)
 
 UI_FIXTURES = Path(__file__).parent / "ui" / "fixtures"
 

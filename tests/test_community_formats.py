@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-import weights_support as support
 from safetensors import safe_open
+from support import weights_support
 
 from h3_core import tiny, weights
 from h3_core.tiny_pruned import block_linears
@@ -95,5 +95,5 @@ def test_dit_forward_equals_the_dense_dequantised_model_bitwise(twins, fmt, dtyp
     to_k = quant.transformer_blocks[1].attn.to_k  # a third of the fused qkv (mxfp8: its block scales re-tiled)
     assert isinstance(to_k, QuantLinear) and to_k.weight.dtype in (torch.float8_e4m3fn, torch.int8)
     assert torch.equal(to_k.dense_weight(dtype), reference.transformer_blocks[1].attn.to_k.weight)
-    for got, expected in zip(support.dit_forward(quant), support.dit_forward(reference), strict=True):
+    for got, expected in zip(weights_support.dit_forward(quant), weights_support.dit_forward(reference), strict=True):
         assert got.dtype == expected.dtype and torch.equal(got, expected)

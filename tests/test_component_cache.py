@@ -15,12 +15,10 @@ import os
 
 import pytest
 import torch
-from test_remote_server import CASES
+from support.remote_cases import CASES
 
 from h3_core import component_cache
 from h3_core.component_cache import CacheRecord, MemoryTier
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote.cache import ComponentTiers
 from h3_core.remote.disk_cache import DiskTier
 
@@ -31,8 +29,8 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,10 @@ import resource
 import signal
 
 import pytest
-from test_remote_faults import ServerProcess
-from test_remote_metrics import _samples
-from test_remote_server import CASES, _raw, _wire
+from support.encoder_process import ServerProcess
+from support.remote_cases import CASES
+from support.remote_http import cache_components, metric_samples, raw, wire
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote import protocol
 from h3_core.remote.config import ServerConfig
 from h3_core.remote.server import ServerThread
@@ -34,8 +32,8 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +47,10 @@ def _with_prompt(prompt: str):
 
 
 def _post(url: str, prompt: str) -> tuple[int, dict, bytes]:
-    content_type, body = _wire(_with_prompt(prompt))
-    status, headers, data = _raw(url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type},
+    content_type, body = wire(_with_prompt(prompt))
+    status, headers, data = raw(url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type},
                                  timeout=120)
     return status, dict(headers), data
-
-
-def _parts(headers: dict) -> dict[str, str]:
-    text = headers.get(protocol.H_CACHE_COMPONENTS, "")
-    return dict(item.strip().split("=") for item in text.split(",") if item.strip())
 
 
 REFERENCES = ("video.0", "video.1", "audio.0", "audio.1")
@@ -68,14 +61,14 @@ def test_prompt_only_change_hits_every_reference_in_memory(stage, local, tmp_pat
     with ServerThread(stage, config) as server:
         status, headers, data = _post(server.url, "first")
         assert status == 200 and data == local["first"] and headers[protocol.H_CACHE] == "miss"
-        assert _parts(headers) == dict.fromkeys(("text", *REFERENCES), "miss")
+        assert cache_components(headers) == dict.fromkeys(("text", *REFERENCES), "miss")
         status, headers, data = _post(server.url, "second")
         assert status == 200 and data == local["second"]
-        assert _parts(headers) == {"text": "miss", **dict.fromkeys(REFERENCES, "memory")}
+        assert cache_components(headers) == {"text": "miss", **dict.fromkeys(REFERENCES, "memory")}
         status, headers, data = _post(server.url, "second")  # the whole answer: no parts computed or looked up
         assert headers[protocol.H_CACHE] == "hit" and protocol.H_CACHE_COMPONENTS not in headers
-        status, _, text = _raw(server.url, "GET", "/metrics")
-        samples = _samples(text.decode())
+        status, _, text = raw(server.url, "GET", "/metrics")
+        samples = metric_samples(text.decode())
     hits = "h3_encoder_cache_component_hits_total"
     assert samples[(hits, (("component", "video"), ("tier", "memory")))] == 2
     assert samples[(hits, (("component", "audio"), ("tier", "memory")))] == 2
@@ -95,10 +88,10 @@ def test_a_second_process_and_a_restart_hit_the_shared_directory(tiny_dir, local
         first.wait_listening(), second.wait_listening()
         status, headers, data = _post(first.url, "first")
         assert status == 200 and data == local["first"]
-        assert set(_parts(headers).values()) == {"miss"}
+        assert set(cache_components(headers).values()) == {"miss"}
         status, headers, data = _post(second.url, "second")  # the other process: its memory is empty
         assert status == 200 and data == local["second"]
-        assert _parts(headers) == {"text": "miss", **dict.fromkeys(REFERENCES, "disk")}
+        assert cache_components(headers) == {"text": "miss", **dict.fromkeys(REFERENCES, "disk")}
     finally:
         first.proc.send_signal(signal.SIGTERM)
         second.close()
@@ -109,10 +102,10 @@ def test_a_second_process_and_a_restart_hit_the_shared_directory(tiny_dir, local
         restarted.wait_listening()
         status, headers, data = _post(restarted.url, "first")
         assert status == 200 and data == local["first"]
-        assert set(_parts(headers).values()) == {"disk"}
+        assert set(cache_components(headers).values()) == {"disk"}
         status, headers, data = _post(restarted.url, "second")  # references now in this process's memory too
         assert status == 200 and data == local["second"]
-        assert _parts(headers) == {"text": "disk", **dict.fromkeys(REFERENCES, "memory")}
+        assert cache_components(headers) == {"text": "disk", **dict.fromkeys(REFERENCES, "memory")}
     finally:
         restarted.close()
     assert os.listdir(tmp_path) == ["cache"]  # nothing outside DIR
@@ -133,16 +126,16 @@ def test_a_server_whose_cache_writes_fail_still_answers(tiny_dir, local, tmp_pat
     try:
         server.wait_listening()
         status, headers, data = _post(server.url, "first")
-        assert status == 200 and data == local["first"] and set(_parts(headers).values()) == {"miss"}
+        assert status == 200 and data == local["first"] and set(cache_components(headers).values()) == {"miss"}
         status, headers, data = _post(server.url, "second")
         assert status == 200 and data == local["second"]
-        status, _, text = _raw(server.url, "GET", "/metrics")
-        samples = _samples(text.decode())
+        status, _, text = raw(server.url, "GET", "/metrics")
+        samples = metric_samples(text.decode())
         failed = samples[("h3_encoder_cache_component_faults_total", (("kind", "write_errors"),))]
     finally:
         server.close()
     kept = list((root / "entries").rglob("*.safetensors"))
     assert all(path.stat().st_size <= 4096 for path in kept) and os.listdir(root / "tmp") == []
     # Every write of a part larger than the limit failed, in both requests; the small parts were kept and hit.
-    misses = sum(outcome == "miss" for outcome in _parts(headers).values())
+    misses = sum(outcome == "miss" for outcome in cache_components(headers).values())
     assert len(kept) < 5 and failed == (5 - len(kept)) + misses and misses == 5 - len(kept)

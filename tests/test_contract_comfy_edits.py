@@ -7,7 +7,7 @@ real nodes inside a real ComfyUI.
 
 import pytest
 import torch
-from contract_cases import make
+from support.contract_cases import make
 
 from h3_core.contract import H3Conditioning, RefusedEdit
 

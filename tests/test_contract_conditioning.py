@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from contract_cases import KINDS, D, _randn, _tags, make
+from support.contract_cases import KINDS, D, _randn, _tags, make
 
 from h3_core import facts
 from h3_core.contract import (

@@ -4,7 +4,7 @@ import pathlib
 import pickle
 
 import torch
-from contract_cases import make
+from support.contract_cases import make
 
 from h3_core.contract import H3Conditioning
 

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from contract_cases import _randn
+from support.contract_cases import _randn
 
 from h3_core.contract import (
     ContractError,

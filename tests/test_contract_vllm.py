@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from contract_cases import KINDS, D, _randn, _tags, make
+from support.contract_cases import KINDS, D, _randn, _tags, make
 
 from h3_core.contract import (
     ContractError,

@@ -7,7 +7,7 @@ import json
 import pytest
 import safetensors.torch as st
 import torch
-from contract_cases import KINDS, _randn, _retamper, _st_metadata, make
+from support.contract_cases import KINDS, _randn, _retamper, _st_metadata, expect_contract_error, make
 
 from h3_core import contract as hc
 from h3_core.contract import (
@@ -81,11 +81,7 @@ def test_shared_storage_tensors_serialise():
 
 
 def _payload_error(data, fragment):
-    with pytest.raises(ContractError) as info:
-        H3Conditioning.from_bytes(data)
-    assert info.value.field == "payload"
-    assert fragment in str(info.value), str(info.value)
-    return info.value
+    return expect_contract_error(H3Conditioning.from_bytes, data, fragment)
 
 
 @pytest.mark.parametrize("cut", [0, 5, 8, 40, -1, -100, -4000])

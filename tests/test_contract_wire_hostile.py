@@ -9,25 +9,17 @@ import tracemalloc
 import pytest
 import safetensors.torch as st
 import torch
-from contract_cases import _retamper, _st_metadata, make
+from support.contract_cases import _retamper, _st_metadata, expect_contract_error, make
 
 from h3_core.contract import HEADER_KEY, ContractError, H3Conditioning, wire
 
 
 def _load_error(path, fragment):
-    with pytest.raises(ContractError) as info:
-        H3Conditioning.load(path)
-    assert info.value.field == "payload"
-    assert fragment in str(info.value), str(info.value)
-    return info.value
+    return expect_contract_error(H3Conditioning.load, path, fragment)
 
 
 def _bytes_error(data, fragment):
-    with pytest.raises(ContractError) as info:
-        H3Conditioning.from_bytes(data)
-    assert info.value.field == "payload"
-    assert fragment in str(info.value), str(info.value)
-    return info.value
+    return expect_contract_error(H3Conditioning.from_bytes, data, fragment)
 
 
 # --- load: what is not a regular file ----------------------------------------------------------------

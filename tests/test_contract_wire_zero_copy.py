@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import safetensors.torch as st
 import torch
-from contract_cases import KINDS, _retamper, _st_header, make
+from support.contract_cases import KINDS, _retamper, _st_header, expect_contract_error, make
 
 from h3_core.contract import CHECKSUM_KEY, HEADER_KEY, ChecksumError, ContractError, H3Conditioning, wire
 from h3_core.contract.wire import checksum_of
@@ -20,11 +20,7 @@ def _tensors(c):
 
 
 def _error(data, fragment, kind=ContractError):
-    with pytest.raises(kind) as info:
-        H3Conditioning.from_buffer(bytearray(data))
-    assert info.value.field == "payload"
-    assert fragment in str(info.value), str(info.value)
-    return info.value
+    return expect_contract_error(lambda raw: H3Conditioning.from_buffer(bytearray(raw)), data, fragment, kind)
 
 
 def _relabel(data, edit_table, seal=False):

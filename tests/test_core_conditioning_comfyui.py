@@ -14,8 +14,8 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from comfy_harness import comfy, comfy_factory  # noqa: F401  (session fixtures)
-from test_nodes_comfyui import encoder_url, server  # noqa: F401  (module fixtures: pack server, encoder endpoint)
+from support.comfy_harness import comfy, comfy_factory  # noqa: F401  (session fixtures)
+from support.comfy_pack import encoder_url, server  # noqa: F401  (module fixtures: pack server, encoder endpoint)
 
 from h3_core import media
 from h3_core.contract import H3Conditioning

@@ -47,10 +47,7 @@ def test_placement_flags():
 
 
 def _write_bf16_text_encoder(path):
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from weights_support import tiny_text_encoder
+    from support.weights_support import tiny_text_encoder
 
     model = tiny_text_encoder(seed=3).to(torch.bfloat16)
     weights.save_comfy_text_encoder(model, str(path))

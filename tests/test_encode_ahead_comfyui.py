@@ -9,15 +9,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
-from comfy_harness import comfy_factory, free_port  # noqa: F401  (session fixture)
+from support.comfy_harness import comfy_factory, free_port  # noqa: F401  (session fixture)
+from support.encoder_process import spawn_serve, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 GRAPH = json.loads((REPO / "workflows" / "api" / "ref2va_remote.json").read_text())
@@ -27,11 +25,7 @@ def _start_encoder(tiny_dir: Path, log_path: Path):
     port = free_port()
     log = open(log_path, "w")
     env = {**os.environ, "H3_THREADS": os.environ.get("H3_THREADS", "2"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--port", str(port)],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )
-    return proc, log, f"http://127.0.0.1:{port}"
+    return spawn_serve(tiny_dir, port, log, env), log, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +33,7 @@ def encoders(tiny_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("encoders")
     started = [_start_encoder(tiny_dir, folder / f"{name}.log") for name in ("a", "b")]
     for proc, _, url in started:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"{url}/v1/health", timeout=2).read()
-                break
-            except OSError:
-                assert proc.poll() is None, "encoder server died"
-                time.sleep(0.5)
+        wait_healthy(url, proc, timeout=300)
     yield {"a": (started[0][2], folder / "a.log"), "b": (started[1][2], folder / "b.log")}
     for proc, log, _ in started:
         proc.send_signal(signal.SIGTERM)

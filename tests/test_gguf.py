@@ -115,23 +115,23 @@ DIT_TWINS = [twin for twin in TWINS if twin[0] != "text_encoder"]
 
 @pytest.mark.parametrize("twin", DIT_TWINS, ids=["-".join(t) for t in DIT_TWINS])
 def test_dit_twin_forward_equals_the_numpy_dequantised_dense_model_bitwise(models, tmp_path, twin, parity_threads):
-    import weights_support as support
+    from support import weights_support
 
     quant = weights.load_transformer(_path(models, *twin))
     dense = weights.load_transformer(_dense_reference(_path(models, *twin), tmp_path / "dense.safetensors"))
     assert isinstance(quant.transformer_blocks[0].attn.to_out[0], QuantLinear)
-    for got, expected in zip(support.dit_forward(quant), support.dit_forward(dense), strict=True):
+    for got, expected in zip(weights_support.dit_forward(quant), weights_support.dit_forward(dense), strict=True):
         assert torch.isfinite(got).all() and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_K"])
 def test_text_encoder_twin_equals_the_numpy_dequantised_dense_model_bitwise(models, tmp_path, kind, parity_threads):
-    import weights_support as support
+    from support import weights_support
 
     path = _path(models, "text_encoder", kind)
     quant = weights.load_text_encoder(path)
     dense = weights.load_text_encoder(_dense_reference(path, tmp_path / "te.safetensors"))
-    got, expected = support.prompt_embeds(quant), support.prompt_embeds(dense)
+    got, expected = weights_support.prompt_embeds(quant), weights_support.prompt_embeds(dense)
     assert torch.isfinite(got).all() and torch.equal(got, expected)
 
 
@@ -275,7 +275,7 @@ def test_bench_command_runs_as_documented(models, tmp_path):
 def test_text_encoder_with_a_separate_vision_projector_file(models):
     """A text-encoder GGUF without its tower takes the projector GGUF beside it (told by their tensors, not their
     names): the pair loads and encodes (image included) exactly as the single file of the same type does."""
-    import weights_support as support
+    from support import weights_support
 
     language, projector = (models / rel for rel in tiny_gguf.split_paths())
     det = weights.detect(str(language))
@@ -286,7 +286,7 @@ def test_text_encoder_with_a_separate_vision_projector_file(models):
         weights.detect(str(projector))  # a projector alone is no component
     split = weights.load_text_encoder(language)
     single = weights.load_text_encoder(_path(models, "text_encoder", tiny_gguf.SPLIT_TYPE))
-    assert torch.equal(support.prompt_embeds(split), support.prompt_embeds(single))
+    assert torch.equal(weights_support.prompt_embeds(split), weights_support.prompt_embeds(single))
 
 
 @pytest.mark.parametrize("kind", ggml.quantised_types())

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from comfy_harness import comfy_available, start_comfy
+from support.comfy_harness import comfy_available, start_comfy
 
 from h3_core import tiny, tiny_gguf
 

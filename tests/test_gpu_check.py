@@ -38,7 +38,7 @@ def test_release_files_are_sparse_and_planned_from_their_headers(tmp_path):
     """The full-size check's input: a sparse release-size file (no disk use) whose header plans as published."""
     import os
 
-    from weights_support import sparse_files_supported
+    from support.weights_support import sparse_files_supported
 
     from h3_core import planner
 

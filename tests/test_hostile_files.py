@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import safetensors.torch as st
 import torch
-from contract_cases import _retamper, make
-from test_hostile_client import CAPS, REQUEST, HostileServer
+from support.contract_cases import _retamper, make
+from support.hostile_peer import CAPS, REQUEST, HostileServer
 
 from h3_core import rules, safetensors_header
 from h3_core.contract import ContractError, H3Conditioning, wire

@@ -14,8 +14,8 @@ import urllib.request
 import uuid
 
 import torch
-from comfy_harness import comfy  # noqa: F401  (session fixture)
-from contract_cases import make
+from support.comfy_harness import comfy  # noqa: F401  (session fixture)
+from support.contract_cases import make
 
 from h3_core import facts
 

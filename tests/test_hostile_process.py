@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import http.client
 import io
-import json
 import resource
 import secrets
 import signal
@@ -24,10 +23,10 @@ import time
 
 import numpy as np
 import pytest
-from test_remote_faults import REPO, ServerProcess, _env
+from support.encoder_process import REPO, ServerProcess, post_parts, server_env
 
 from h3_core import media
-from h3_core.remote import packing, protocol
+from h3_core.remote import protocol
 
 MiB = 1 << 20
 
@@ -40,19 +39,6 @@ def _status(pid: int) -> dict[str, int]:
             if key in ("VmRSS", "VmHWM", "Threads"):
                 out[key] = int(value.split()[0]) * (1024 if key.startswith("Vm") else 1)
     return out
-
-
-def _post(url: str, body: dict, parts: list, timeout: float = 120) -> tuple[int, dict]:
-    content_type, buffers = packing.encode_multipart(body, parts)
-    host, port = url.split("//", 1)[1].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    try:
-        conn.request("POST", protocol.ENCODE_PATH, body=b"".join(buffers), headers={"Content-Type": content_type})
-        reply = conn.getresponse()
-        data = reply.read()
-    finally:
-        conn.close()
-    return reply.status, (json.loads(data) if reply.status != 200 else {})
 
 
 def _video(seconds: float, height: int, width: int, seed: int = 0) -> bytes:
@@ -87,7 +73,7 @@ def test_refused_videos_leave_memory_and_threads_flat(served):
 
     def refuse(count):
         for _ in range(count):
-            status, reply = _post(server.url, body, [("v", "video/mp4", "v.mp4", video)])
+            status, reply = post_parts(server.url, body, [("v", "video/mp4", "v.mp4", video)])
             assert status == 422, reply
 
     refuse(10)
@@ -122,7 +108,7 @@ def test_peak_memory_of_an_accepted_request_is_under_the_stated_bound(served):
     body = {"protocol": 2, "prompt": "<Picture 1> to <Picture 5> watch <Video 1>.", "num_frames": 124,
             "ref_images": [{"part": f"i{k}"} for k in range(5)], "ref_videos": [{"part": "v", "soundtrack": False}]}
     idle = _status(server.proc.pid)
-    status, reply = _post(server.url, body, parts, timeout=600)
+    status, reply = post_parts(server.url, body, parts, timeout=600)
     assert status == 200, reply
     peak = _status(server.proc.pid)["VmHWM"]
     extra = peak - max(idle["VmHWM"], idle["VmRSS"])
@@ -133,7 +119,7 @@ def test_peak_memory_of_an_accepted_request_is_under_the_stated_bound(served):
     # One over the bound is refused from the headers, before decoding: the peak does not move.
     over = {**body, "prompt": "<Picture 1> to <Picture 6> watch <Video 1>.",
             "ref_images": [{"part": f"i{k}"} for k in range(6)]}
-    status, reply = _post(server.url, over, parts + [("i5", "image/png", "i.png", image)])
+    status, reply = post_parts(server.url, over, parts + [("i5", "image/png", "i.png", image)])
     assert status == 413 and "max_request_decoded_bytes" in reply["error"]["message"], reply
 
 
@@ -169,7 +155,7 @@ def test_4k_reference_clip_never_materialises_at_4k(served):
             "ref_videos": [{"part": "v", "soundtrack": False}]}
     idle = _status(server.proc.pid)
     started = time.monotonic()
-    status, reply = _post(server.url, body, [("v", "video/mp4", "v.mp4", video)], timeout=600)
+    status, reply = post_parts(server.url, body, [("v", "video/mp4", "v.mp4", video)], timeout=600)
     elapsed = time.monotonic() - started
     assert status == 200, reply
     peak = _status(server.proc.pid)["VmHWM"]
@@ -188,7 +174,7 @@ def test_a_crashing_decode_costs_one_request(served):
     The crash is real (the worker kills itself with SIGSEGV) and is triggered by a marker in the media bytes, which
     only a server started with H3_SANDBOX_TEST_CRASH set looks for."""
     marker = "h3-test-crash-" + secrets.token_hex(8)
-    server = served(env=_env(H3_SANDBOX_TEST_CRASH=marker))
+    server = served(env=server_env(H3_SANDBOX_TEST_CRASH=marker))
     pid = server.proc.pid
     image = media.encode_png_bytes(np.full((64, 96, 3), 120, np.uint8))
     video = _video(2.5, 64, 64, seed=4)
@@ -203,7 +189,7 @@ def test_a_crashing_decode_costs_one_request(served):
     answers: list = [None] * len(jobs)
 
     def send(index):
-        answers[index] = _post(server.url, *jobs[index])
+        answers[index] = post_parts(server.url, *jobs[index])
 
     threads = [threading.Thread(target=send, args=(index,)) for index in range(len(jobs))]
     for thread in threads:
@@ -215,7 +201,7 @@ def test_a_crashing_decode_costs_one_request(served):
         assert status == 422 and reply["error"]["code"] == "invalid_media", reply
         assert "crashed (signal 11: SIGSEGV)" in reply["error"]["message"], reply
     assert [answers[index][0] for index in (0, 2, 4)] == [200, 200, 200]
-    assert _post(server.url, *good_image)[0] == 200  # and the next request too
+    assert post_parts(server.url, *good_image)[0] == 200  # and the next request too
     assert server.proc.poll() is None and server.proc.pid == pid
     print("crashing decodes:", [reply["error"]["message"] for status, reply in (answers[1], answers[3])])
 
@@ -252,7 +238,7 @@ def test_second_sigterm_stops_at_once(served):
 
 def _safe_post(url, body, video):
     try:
-        return _post(url, body, [("v", "video/mp4", "v.mp4", video)], timeout=120)
+        return post_parts(url, body, [("v", "video/mp4", "v.mp4", video)], timeout=120)
     except OSError:
         return None
 
@@ -279,7 +265,7 @@ def test_accept_errors_are_logged_rate_limited(tiny_dir):
     server.url = None
     server.proc = subprocess.Popen(
         [sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--port", "0"],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=server.log, preexec_fn=low_nofile)
+        cwd=REPO, env=server_env(), stdout=subprocess.PIPE, stderr=server.log, preexec_fn=low_nofile)
     try:
         url = server.wait_listening()
         host, port = url.split("//", 1)[1].rsplit(":", 1)

@@ -17,8 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from test_hostile_process import _post
-from test_remote_faults import ServerProcess, _env
+from support.encoder_process import ServerProcess, post_parts, server_env
 
 from h3_core import media, media_sandbox
 
@@ -62,7 +61,7 @@ def _scratch(pid: int) -> list[str]:
 @pytest.mark.parametrize("how", ["SIGKILL", "two SIGTERMs"])
 def test_no_decoder_or_scratch_outlives_a_killed_server(tiny_dir, how):
     marker = "h3-test-hang-" + secrets.token_hex(8)
-    server = ServerProcess(tiny_dir, env=_env(H3_SANDBOX_TEST_HANG=marker))
+    server = ServerProcess(tiny_dir, env=server_env(H3_SANDBOX_TEST_HANG=marker))
     try:
         server.wait_listening()
         pid = server.proc.pid
@@ -106,7 +105,7 @@ def _comm(pid: int) -> str:
 
 def _safe(url, body, image):
     try:
-        _post(url, body, [("i", "image/png", "i.png", image)], timeout=60)
+        post_parts(url, body, [("i", "image/png", "i.png", image)], timeout=60)
     except OSError:
         pass
 

@@ -20,10 +20,9 @@ import time
 
 import numpy as np
 import pytest
+from support.remote_http import connect, read_status, start_upload
 
 from h3_core import media, rules
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote import packing, protocol
 from h3_core.remote.client import EncoderClient
 from h3_core.remote.config import ServerConfig
@@ -36,42 +35,8 @@ REQUEST = EncodeRequest(prompt="A red fox in the snow.", width=64, height=64, nu
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir, one_thread):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
-
-
-def _connect(url: str, timeout: float = 20.0) -> socket.socket:
-    host, port = url.split("//", 1)[1].rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=timeout)
-    return sock
-
-
-def _start_upload(url: str, declared: int, first: bytes = b"") -> socket.socket:
-    """A multipart POST that declares `declared` bytes and sends only its start."""
-    sock = _connect(url)
-    boundary = "b0undary"
-    head = (f"POST {protocol.ENCODE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
-            f"boundary={boundary}\r\nContent-Length: {declared}\r\n\r\n").encode()
-    part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"request\"\r\nContent-Type: application/json"
-            "\r\n\r\n").encode()
-    body = json.dumps({"protocol": 2, "prompt": "<Picture 1> waves.", "ref_images": [{"part": "i"}]}).encode()
-    image = (f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"i\"; filename=\"i.png\"\r\n"
-             "Content-Type: image/png\r\n\r\n").encode()
-    sock.sendall(head + part + body + image + first)
-    return sock
-
-
-def _status(sock: socket.socket) -> int | None:
-    data = b""
-    try:
-        while b"\r\n" not in data:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-    except OSError:
-        return None
-    return int(data.split(b" ")[1]) if data.startswith(b"HTTP/1.1") else None
+def stage(encoder_stage, one_thread):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def _eventually(condition, limit_s: float = 30.0) -> bool:
@@ -103,7 +68,7 @@ def _closed_after(sock: socket.socket, limit: float) -> float | None:
 def test_slow_uploads_do_not_lock_out_other_clients(stage):
     config = ServerConfig(threads=1, upload_grace_s=60)
     with ServerThread(stage, config) as srv:
-        slow = [_start_upload(srv.url, 512 * MiB, b"\x89PNG\r\n\x1a\n") for _ in range(4)]
+        slow = [start_upload(srv.url, 512 * MiB, b"\x89PNG\r\n\x1a\n") for _ in range(4)]
         try:
             assert _eventually(lambda: srv.call(lambda: srv.service.active_requests) == 4)  # all four admitted
             started = time.monotonic()
@@ -119,7 +84,7 @@ def test_slow_uploads_do_not_lock_out_other_clients(stage):
 def test_upload_under_the_minimum_rate_gets_408(stage):
     config = ServerConfig(threads=1, upload_grace_s=1.0, min_upload_bytes_per_s=64 * 1024)
     with ServerThread(stage, config) as srv:
-        sock = _start_upload(srv.url, 4 * MiB, b"\x89PNG\r\n\x1a\n")
+        sock = start_upload(srv.url, 4 * MiB, b"\x89PNG\r\n\x1a\n")
         started = time.monotonic()
         sock.settimeout(0.2)
         status = None
@@ -145,14 +110,14 @@ def test_upload_under_the_minimum_rate_gets_408(stage):
 def test_bytes_in_flight_are_capped_per_client(stage):
     config = ServerConfig(threads=1, upload_grace_s=60, max_client_bytes=2 * MiB)
     with ServerThread(stage, config) as srv:
-        first = _start_upload(srv.url, int(1.9 * MiB), b"\x89PNG\r\n\x1a\n" + bytes(int(1.5 * MiB)))
+        first = start_upload(srv.url, int(1.9 * MiB), b"\x89PNG\r\n\x1a\n" + bytes(int(1.5 * MiB)))
         try:
             deadline = time.monotonic() + 10
             while srv.call(lambda: srv.service.buffered_bytes) < MiB and time.monotonic() < deadline:
                 time.sleep(0.05)
             held = srv.call(lambda: srv.service.client_bytes["127.0.0.1"])
-            second = _start_upload(srv.url, MiB)
-            assert _status(second) == 429  # 1.5 MiB arrived + 1 MiB declared > max_client_bytes
+            second = start_upload(srv.url, MiB)
+            assert read_status(second) == 429  # 1.5 MiB arrived + 1 MiB declared > max_client_bytes
             second.close()
             print(f"per-client cap 2 MiB: {held} bytes held by the slow upload; a 1 MiB request refused with 429")
         finally:
@@ -163,7 +128,7 @@ def test_bytes_in_flight_are_capped_per_client(stage):
 def test_slowloris_and_idle_connections_are_closed(stage):
     config = ServerConfig(threads=1, header_timeout_s=2.0)
     with ServerThread(stage, config) as srv:
-        slowloris = _connect(srv.url)
+        slowloris = connect(srv.url)
         slowloris.sendall(b"POST /v1/encode HTTP/1.1\r\n")
         started = time.monotonic()
         closed = None
@@ -176,9 +141,9 @@ def test_slowloris_and_idle_connections_are_closed(stage):
             if _closed_after(slowloris, 0.3) is not None:
                 closed = time.monotonic() - started
                 break
-        idle = _connect(srv.url)
+        idle = connect(srv.url)
         idle_closed = _closed_after(idle, 14)
-        keepalive = _connect(srv.url)
+        keepalive = connect(srv.url)
         keepalive.sendall(f"GET {protocol.HEALTH_PATH} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         keepalive_closed = _closed_after(keepalive, 14)
         for sock in (slowloris, idle, keepalive):

@@ -1,6 +1,7 @@
 """The pack's layout promises: h3_core never imports ComfyUI, V3-only entry point, no torch pin."""
 
 import ast
+import re
 from pathlib import Path
 
 import tomllib
@@ -178,3 +179,37 @@ def test_h3_core_module_imports_have_no_cycle():
 
     cycles = [cycle for cycle in map(cycle_from, sorted(graph)) if cycle]
     assert cycles == []
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/support/: a test module importing another (`from test_x import helper`, or a
+    fixture) ties one module's collection to another's and hides what is shared. tests/support/ imports no test
+    module either."""
+    tests = REPO / "tests"
+    modules = {path.stem for path in tests.glob("test_*.py")}
+    # import test_x / import tests.test_x / from test_x import ... / from tests.test_x import ... / from tests import
+    imports = re.compile(r"^\s*(?:import|from)\s+(?:tests\.)?(test_\w+)|^\s*from\s+tests\s+import\s+(test_\w+)", re.M)
+    offenders = {}
+    for path in sorted([*tests.glob("test_*.py"), *(tests / "support").glob("*.py"), tests / "conftest.py"]):
+        hits = {name for match in imports.finditer(path.read_text(encoding="utf-8")) for name in match.groups()
+                if name in modules}
+        if hits:
+            offenders[str(path.relative_to(REPO))] = sorted(hits)
+    assert offenders == {}, f"move what these share into tests/support/: {offenders}"
+    assert not [path.name for path in tests.glob("*.py") if not path.name.startswith("test_")
+                and path.name != "conftest.py"], "support modules belong in tests/support/"
+
+
+def test_every_test_module_is_in_a_tier():
+    """tests/conftest.py's TIERS classifies every test module (a forgotten one would silently join the fast tier),
+    names no module that does not exist, and uses only the markers pyproject.toml registers."""
+    from conftest import SLOW_TESTS, TIERS
+
+    modules = {path.stem for path in (REPO / "tests").glob("test_*.py")}
+    assert sorted(modules - set(TIERS)) == [], "add these to TIERS in tests/conftest.py"
+    assert sorted(set(TIERS) - modules) == []
+    assert {key.split("::")[0] for key in SLOW_TESTS} <= modules
+    registered = {line.split(":")[0] for line in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]
+                  ["pytest"]["ini_options"]["markers"]}
+    used = {marker for markers in [*TIERS.values(), *SLOW_TESTS.values()] for marker in markers}
+    assert used <= registered == {"slow", "comfyui", "ray", "process"}

@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
-from lora_support import RANK
-from lora_support import comfy_lora as _comfy_lora
 from safetensors.torch import save_file
+from support.lora_support import RANK
+from support.lora_support import comfy_lora as _comfy_lora
 
 from h3_core.diffusion import DiffusionStage, SamplingOptions
 from h3_core.encoder import EncoderStage

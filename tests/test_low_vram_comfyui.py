@@ -1,7 +1,7 @@
 """Low VRAM inside a real ComfyUI (0.3.75, CPU, loopback): the H3 DiT and text encoder stream their layers under
 ComfyUI's own partial loading and give the fully loaded run's results bit for bit.
 
-On CPU, ComfyUI always loads a model whole; tests/comfy_lowvram_probe.py (a test-only extension in this server's
+On CPU, ComfyUI always loads a model whole; tests/support/comfy_lowvram_probe.py (a test-only extension in this server's
 custom_nodes/) hands `LoadedModel.model_load` the budget a GPU short of VRAM would get, so ComfyUI's ModelPatcher
 runs its partial load (`load(lowvram_model_memory=...)`) and marks the layers that do not fit `comfy_cast_weights`;
 the probe records what stays resident, what is fetched through `comfy.ops.cast_bias_weight` during each forward,
@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from comfy_harness import comfy_available, start_comfy
-from test_lora import _comfy_lora
+from support.comfy_harness import comfy_available, start_comfy
+from support.lora_support import comfy_lora as _comfy_lora
 
 from h3_core import configs, planner
 
@@ -45,7 +45,7 @@ def lowvram(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lowvram")
     base = tmp / "base"
     (base / "custom_nodes").mkdir(parents=True)
-    shutil.copyfile(HERE / "comfy_lowvram_probe.py", base / "custom_nodes" / "h3_lowvram_probe.py")
+    shutil.copyfile(HERE / "support" / "comfy_lowvram_probe.py", base / "custom_nodes" / "h3_lowvram_probe.py")
     budgets = tmp / "budgets.json"
     budgets.write_text("{}")
     env = {

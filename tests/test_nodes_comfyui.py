@@ -8,18 +8,16 @@ from __future__ import annotations
 import copy
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from comfy_harness import PACK_NAME, ComfyError, comfy, free_port  # noqa: F401  (session fixture)
+from support.comfy_harness import PACK_NAME, ComfyError, comfy  # noqa: F401  (session fixture)
+from support.comfy_pack import encoder_url, server  # noqa: F401  (module fixtures: pack server, encoder endpoint)
 
 from h3_core import media
 from h3_core.contract import H3Conditioning
@@ -68,41 +66,6 @@ PACK_NODES = {
     "H3SplitSaveConditioning": (["conditioning", "filename_prefix"], [], "conditioning"),
     "H3SplitLoadConditioning": (["conditioning_file"], ["CONDITIONING"], "conditioning"),
 }
-
-
-@pytest.fixture(scope="module")
-def server(comfy, tiny_dir):
-    comfy.add_model("minimax_h3", tiny_dir, "tiny")  # the loaders' embedded-tiny choice, prebuilt
-    return comfy
-
-
-@pytest.fixture(scope="module")
-def encoder_url(tiny_dir, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("encoder") / "server.log", "w")
-    env = {**os.environ, "H3_THREADS": os.environ.get("H3_THREADS", "2")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--port", str(port)],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300  # real time: a model load takes seconds idle, minutes at load 8 on 2 cores
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/v1/health", timeout=2).read()
-            break
-        except OSError:
-            assert proc.poll() is None, "encoder server died"
-            assert time.monotonic() < deadline, "encoder server did not answer /v1/health within 300 s"
-            time.sleep(0.5)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-    log.close()
 
 
 def api(name: str, endpoint: str | None = None) -> dict:

@@ -1,7 +1,7 @@
 """The Remote Encode node inside a real ComfyUI shows the encoder server's phases on its progress bar, and an
 interrupt still reaches the server.
 
-ComfyUI runs as its own process (tests/comfy_harness.py); the encoder server is a real one on 127.0.0.1 in this
+ComfyUI runs as its own process (tests/support/comfy_harness.py); the encoder server is a real one on 127.0.0.1 in this
 process, around the tiny model's real `EncoderStage`, paced so that every phase outlasts a poll.
 """
 
@@ -10,12 +10,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from comfy_harness import comfy, free_port  # noqa: F401  (session fixture)
-from test_remote_progress import PacedStage
-from test_remote_server import SlowStage
+from support.comfy_harness import comfy, free_port  # noqa: F401  (session fixture)
+from support.remote_cases import PacedStage, SlowStage
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote import polling
 from h3_core.remote.config import ServerConfig
 from h3_core.remote.protocol import Limits
@@ -24,8 +21,8 @@ from h3_core.testing import SERVER_THREADS, wait_until
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def remote_graph(endpoint: str, prompt: str) -> dict:

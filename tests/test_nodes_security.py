@@ -14,8 +14,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from comfy_harness import comfy_factory, free_port  # noqa: F401  (session fixture)
-from contract_cases import make
+from support.comfy_harness import comfy_factory, free_port  # noqa: F401  (session fixture)
+from support.contract_cases import make
 
 TOKEN = "sekrit-" + "t" * 33
 LEAK = "INTERNAL-ONLY-BODY-4f1e"

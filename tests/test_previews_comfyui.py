@@ -13,8 +13,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from comfy_harness import comfy_factory  # noqa: F401  (session fixture)
 from PIL import Image
+from support.comfy_harness import comfy_factory  # noqa: F401  (session fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 PREVIEW_IMAGE = 1  # ComfyUI's binary websocket event type for a preview picture

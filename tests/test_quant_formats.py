@@ -3,9 +3,9 @@
 import json
 
 import pytest
-import quant_support as qs
 import torch
-import weights_support as support
+from support import quant_support as qs
+from support import weights_support
 
 from h3_core import weights
 from h3_core.safetensors_header import DTYPE_TAGS
@@ -119,7 +119,7 @@ def _dit_file(tmp_path, models, edit):
 
 @pytest.fixture(scope="module")
 def dit():
-    return support.tiny_transformer(0)
+    return weights_support.tiny_transformer(0)
 
 
 @pytest.mark.parametrize("marker, named", [
@@ -211,13 +211,13 @@ def test_lora_on_quant_linear_is_a_branch_beside_the_codes(dit, tmp_path):
     save_file(tensors, str(lora_file))
     lora = LoRA.load(lora_file)
     codes = {k: v.clone() for k, v in quant.state_dict().items()}
-    before = support.dit_forward(quant)
-    assert all(torch.equal(a, b) for a, b in zip(before, support.dit_forward(dense), strict=True))
+    before = weights_support.dit_forward(quant)
+    assert all(torch.equal(a, b) for a, b in zip(before, weights_support.dit_forward(dense), strict=True))
     with lora.applied(quant, 0.8), lora.applied(dense, 0.8):
-        with_lora = support.dit_forward(quant)
-        assert all(torch.equal(a, b) for a, b in zip(with_lora, support.dit_forward(dense), strict=True))
+        with_lora = weights_support.dit_forward(quant)
+        assert all(torch.equal(a, b) for a, b in zip(with_lora, weights_support.dit_forward(dense), strict=True))
     assert not torch.equal(with_lora[0], before[0])
-    assert all(torch.equal(a, b) for a, b in zip(support.dit_forward(quant), before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(weights_support.dit_forward(quant), before, strict=True))
     assert all(torch.equal(v, quant.state_dict()[k]) for k, v in codes.items())  # never re-quantised
     assert isinstance(quant.transformer_blocks[0].ff.net[2], QuantLinear)
 

@@ -1,7 +1,7 @@
 """Every published Comfy-Org file at release size, headers only: detected, checked, sized, its formats named."""
 
 import pytest
-import weights_support as support
+from support import weights_support
 
 from h3_core import weights
 from h3_core.weights import release_headers
@@ -17,7 +17,7 @@ TOLERANCE = {name: (0.015 if "w6a8" in name else 0.01) for name in PUBLISHED}
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     root = tmp_path_factory.mktemp("release")
-    if not support.sparse_files_supported(root):
+    if not weights_support.sparse_files_supported(root):
         pytest.skip("this filesystem has no sparse files; release-size header fixtures would use real disk")
     files = {}
     for name in PUBLISHED:

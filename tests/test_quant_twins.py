@@ -5,9 +5,9 @@ import re
 import shutil
 
 import pytest
-import quant_support as qs
 import torch
-import weights_support as support
+from support import quant_support as qs
+from support import weights_support
 
 from h3_core import tiny_twins, weights
 from h3_core.safetensors_header import DTYPE_TAGS
@@ -118,7 +118,7 @@ def test_int8_dit_twin_forward_equals_the_dense_dequantised_model_bitwise(twins,
     assert isinstance(quant.transformer_blocks[1].attn.to_k, QuantLinear)
     assert isinstance(quant.transformer_blocks[0].adaln_proj.linear, QuantLinear)
     assert quant.transformer_blocks[0].attn.to_q.weight.dtype == torch.int8  # stays quantised in memory
-    for got, expected in zip(support.dit_forward(quant), support.dit_forward(dense), strict=True):
+    for got, expected in zip(weights_support.dit_forward(quant), weights_support.dit_forward(dense), strict=True):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
@@ -137,7 +137,7 @@ def test_text_encoder_twins_equal_the_dense_dequantised_model_bitwise(twins, tmp
     embed = quant.model.language_model.embed_tokens
     assert isinstance(embed, Int8Embedding) == (variant == "nvfp4_awq")
     with torch.no_grad():
-        got, expected = support.prompt_embeds(quant), support.prompt_embeds(dense)
+        got, expected = weights_support.prompt_embeds(quant), weights_support.prompt_embeds(dense)
     for handle in handles:
         handle.remove()
     assert got.dtype == expected.dtype and torch.equal(got, expected)
@@ -148,7 +148,7 @@ def test_video_vae_twin_is_dequantised_at_load_and_decodes_bitwise(twins, tmp_pa
     reference, _ = _dense_twin(twins, "video_vae", "int8_convrot", tmp_path, torch.float32)
     dense = weights.load_video_vae(reference)
     assert not any(isinstance(m, QuantLinear) for m in quant.modules())  # small: dense after load
-    assert support.state_dicts_equal(quant, dense)
+    assert weights_support.state_dicts_equal(quant, dense)
 
 
 def _parameter_bytes(model, only=None) -> int:

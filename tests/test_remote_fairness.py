@@ -12,7 +12,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from service_support import run_service
+from support.service_support import run_service
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource

@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import select
 import signal
 import subprocess
 import sys
@@ -20,67 +18,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.encoder_process import REPO, ServerProcess, server_env
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
-from h3_core.remote import protocol
 from h3_core.remote.client import EncoderClient, RemoteUnavailableError
 from h3_core.request import EncodeRequest, VideoInput
 from h3_core.testing import SERVER_THREADS, wait_until
 
-REPO = Path(__file__).resolve().parents[1]
 THREADS = SERVER_THREADS  # the server processes run with H3_THREADS=1; the local reference too
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
     """Every test here compares with local encodes at the servers' thread count (conftest.one_thread)."""
-
-
-def _env(**extra):
-    env = {key: value for key, value in os.environ.items() if key != protocol.DEFAULT_TOKEN_ENV}
-    env.update(H3_THREADS=str(THREADS), PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), **extra)
-    return env
-
-
-class ServerProcess:
-    def __init__(self, tiny_dir, port=0, args=(), env=None, preexec_fn=None):
-        self.log = tempfile.NamedTemporaryFile(prefix="h3-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--port", str(port), *args],
-            cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=self.log, preexec_fn=preexec_fn,
-        )
-        self.url = None
-
-    def wait_listening(self, timeout=120.0) -> str:
-        deadline = time.monotonic() + timeout
-        line = b""
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}: {self.stderr()[-2000:]}")
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
-            if ready:
-                line = self.proc.stdout.readline()
-                if b"listening on " in line:
-                    self.url = line.decode().strip().rsplit(" ", 1)[1]
-                    return self.url
-        raise AssertionError(f"server did not start within {timeout} s: {self.stderr()[-2000:]}")
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    def stderr(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-        self.proc.stdout.close()
-        self.log.close()
-        os.unlink(self.log.name)
-
 
 
 def _load(client) -> dict:
@@ -99,12 +48,12 @@ def _heavy(tag: str) -> EncodeRequest:
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def test_non_loopback_bind_without_token_is_refused_at_start(tmp_path):
-    env = _env()
+    env = server_env()
     env.pop("H3_THREADS")  # nothing to compute: refused before torch is even imported
     # A models folder that does not exist: the bind refusal names the token, so it came before any model load (which
     # would fail first otherwise). Decided by order, not by a time bound that a loaded machine breaks (a refusal
@@ -169,7 +118,7 @@ def test_kill_mid_request_then_restart_and_drain(tiny_dir, request):
             out = Path(folder) / "cond.safetensors"
             result = subprocess.run([sys.executable, "-m", "h3_core", "encode", "--server", url, "--prompt",
                                      "From the command line.", "--width", "64", "--height", "64", "--out", str(out)],
-                                    cwd=REPO, env=_env(), capture_output=True, timeout=120)
+                                    cwd=REPO, env=server_env(), capture_output=True, timeout=120)
             assert result.returncode == 0, result.stderr.decode()[-2000:]
             local = stage.encode(EncodeRequest(prompt="From the command line.", width=64, height=64))
             assert out.read_bytes() == local.to_bytes()

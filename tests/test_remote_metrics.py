@@ -10,7 +10,7 @@ import http.client
 import json
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from support.remote_http import metric_samples
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
@@ -51,15 +51,6 @@ def _encode_body(prompt: str, **extra) -> dict:
             **extra}
 
 
-def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    """(sample name, sorted labels) -> value, from prometheus-client's parser."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
-
-
 def test_metrics_count_what_was_sent(stage):
     config = ServerConfig(threads=SERVER_THREADS, token=TOKEN)
     with ServerThread(stage, config) as server:
@@ -82,7 +73,7 @@ def test_metrics_count_what_was_sent(stage):
         status, headers, payload = _call(server, "GET", "/metrics")
         assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
 
-    samples = _samples(payload.decode())
+    samples = metric_samples(payload.decode())
     requests = {labels: value for (name, labels), value in samples.items() if name == "h3_encoder_requests_total"}
     by_status = {}
     for labels, value in requests.items():
@@ -111,13 +102,13 @@ def test_health_tells_loading_from_ready(stage):
         status, _, payload = _call(server, "GET", protocol.CAPABILITIES_PATH)
         assert status == 503
         status, _, payload = _call(server, "GET", "/metrics")
-        assert status == 200 and _samples(payload.decode())[("h3_encoder_ready", ())] == 0
+        assert status == 200 and metric_samples(payload.decode())[("h3_encoder_ready", ())] == 0
         server.call(lambda: server.service.attach(stage, load_seconds=1.5))
         status, _, payload = _call(server, "GET", protocol.HEALTH_PATH)
         assert status == 200 and json.loads(payload)["status"] == "ok"
         status, _, _ = _call(server, "POST", protocol.ENCODE_PATH, _encode_body("Now ready."))
         assert status == 200
-        samples = _samples(_call(server, "GET", "/metrics")[2].decode())
+        samples = metric_samples(_call(server, "GET", "/metrics")[2].decode())
         assert samples[("h3_encoder_load_seconds", ())] == 1.5  # the whole load: its own gauge, so that
         assert ("h3_encoder_model_load_seconds", (("component", "total"),)) not in samples  # sum() is not doubled
 
@@ -131,7 +122,7 @@ def test_top_latency_bucket_reaches_the_longest_deadline_and_promtool_accepts_th
         with ServerThread(stage, config) as server:
             assert _call(server, "POST", protocol.ENCODE_PATH, _encode_body("A fox."), token=None)[0] == 200
             text = _call(server, "GET", "/metrics", token=None)[2].decode()
-        bounds = [float(dict(labels)["le"]) for (name, labels), _ in _samples(text).items()
+        bounds = [float(dict(labels)["le"]) for (name, labels), _ in metric_samples(text).items()
                   if name == "h3_encoder_request_seconds_bucket"]
         assert max(b for b in bounds if b != float("inf")) == top >= deadline
         assert "that misse." not in text and "Cache lookups answered from the cache." in text

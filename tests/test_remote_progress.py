@@ -15,10 +15,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from test_remote_server import CASES, SlowStage, _raw, _wire
+from support.remote_cases import CASES, PacedStage, SlowStage
+from support.remote_http import raw, wire
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.progress import Cancelled
 from h3_core.remote import http as http_module
 from h3_core.remote import polling, tracking
@@ -38,25 +37,8 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
-
-
-class PacedStage:
-    """The real stage; each encoder phase (and the end of the last one) is held open for `pause` seconds."""
-
-    def __init__(self, stage, pause=0.35):
-        self.stage, self.pause = stage, pause
-        self.fingerprint, self.components = stage.fingerprint, stage.components
-        self.pipeline_config = getattr(stage, "pipeline_config", None)
-
-    def encode(self, request, metadata=None, cancel=None, progress=None):
-        def paced(done, total, *args, **kwargs):
-            if progress is not None:
-                progress(done, total, *args, **kwargs)
-            time.sleep(self.pause)
-
-        return self.stage.encode(request, metadata=metadata, cancel=cancel, progress=paced)
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def _get(url, path, headers=None):
@@ -124,8 +106,8 @@ def test_a_server_without_progress_still_encodes(stage):
         assert status == 404  # what a client polling an old server would see
         # A new client's header on an old server changes nothing.
 
-        content_type, body = _wire(EncodeRequest(prompt="Header ignored.", width=64, height=64))
-        status, headers, data = _raw(srv.url, "POST", "/v1/encode", body,
+        content_type, body = wire(EncodeRequest(prompt="Header ignored.", width=64, height=64))
+        status, headers, data = raw(srv.url, "POST", "/v1/encode", body,
                                      {"Content-Type": content_type, tracking.HEADER: tracking.new_id()})
         assert status == 200 and data
         counters = srv.call(lambda: dict(srv.service.counters))
@@ -162,11 +144,11 @@ def test_polls_need_the_token_and_an_open_request(stage):
         assert status == 400 and json.loads(body)["error"]["field"] == "progress_id"
         # Reusing an id that is in flight is refused, naming the header.
 
-        content_type, data = _wire(EncodeRequest(prompt="Same id.", width=64, height=64))
-        status, _, body = _raw(srv.url, "POST", "/v1/encode", data,
+        content_type, data = wire(EncodeRequest(prompt="Same id.", width=64, height=64))
+        status, _, body = raw(srv.url, "POST", "/v1/encode", data,
                                {**auth, "Content-Type": content_type, tracking.HEADER: progress_id})
         assert status == 400 and json.loads(body)["error"]["field"] == tracking.HEADER
-        status, _, body = _raw(srv.url, "POST", "/v1/encode", data,
+        status, _, body = raw(srv.url, "POST", "/v1/encode", data,
                                {**auth, "Content-Type": content_type, tracking.HEADER: "ABC"})
         assert status == 400 and json.loads(body)["error"]["field"] == tracking.HEADER
         worker.join(30)

@@ -25,12 +25,10 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
-from test_hostile_server import _status  # noqa: E402
-from test_remote_server import CASES, _hostile_cases, _raw, _wire  # noqa: E402
+from support.remote_cases import CASES, hostile_cases, send_hostile  # noqa: E402
+from support.remote_http import cache_components, metric_samples, raw, read_status, start_upload, wire  # noqa: E402
 
 from h3_core import facts  # noqa: E402
-from h3_core.encoder import EncoderStage  # noqa: E402
-from h3_core.models import ModelSource  # noqa: E402
 from h3_core.remote import protocol  # noqa: E402
 from h3_core.remote.client import EncoderClient, RemoteAuthError, RemoteEncodeError  # noqa: E402
 from h3_core.remote.config import ServerConfig  # noqa: E402
@@ -56,8 +54,8 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def _free_port() -> int:
@@ -107,7 +105,7 @@ def _client(url, **kwargs) -> EncoderClient:
 
 
 def _health(url) -> dict:
-    status, _, data = _raw(url, "GET", protocol.HEALTH_PATH)
+    status, _, data = raw(url, "GET", protocol.HEALTH_PATH)
     assert status == 200
     return json.loads(data)
 
@@ -131,8 +129,8 @@ def test_ray_equals_aiohttp_and_local_bit_for_bit(task, stage, ray_url, aiohttp_
     assert via_ray.task == task
     assert via_ray.to_bytes() == local
     assert _client(aiohttp_url).encode(request).to_bytes() == local
-    content_type, body = _wire(request)  # the raw answers: same body, same protocol headers
-    answers = [_raw(url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type, **AUTH})
+    content_type, body = wire(request)  # the raw answers: same body, same protocol headers
+    answers = [raw(url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type, **AUTH})
                for url in (ray_url, aiohttp_url)]
     assert [status for status, _, _ in answers] == [200, 200] and answers[0][2] == answers[1][2] == local
     for name in (protocol.H_MODEL, protocol.H_CHECKSUM, protocol.H_FORMAT, protocol.H_PROTOCOL, "Content-Type"):
@@ -153,8 +151,8 @@ def test_a_repeat_is_a_hit_whichever_replica_computed_it(stage, ray_url):
     served = {name: n - before.get(name, 0) for name, n in _health(ray_url)["load"]["served_by"].items()}
     assert sum(served.values()) == 6 and sum(1 for n in served.values() if n) == 2, served
     for request, data in zip(requests, first):
-        content_type, body = _wire(request)
-        status, headers, again = _raw(ray_url, "POST", protocol.ENCODE_PATH, body,
+        content_type, body = wire(request)
+        status, headers, again = raw(ray_url, "POST", protocol.ENCODE_PATH, body,
                                       {"Content-Type": content_type, **AUTH})
         assert status == 200 and headers[protocol.H_CACHE] == "hit" and again == data
     assert _health(ray_url)["load"]["served_by"] == {name: before.get(name, 0) + n for name, n in served.items()}
@@ -173,19 +171,19 @@ def test_a_part_one_replica_computed_is_a_hit_on_the_other(stage, ray_url, ray_c
     before = _health(ray_url)["load"]["served_by"]
 
     def post(request):
-        content_type, body = _wire(request)
-        status, headers, data = _raw(ray_url, "POST", protocol.ENCODE_PATH, body,
+        content_type, body = wire(request)
+        status, headers, data = raw(ray_url, "POST", protocol.ENCODE_PATH, body,
                                      {"Content-Type": content_type, **AUTH}, timeout=120)
         assert status == 200, data[:300]
         return headers, data
 
     first_headers, first = post(requests[0])  # every part computed by one replica, written to the shared DIR
-    assert set(_components(first_headers).values()) == {"miss"}
+    assert set(cache_components(first_headers).values()) == {"miss"}
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # paced: both replicas take some
         answers = list(pool.map(post, requests[1:]))
     served = {name: n - before.get(name, 0) for name, n in _health(ray_url)["load"]["served_by"].items()}
     assert sum(1 for n in served.values() if n) == 2, served
-    tiers = [_components(headers) for headers, _ in answers]
+    tiers = [cache_components(headers) for headers, _ in answers]
     for parts in tiers:  # a new prompt each time: the text is computed, every reference found
         assert parts["text"] == "miss" and {parts[label] for label in parts if label != "text"} <= {"memory", "disk"}
     assert any(set(parts.values()) == {"miss", "disk"} for parts in tiers), tiers  # the other replica, from disk
@@ -196,31 +194,23 @@ def test_a_part_one_replica_computed_is_a_hit_on_the_other(stage, ray_url, ray_c
     assert list(ray_cache_dir.rglob("*.part")) == []
 
 
-def _components(headers) -> dict[str, str]:
-    text = headers.get(protocol.H_CACHE_COMPONENTS, "")
-    return dict(item.strip().split("=") for item in text.split(",") if item.strip())
-
-
 def _metric_samples(url: str) -> dict[tuple[str, tuple], float]:
     """GET /metrics parsed by prometheus-client's own parser: (sample name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    status, headers, data = _raw(url, "GET", "/metrics", None, AUTH)
+    status, headers, data = raw(url, "GET", "/metrics", None, AUTH)
     assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4"), status
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(data.decode()) for sample in family.samples}
+    return metric_samples(data.decode())
 
 
 def test_metrics_on_ray_count_what_the_client_sent(ray_url):
     """The ingress's /metrics: its request counters move by exactly what this test sent, status by status; the
     phases of the computed miss come from the replica that computed it."""
-    assert _raw(ray_url, "GET", "/metrics")[0] == 401  # behind the token, as on the single server
+    assert raw(ray_url, "GET", "/metrics")[0] == 401  # behind the token, as on the single server
     before = _metric_samples(ray_url)
     salt = os.urandom(4).hex()
 
     def send(expected: int, body: dict | bytes, headers=AUTH) -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        status, _, _ = _raw(ray_url, "POST", protocol.ENCODE_PATH, data, {"Content-Type": "application/json",
+        status, _, _ = raw(ray_url, "POST", protocol.ENCODE_PATH, data, {"Content-Type": "application/json",
                                                                            **headers})
         assert status == expected
 
@@ -303,8 +293,8 @@ def test_16_clients_x_20_requests_with_a_replica_killed(stage, ray_url):
 def test_backpressure_is_a_429_with_retry_after(ray_url):
     def raw_encode(index):
         # Each accepted request holds its slot 1.6 s, longer than 28 requests take to arrive on a busy 2-core machine.
-        content_type, body = _wire(EncodeRequest(prompt=f"[wait 1.6] Backpressure {index}.", width=64, height=64))
-        return _raw(ray_url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type, **AUTH}, timeout=60)
+        content_type, body = wire(EncodeRequest(prompt=f"[wait 1.6] Backpressure {index}.", width=64, height=64))
+        return raw(ray_url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type, **AUTH}, timeout=60)
 
     with concurrent.futures.ThreadPoolExecutor(28) as pool:  # 2 replicas x 2 slots + 16 queued = 20 accepted
         replies = list(pool.map(raw_encode, range(28)))
@@ -329,63 +319,33 @@ def test_token_required(engine, stage, monkeypatch):
         EncoderClient(url).encode(CASES["t2va"])
     with pytest.raises(RemoteAuthError):
         EncoderClient(url, token=TOKEN[:-1] + "y").capabilities()
-    content_type, body = _wire(CASES["t2va"])
+    content_type, body = wire(CASES["t2va"])
     for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": f"Basic {TOKEN}"},
                     {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": TOKEN}):
-        status, reply_headers, data = _raw(url, "POST", protocol.ENCODE_PATH, body,
+        status, reply_headers, data = raw(url, "POST", protocol.ENCODE_PATH, body,
                                            {"Content-Type": content_type, **headers})
         assert status == 401 and reply_headers["WWW-Authenticate"].startswith("Bearer"), name
         assert json.loads(data)["error"]["code"] == "unauthorized"
-    status, reply_headers, data = _raw(url, "GET", protocol.CAPABILITIES_PATH)
+    status, reply_headers, data = raw(url, "GET", protocol.CAPABILITIES_PATH)
     assert status == 401 and reply_headers.get_all(protocol.H_REQUEST_ID) == [json.loads(data)["error"]["request_id"]]
-    assert _raw(url, "GET", "/no/such/path")[0] == 401  # nothing is revealed before the token
-    assert _raw(url, "GET", protocol.HEALTH_PATH)[0] == 200  # liveness stays open, reveals nothing
+    assert raw(url, "GET", "/no/such/path")[0] == 401  # nothing is revealed before the token
+    assert raw(url, "GET", protocol.HEALTH_PATH)[0] == 200  # liveness stays open, reveals nothing
     assert _client(url).encode(CASES["t2va"]).to_bytes() == stage.encode(CASES["t2va"]).to_bytes()
 
 
 def test_hostile_requests_each_get_a_4xx(engine, stage):
     name, url = engine
-    cases = _hostile_cases()[::4]  # a quarter of the single server's 500+, every kind represented
-    failures, statuses = [], {}
-    for label, method, path, headers, body in cases:
-        try:
-            status, _, data = _raw(url, method, path, body, {**headers, **AUTH}, timeout=20)
-        except Exception as error:  # noqa: BLE001
-            failures.append(f"{label}: no answer ({type(error).__name__}: {error})")
-            continue
-        statuses[status] = statuses.get(status, 0) + 1
-        if not 400 <= status < 500:
-            failures.append(f"{label}: {status} {data[:200]!r}")
-        elif not label.startswith("bad Content-Length"):  # refused by the HTTP parser, before the application
-            try:
-                assert json.loads(data)["error"]["code"]
-            except Exception:  # noqa: BLE001
-                failures.append(f"{label}: {status} without a JSON error body: {data[:120]!r}")
+    cases = hostile_cases()[::4]  # a quarter of the single server's 500+, every kind represented
+    failures, statuses = send_hostile(url, cases, AUTH, strict=False)  # Ray: code only, its own HTTP parser
     assert not failures, f"{name}:\n" + "\n".join(failures[:30])
     print(f"\n[hostile {name}] {len(cases)} requests, statuses {dict(sorted(statuses.items()))}")
     assert _health(url)["status"] == "ok"
     assert _client(url).encode(CASES["fl2va"]).to_bytes() == stage.encode(CASES["fl2va"]).to_bytes()
 
 
-def _authed_upload(url: str, declared: int, first: bytes) -> socket.socket:
-    """`_start_upload` with the bearer token."""
-    host, port = url.split("//", 1)[1].rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=20)
-    boundary = "b0undary"
-    head = (f"POST {protocol.ENCODE_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-            f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {declared}\r\n\r\n").encode()
-    part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"request\"\r\nContent-Type: application/json"
-            "\r\n\r\n").encode()
-    spec = json.dumps({"protocol": PV, "prompt": "<Picture 1> waves.", "ref_images": [{"part": "i"}]}).encode()
-    image = (f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"i\"; filename=\"i.png\"\r\n"
-             "Content-Type: image/png\r\n\r\n").encode()
-    sock.sendall(head + part + spec + image + first)
-    return sock
-
-
 def test_slow_upload_408_and_bytes_in_flight_capped_per_client(engine):
     name, url = engine
-    sock = _authed_upload(url, 4 * MiB, b"\x89PNG\r\n\x1a\n")
+    sock = start_upload(url, 4 * MiB, b"\x89PNG\r\n\x1a\n", token=TOKEN)
     started, status = time.monotonic(), None
     sock.settimeout(0.2)
     while time.monotonic() - started < 30 and status is None:
@@ -402,11 +362,11 @@ def test_slow_upload_408_and_bytes_in_flight_capped_per_client(engine):
     # Real time: refused after the 1 s grace period, not at upload_timeout_s; margin for load average 8 on 2 cores.
     assert status == 408 and time.monotonic() - started < 12, (name, status)
     # A client holding 3 MiB in flight (of a 4 MiB per-client cap) cannot start a 2 MiB request.
-    first = _authed_upload(url, int(3.9 * MiB), b"\x89PNG\r\n\x1a\n" + bytes(3 * MiB))
+    first = start_upload(url, int(3.9 * MiB), b"\x89PNG\r\n\x1a\n" + bytes(3 * MiB), token=TOKEN)
     try:
         time.sleep(3.0)  # real time for the first upload's 3 MiB to reach the ingress over loopback (loaded machine)
-        second = _authed_upload(url, 2 * MiB, b"")
-        assert _status(second) == 429, name
+        second = start_upload(url, 2 * MiB, b"", token=TOKEN)
+        assert read_status(second) == 429, name
         second.close()
     finally:
         first.close()
@@ -416,11 +376,11 @@ def test_corrupt_gzip_is_a_400_and_the_operator_deadline_caps_clients(engine):
     name, url = engine
     good = gzip.compress(json.dumps({"protocol": PV, "prompt": "A fox.", "width": 64, "height": 64}).encode())
     headers = {"Content-Type": "application/json", "Content-Encoding": "gzip", **AUTH}
-    status, _, data = _raw(url, "POST", protocol.ENCODE_PATH, good[:12] + b"\x00garbage" * 8, headers)
+    status, _, data = raw(url, "POST", protocol.ENCODE_PATH, good[:12] + b"\x00garbage" * 8, headers)
     assert status == 400 and json.loads(data)["error"]["code"] == "bad_encoding", (name, data)
-    assert _raw(url, "POST", protocol.ENCODE_PATH, good, headers)[0] == 200
+    assert raw(url, "POST", protocol.ENCODE_PATH, good, headers)[0] == 200
     body = json.dumps({"protocol": PV, "prompt": "A fox.", "width": 64, "height": 64, "deadline_s": 100}).encode()
-    status, _, data = _raw(url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": "application/json", **AUTH})
+    status, _, data = raw(url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": "application/json", **AUTH})
     error = json.loads(data)["error"]
     assert status == 422 and error["field"] == "deadline_s" and "30" in error["message"]
 
@@ -449,7 +409,7 @@ def test_decoded_bytes_are_bounded_per_request(engine):
             "ref_images": [{"part": "i0"}, {"part": "i1"}]}
     content_type, buffers = packing.encode_multipart(
         body, [("i0", "image/png", "i0.png", image), ("i1", "image/png", "i1.png", image)])
-    status, _, data = _raw(url, "POST", protocol.ENCODE_PATH, b"".join(buffers),
+    status, _, data = raw(url, "POST", protocol.ENCODE_PATH, b"".join(buffers),
                            {"Content-Type": content_type, **AUTH}, timeout=60)
     error = json.loads(data)["error"]
     assert status == 413 and "max_request_decoded_bytes" in error["message"], (name, error)
@@ -464,11 +424,11 @@ def test_canvas_bound_and_oversized_headers_hold_on_both_engines(engine):
     name, url = engine
     content_type, buffers = packing.encode_multipart({"protocol": PV, "prompt": "A fox.", "num_frames": 124,
                                                       "width": 2048, "height": 2048}, [])
-    status, _, data = _raw(url, "POST", protocol.ENCODE_PATH, b"".join(buffers),
+    status, _, data = raw(url, "POST", protocol.ENCODE_PATH, b"".join(buffers),
                            {"Content-Type": content_type, **AUTH}, timeout=20)
     error = json.loads(data)["error"]
     assert status == 413 and error["code"] == "too_large" and "trained range" in error["message"], (name, data)
     for padding in ({"X-Padding": "a" * (64 << 10)}, {f"X-Pad-{i}": "a" * 4000 for i in range(8)}):
-        status, _, _ = _raw(url, "GET", protocol.HEALTH_PATH, None, {**padding, **AUTH}, timeout=20)
+        status, _, _ = raw(url, "GET", protocol.HEALTH_PATH, None, {**padding, **AUTH}, timeout=20)
         assert 400 <= status < 500, (name, status)
     assert _health(url)["status"] == "ok"

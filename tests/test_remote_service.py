@@ -10,10 +10,8 @@ import asyncio
 import gc
 
 import pytest
-from service_support import run_service
+from support.service_support import run_service
 
-from h3_core.encoder import EncoderStage
-from h3_core.models import ModelSource
 from h3_core.remote import protocol
 from h3_core.remote.config import ServerConfig
 from h3_core.remote.protocol import ProtocolError
@@ -21,8 +19,8 @@ from h3_core.remote.service import EncoderService
 
 
 @pytest.fixture(scope="module")
-def stage(tiny_dir):
-    return EncoderStage(ModelSource.from_path(tiny_dir))
+def stage(encoder_stage):
+    return encoder_stage  # conftest: loaded once per session
 
 
 def _spec(**fields):

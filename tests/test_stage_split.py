@@ -7,7 +7,7 @@ The stage split's acceptance bar: on the tiny model at >= 124 frames, for t2va, 
 
 import pytest
 import torch
-from h3_reference import monolithic
+from support.h3_reference import monolithic
 
 from h3_core.contract import H3Conditioning
 from h3_core.diffusion import DiffusionStage, SamplingOptions

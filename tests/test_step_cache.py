@@ -4,8 +4,8 @@ computes exactly the forwards it names, cached runs are reproducible, and skippe
 import pytest
 import torch
 from diffusers.hooks import group_offloading
-from h3_reference import monolithic
-from lora_support import comfy_lora as _comfy_lora
+from support.h3_reference import monolithic
+from support.lora_support import comfy_lora as _comfy_lora
 
 from h3_core import cli, step_cache
 from h3_core.diffusion import DiffusionStage, SamplingOptions

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-import weights_support as support
+from support import weights_support
 
 from h3_core import weights
 from h3_core.weights import safetensors_io, transformer_keys, video_vae_keys
@@ -24,10 +24,10 @@ def tiny(tmp_path_factory):
     """The four tiny components, their Comfy files in one models folder, and a native partition."""
     root = tmp_path_factory.mktemp("tiny_weights")
     models = {
-        "transformer": support.tiny_transformer(seed=0),
-        "vae": support.tiny_video_vae(seed=0),
-        "audio_vae": support.tiny_audio_vae(seed=0),
-        "text_encoder": support.tiny_text_encoder(seed=0),
+        "transformer": weights_support.tiny_transformer(seed=0),
+        "vae": weights_support.tiny_video_vae(seed=0),
+        "audio_vae": weights_support.tiny_audio_vae(seed=0),
+        "text_encoder": weights_support.tiny_text_encoder(seed=0),
     }
     comfy = root / "models"
     files = {
@@ -88,14 +88,14 @@ def test_native_partition_detects_checks_and_loads_bit_exactly(tiny):
     assert {c.detection.layout for c in report.components} == {"native"}
     dit = weights.load_transformer(native)
     assert weights.detect(native / "transformer").partition == "fl2va"
-    assert support.state_dicts_equal(dit, models["transformer"])
+    assert weights_support.state_dicts_equal(dit, models["transformer"])
     vae = weights.load_video_vae(native)
-    assert support.state_dicts_equal(vae, models["vae"])
+    assert weights_support.state_dicts_equal(vae, models["vae"])
     assert list(vae.config.latents_std) == list(models["vae"].config.latents_std)
     audio = weights.load_audio_vae(native)
-    assert support.state_dicts_equal(audio, models["audio_vae"])  # weight_g / weight_v kept
+    assert weights_support.state_dicts_equal(audio, models["audio_vae"])  # weight_g / weight_v kept
     text = weights.load_text_encoder(native)
-    assert support.state_dicts_equal(text, models["text_encoder"])
+    assert weights_support.state_dicts_equal(text, models["text_encoder"])
 
 
 def test_pipeline_root_with_two_partitions_needs_a_choice(tiny, tmp_path):
@@ -105,7 +105,7 @@ def test_pipeline_root_with_two_partitions_needs_a_choice(tiny, tmp_path):
     (tmp_path / "model_index.json").write_text("{}")
     with pytest.raises(weights.H3WeightsError, match="partition='fl2va' or 'ref2va'"):
         weights.load_transformer(tmp_path)
-    assert support.state_dicts_equal(weights.load_transformer(tmp_path, partition="ref2va"), model)
+    assert weights_support.state_dicts_equal(weights.load_transformer(tmp_path, partition="ref2va"), model)
     assert weights.detect(tmp_path / "transformer_ref").partition == "ref2va"
 
 
@@ -114,7 +114,7 @@ def test_pipeline_root_with_two_partitions_needs_a_choice(tiny, tmp_path):
 
 def _tiny_dit_shapes(model) -> dict:
     comfy = transformer_keys.from_diffusers(model.state_dict(), dict(model.config), "comfy")
-    return support.shapes_of(comfy, support.dit_dtype)
+    return weights_support.shapes_of(comfy, weights_support.dit_dtype)
 
 
 def test_pruned_dit_header_is_the_pruned_family(tiny, tmp_path):
@@ -126,13 +126,13 @@ def test_pruned_dit_header_is_the_pruned_family(tiny, tmp_path):
     for key in [k for k in shapes if "adaln_proj.linear.weight" in k]:
         shapes[key] = (torch.float16, (shapes[key][1][0], 8))
     path = tmp_path / "minimax_h3_fl2va_pruned_bf16.safetensors"
-    support.write_header_only(str(path), shapes)
+    weights_support.write_header_only(str(path), shapes)
     det = weights.detect(path)
     assert (det.component, det.partition, det.key_format, det.format) == ("transformer", "fl2va", "pruned", "dense")
     report = weights.check(path)
     assert report.ok and "adaln_t_table [1001, 8]" in str(report), str(report)
     shapes["adaln_t_table"] = (torch.float32, (1001, 4))  # AdaLN projections 8 wide: the shapes disagree
-    support.write_header_only(str(path), shapes)
+    weights_support.write_header_only(str(path), shapes)
     assert not weights.check(path).ok
 
 
@@ -147,7 +147,7 @@ def test_quantised_files_with_unreadable_markers_are_refused(tiny, tmp_path, var
         shapes[key[: -len("weight")] + "weight_scale"] = (torch.float32, (rows,))
         shapes[key[: -len("weight")] + "comfy_quant"] = (torch.uint8, (32,))
     path = tmp_path / f"minimax_h3_fl2va_{variant}.safetensors"
-    support.write_header_only(str(path), shapes)
+    weights_support.write_header_only(str(path), shapes)
     with pytest.raises(weights.H3WeightsError, match="unreadable .comfy_quant marker") as excinfo:
         weights.detect(path)
     assert "blocks.0." in str(excinfo.value)
@@ -161,7 +161,7 @@ def test_broken_and_foreign_files_get_clear_errors(tiny, tmp_path):
     with pytest.raises(weights.IncompleteFileError, match="interrupted download"):
         weights.detect(truncated)
     foreign = tmp_path / "foreign.safetensors"
-    support.write_header_only(str(foreign), {"conv.weight": (torch.float32, (4, 4))})
+    weights_support.write_header_only(str(foreign), {"conv.weight": (torch.float32, (4, 4))})
     with pytest.raises(weights.UnrecognisedCheckpointError, match="not a MiniMax-H3 component"):
         weights.detect(foreign)
     pickled = tmp_path / "model.ckpt"
@@ -178,7 +178,8 @@ def test_check_lists_missing_unexpected_and_misshaped_keys(tiny, tmp_path):
     shapes["blocks.0.attn.to_gate_compress.weight"] = (torch.bfloat16, (64, 64))  # a FastH3 VSA gate
     shapes["final_layer.video_out.weight"] = (torch.float32, (192, 64))  # a PDD head bank
     path = tmp_path / "minimax_h3_fl2va_modified.safetensors"
-    support.write_header_only(str(path), shapes, {"h3.config": json.dumps(dict(tiny["models"]["transformer"].config))})
+    config = json.dumps(dict(tiny["models"]["transformer"].config))
+    weights_support.write_header_only(str(path), shapes, {"h3.config": config})
     (result,) = weights.check(path).components
     assert result.missing == ["transformer_blocks.1.ff.net.2.weight"]
     assert result.unexpected == ["blocks.0.attn.to_gate_compress.weight"]
@@ -202,14 +203,15 @@ def test_a_rope_table_diffusers_would_ignore_is_refused(tiny, tmp_path):
 
 
 def test_check_of_a_66_gb_file_reads_only_the_header(tmp_path, monkeypatch):
-    if not support.sparse_files_supported(tmp_path):
+    if not weights_support.sparse_files_supported(tmp_path):
         pytest.skip("no sparse files on this filesystem")
     from h3_core.weights import transformer_keys as tk
 
-    model = support.release_meta_model("transformer")
-    shapes = support.shapes_of(tk.from_diffusers(model.state_dict(), dict(model.config), "comfy"), support.dit_dtype)
+    model = weights_support.release_meta_model("transformer")
+    comfy_sd = tk.from_diffusers(model.state_dict(), dict(model.config), "comfy")
+    shapes = weights_support.shapes_of(comfy_sd, weights_support.dit_dtype)
     path = tmp_path / "minimax_h3_fl2va_bf16.safetensors"
-    size = support.write_header_only(str(path), shapes)
+    size = weights_support.write_header_only(str(path), shapes)
     assert size > 66e9
 
     def no_data(*args, **kwargs):
@@ -249,16 +251,16 @@ def test_comfyui_models_folder_and_two_partition_folder(tiny, tmp_path):
     report = weights.check(models)
     assert report.ok and len(report.components) == 4, str(report)
     # vae/ holds both VAEs: each loader picks its own file by its header.
-    assert support.state_dicts_equal(weights.load_video_vae(models), tiny["models"]["vae"])
+    assert weights_support.state_dicts_equal(weights.load_video_vae(models), tiny["models"]["vae"])
     assert weights.load_text_encoder(models).config.text_config.num_hidden_layers == 51
 
     both = tmp_path / "native"
-    weights.save_native_transformer(support.tiny_transformer(seed=7), str(both / "FL2VA"))
+    weights.save_native_transformer(weights_support.tiny_transformer(seed=7), str(both / "FL2VA"))
     weights.save_native_transformer(tiny["models"]["transformer"], str(both / "Ref2VA"))
     assert weights.check(both).ok
     with pytest.raises(weights.H3WeightsError, match="several DiTs"):
         weights.load_transformer(both)
     loaded = weights.load_transformer(both, partition="ref2va")
-    assert support.state_dicts_equal(loaded, tiny["models"]["transformer"])
+    assert weights_support.state_dicts_equal(loaded, tiny["models"]["transformer"])
     with pytest.raises(weights.H3WeightsError, match="not ref2va"):
         weights.load_transformer(both / "FL2VA", partition="ref2va")

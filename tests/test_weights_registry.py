@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import weights_support as support
+from support import weights_support
 
 from h3_core import weights
 from h3_core.weights import audio_vae_keys, components, pruned, transformer_keys
 
 BUILDERS = {
-    "transformer": support.tiny_transformer,
-    "vae": support.tiny_video_vae,
-    "audio_vae": support.tiny_audio_vae,
-    "text_encoder": support.tiny_text_encoder,
+    "transformer": weights_support.tiny_transformer,
+    "vae": weights_support.tiny_video_vae,
+    "audio_vae": weights_support.tiny_audio_vae,
+    "text_encoder": weights_support.tiny_text_encoder,
 }
 
 
@@ -70,7 +70,7 @@ def test_handler_round_trips_tiny_weights(models, name, family, layout):
         expected = {k: v for k, v in state.items() if not k.startswith(("model.language_model.norm.", "lm_head."))}
     if name == "transformer" and family != "diffusers":
         assert transformer_keys.ROPE_KEY in written  # recomputed by the model: dropped on the way in
-    assert support.state_dicts_equal(back, expected)
+    assert weights_support.state_dicts_equal(back, expected)
 
 
 def test_dense_files_report_their_format(tmp_path, models):
@@ -84,11 +84,11 @@ def test_dense_files_report_their_format(tmp_path, models):
 
 def test_an_unknown_weight_format_is_refused_by_name_before_any_read(tmp_path, models, monkeypatch):
     model = models["transformer"]
-    shapes = support.shapes_of(transformer_keys.from_diffusers(model.state_dict(), dict(model.config), "comfy"))
+    shapes = weights_support.shapes_of(transformer_keys.from_diffusers(model.state_dict(), dict(model.config), "comfy"))
     for key in [k for k in shapes if k.endswith("mlp.fc2.weight")]:
         shapes[key] = (torch.int16, shapes[key][1])
     path = tmp_path / "minimax_h3_fl2va_int16.safetensors"
-    support.write_header_only(str(path), shapes)
+    weights_support.write_header_only(str(path), shapes)
 
     def no_data(*args, **kwargs):
         raise AssertionError("a refused format must not read tensor data")
@@ -106,9 +106,9 @@ def test_an_unknown_weight_format_is_refused_by_name_before_any_read(tmp_path, m
 
 def test_refused_formats_are_named(tmp_path, models):
     model = models["transformer"]
-    shapes = support.shapes_of(transformer_keys.from_diffusers(model.state_dict(), dict(model.config), "comfy"))
+    shapes = weights_support.shapes_of(transformer_keys.from_diffusers(model.state_dict(), dict(model.config), "comfy"))
     quantised = dict(shapes)  # fp8 codes without a .comfy_quant marker: no layer format to read them by
     quantised["blocks.0.mlp.fc1.weight"] = (torch.float8_e4m3fn, shapes["blocks.0.mlp.fc1.weight"][1])
-    support.write_header_only(str(tmp_path / "q.safetensors"), quantised)
+    weights_support.write_header_only(str(tmp_path / "q.safetensors"), quantised)
     with pytest.raises(weights.UnsupportedCheckpointError, match="without a .comfy_quant marker"):
         weights.detect(tmp_path / "q.safetensors")

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-import weights_support as support
+from support import weights_support
 
 from h3_core import configs, weights
 from h3_core.weights import audio_vae_keys, text_encoder_keys, transformer_keys, video_vae_keys
@@ -36,7 +36,7 @@ def _shards(folder, shapes, prefix, n=2):
     for i in range(n):
         part = names[i::n]
         file_name = f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
-        support.write_header_only(os.path.join(folder, file_name), {k: shapes[k] for k in part})
+        weights_support.write_header_only(os.path.join(folder, file_name), {k: shapes[k] for k in part})
         weight_map.update({k: file_name for k in part})
     _json(os.path.join(folder, f"{prefix}.safetensors.index.json"), {"metadata": {}, "weight_map": weight_map})
 
@@ -44,12 +44,12 @@ def _shards(folder, shapes, prefix, n=2):
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     root = tmp_path_factory.mktemp("release")
-    if not support.sparse_files_supported(root):
+    if not weights_support.sparse_files_supported(root):
         pytest.skip("this filesystem has no sparse files; release-size header fixtures would use real disk")
-    dit = support.release_meta_model("transformer")
-    vae = support.release_meta_model("vae")
-    audio = support.release_meta_model("audio_vae")
-    te = support.release_meta_model("text_encoder")
+    dit = weights_support.release_meta_model("transformer")
+    vae = weights_support.release_meta_model("vae")
+    audio = weights_support.release_meta_model("audio_vae")
+    te = weights_support.release_meta_model("text_encoder")
     dit_cfg, vae_cfg, audio_cfg = (configs.get(n, tiny=False) for n in ("transformer", "vae", "audio_vae"))
     te_cfg = te.config.to_dict()
 
@@ -62,19 +62,19 @@ def release(tmp_path_factory):
         "text_encoder": comfy / "qwen3vl_32b_minimax_h3_bf16.safetensors",
     }
     comfy_shapes = {
-        "transformer": support.shapes_of(
-            transformer_keys.from_diffusers(dit.state_dict(), dit_cfg, "comfy"), support.dit_dtype
+        "transformer": weights_support.shapes_of(
+            transformer_keys.from_diffusers(dit.state_dict(), dit_cfg, "comfy"), weights_support.dit_dtype
         ),
-        "vae": support.shapes_of(
+        "vae": weights_support.shapes_of(
             video_vae_keys.from_diffusers(vae.state_dict(), vae_cfg),
             lambda k, t: torch.float32 if k.startswith("latents_") else torch.float16,
         ),
-        "audio_vae": support.shapes_of(audio_vae_keys.from_diffusers(audio.state_dict(), audio_cfg)),
-        "text_encoder": support.shapes_of(
+        "audio_vae": weights_support.shapes_of(audio_vae_keys.from_diffusers(audio.state_dict(), audio_cfg)),
+        "text_encoder": weights_support.shapes_of(
             text_encoder_keys.from_transformers(te.state_dict(), 50), lambda k, t: torch.bfloat16
         ),
     }
-    sizes = {c: support.write_header_only(str(files[c]), comfy_shapes[c]) for c in files}
+    sizes = {c: weights_support.write_header_only(str(files[c]), comfy_shapes[c]) for c in files}
 
     # diffusers pipeline root (sharded DiT, 64-layer transformers text encoder).
     droot = root / "MiniMax-H3-diffusers"
@@ -86,15 +86,16 @@ def release(tmp_path_factory):
         ("audio_vae", audio, audio_cfg, "AutoencoderKLMiniMaxH3Audio"),
     ):
         _json(str(droot / folder / "config.json"), {"_class_name": cls, **cfg})
-        _shards(str(droot / folder), support.shapes_of(model.state_dict()), "diffusion_pytorch_model")
+        _shards(str(droot / folder), weights_support.shapes_of(model.state_dict()), "diffusion_pytorch_model")
     _json(str(droot / "text_encoder" / "config.json"), te_cfg)
-    _shards(str(droot / "text_encoder"), support.shapes_of(te.state_dict(), lambda k, t: torch.bfloat16), "model", n=3)
+    te_shapes = weights_support.shapes_of(te.state_dict(), lambda k, t: torch.bfloat16)
+    _shards(str(droot / "text_encoder"), te_shapes, "model", n=3)
 
     # Native MiniMaxAI partition.
     nroot = root / "FL2VA"
     _json(str(nroot / "model_index.json"), {"_minimax_h3": {"partition": "FL2VA", "tasks": ["t2va", "fl2va"]}})
-    native_dit = support.shapes_of(
-        transformer_keys.from_diffusers(dit.state_dict(), dit_cfg, "native"), support.dit_dtype
+    native_dit = weights_support.shapes_of(
+        transformer_keys.from_diffusers(dit.state_dict(), dit_cfg, "native"), weights_support.dit_dtype
     )
     _shards(str(nroot / "transformer"), native_dit, "model", n=4)
     _json(
@@ -106,7 +107,8 @@ def release(tmp_path_factory):
         },
     )
     native_vae = video_vae_keys.from_diffusers(vae.state_dict(), vae_cfg, with_latent_stats=False)
-    support.write_header_only(str(nroot / "video_vae" / "source" / "model.safetensors"), support.shapes_of(native_vae))
+    vae_file = str(nroot / "video_vae" / "source" / "model.safetensors")
+    weights_support.write_header_only(vae_file, weights_support.shapes_of(native_vae))
     _json(
         str(nroot / "video_vae" / "config.json"),
         {
@@ -118,7 +120,8 @@ def release(tmp_path_factory):
             "latents_std": [1.1] * 24,
         },
     )
-    support.write_header_only(str(nroot / "audio_vae" / "model.safetensors"), support.shapes_of(audio.state_dict()))
+    audio_shapes = weights_support.shapes_of(audio.state_dict())
+    weights_support.write_header_only(str(nroot / "audio_vae" / "model.safetensors"), audio_shapes)
     _json(
         str(nroot / "audio_vae" / "config.json"),
         {"latent_channels": 32, "sample_rate": 32000, "latents_mean": [0.0] * 32, "latents_std": [1.0] * 32},
@@ -146,7 +149,8 @@ def release(tmp_path_factory):
         key = key.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
         legacy_te[key] = tensor
     _json(str(nroot / "text_encoder" / "config.json"), te_cfg)
-    _shards(str(nroot / "text_encoder"), support.shapes_of(legacy_te, lambda k, t: torch.bfloat16), "model", n=3)
+    legacy_shapes = weights_support.shapes_of(legacy_te, lambda k, t: torch.bfloat16)
+    _shards(str(nroot / "text_encoder"), legacy_shapes, "model", n=3)
     return {"files": files, "sizes": sizes, "shapes": comfy_shapes, "diffusers": droot, "native": nroot}
 
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-import weights_support as support
+from support import weights_support
 
 from h3_core import weights
 from h3_core.weights import audio_vae_keys, transformer_keys, video_vae_keys
@@ -29,17 +29,17 @@ def _offline(monkeypatch):
 
 
 def test_transformer_comfy_round_trip_is_bit_exact(tmp_path):
-    model = support.tiny_transformer(seed=0)
+    model = weights_support.tiny_transformer(seed=0)
     path = tmp_path / "minimax_h3_fl2va_tiny.safetensors"
     weights.save_comfy_transformer(model, str(path))
     loaded = weights.load_transformer(path)
-    assert support.state_dicts_equal(model, loaded)
-    for a, b in zip(support.dit_forward(model), support.dit_forward(loaded)):
+    assert weights_support.state_dicts_equal(model, loaded)
+    for a, b in zip(weights_support.dit_forward(model), weights_support.dit_forward(loaded)):
         assert torch.equal(a, b)
 
 
 def test_transformer_native_round_trip_is_bit_exact(tmp_path):
-    model = support.tiny_transformer(seed=1)
+    model = weights_support.tiny_transformer(seed=1)
     root = tmp_path / "Ref2VA"
     files = weights.save_native_transformer(model, str(root), max_shard_bytes=256 * 1024)
     assert len(files) > 1  # exercises the shard index
@@ -48,8 +48,8 @@ def test_transformer_native_round_trip_is_bit_exact(tmp_path):
     index = json.loads((root / "model_index.json").read_text())
     assert index["_minimax_h3"]["partition"] == "Ref2VA" and index["_minimax_h3"]["tasks"] == ["ref2va"]
     loaded = weights.load_transformer(root)
-    assert support.state_dicts_equal(model, loaded)
-    for a, b in zip(support.dit_forward(model), support.dit_forward(loaded)):
+    assert weights_support.state_dicts_equal(model, loaded)
+    for a, b in zip(weights_support.dit_forward(model), weights_support.dit_forward(loaded)):
         assert torch.equal(a, b)
 
 
@@ -58,7 +58,7 @@ def test_transformer_qkv_layouts_match_diffusers_own_converter():
     stacked (Comfy) and interleaved (native) QKV row orders."""
     from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
 
-    model = support.tiny_transformer(seed=2)
+    model = weights_support.tiny_transformer(seed=2)
     config = dict(model.config)
     for naming, qkv_layout in (("comfy", "stacked"), ("native", "interleaved")):
         reference = transformer_keys.from_diffusers(model.state_dict(), config, naming)
@@ -67,8 +67,8 @@ def test_transformer_qkv_layouts_match_diffusers_own_converter():
             dict(reference), config=config, qkv_layout=qkv_layout
         )
         assert unexpected == []
-        assert support.state_dicts_equal(ours, theirs)
-        assert support.state_dicts_equal(ours, model.state_dict())
+        assert weights_support.state_dicts_equal(ours, theirs)
+        assert weights_support.state_dicts_equal(ours, model.state_dict())
     comfy = transformer_keys.from_diffusers(model.state_dict(), config, "comfy")
     native = transformer_keys.from_diffusers(model.state_dict(), config, "native")
     qkv = "blocks.0.attn.qkv_proj.weight"
@@ -87,10 +87,10 @@ def test_comfy_dit_goes_through_diffusers_single_file_loader_offline(tmp_path, m
         return original(cls, path, **kwargs)
 
     monkeypatch.setattr(MiniMaxH3Transformer3DModel, "from_single_file", classmethod(spy))
-    model = support.tiny_transformer(seed=4)
+    model = weights_support.tiny_transformer(seed=4)
     path = tmp_path / "minimax_h3_fl2va_tiny.safetensors"
     weights.save_comfy_transformer(model, str(path))
-    assert support.state_dicts_equal(weights.load_transformer(path), model)
+    assert weights_support.state_dicts_equal(weights.load_transformer(path), model)
     ((called_path, kwargs),) = calls
     assert called_path == str(path) and kwargs["local_files_only"] is True
 
@@ -113,10 +113,10 @@ def _diffusers_reference(component, model, folder, dtype):
 @pytest.mark.parametrize(
     "component, build, save, load",
     [
-        ("transformer", support.tiny_transformer, weights.save_comfy_transformer, weights.load_transformer),
-        ("video_vae", support.tiny_video_vae, weights.save_comfy_video_vae, weights.load_video_vae),
-        ("audio_vae", support.tiny_audio_vae, weights.save_comfy_audio_vae, weights.load_audio_vae),
-        ("text_encoder", support.tiny_text_encoder, weights.save_comfy_text_encoder, weights.load_text_encoder),
+        ("transformer", weights_support.tiny_transformer, weights.save_comfy_transformer, weights.load_transformer),
+        ("video_vae", weights_support.tiny_video_vae, weights.save_comfy_video_vae, weights.load_video_vae),
+        ("audio_vae", weights_support.tiny_audio_vae, weights.save_comfy_audio_vae, weights.load_audio_vae),
+        ("text_encoder", weights_support.tiny_text_encoder, weights.save_comfy_text_encoder, weights.load_text_encoder),
     ],
     ids=["transformer", "video_vae", "audio_vae", "text_encoder"],
 )
@@ -130,7 +130,7 @@ def test_bf16_loading_matches_from_pretrained(tmp_path, component, build, save, 
         if component == "audio_vae" and path.name.endswith(".safetensors"):
             reference_cmp = audio_vae_keys.fold_weight_norm(_fp32(model.state_dict()))
             assert all(loaded[k].dtype == torch.float32 for k in loaded)  # the audio VAE stays fp32
-            assert support.state_dicts_equal(loaded, reference_cmp)
+            assert weights_support.state_dicts_equal(loaded, reference_cmp)
             continue
         common = set(loaded) & set(reference)
         assert common == set(loaded), sorted(set(loaded) - set(reference))[:3]
@@ -151,11 +151,11 @@ def _fp32(state):
 
 
 def test_video_vae_comfy_round_trip_is_bit_exact(tmp_path):
-    vae = support.tiny_video_vae(seed=0)
+    vae = weights_support.tiny_video_vae(seed=0)
     path = tmp_path / "minimax_h3_video_vae_tiny.safetensors"
     weights.save_comfy_video_vae(vae, str(path))
     loaded = weights.load_video_vae(path)
-    assert support.state_dicts_equal(vae, loaded)
+    assert weights_support.state_dicts_equal(vae, loaded)
     assert list(loaded.config.latents_mean) == list(vae.config.latents_mean)
     assert list(loaded.config.latents_std) == list(vae.config.latents_std)
     latent = torch.randn(1, 24, 7, 2, 2, generator=torch.Generator().manual_seed(0))  # 22 frames
@@ -166,7 +166,7 @@ def test_video_vae_comfy_round_trip_is_bit_exact(tmp_path):
 def test_video_vae_fused_layouts_mean_what_comfyui_computes():
     """Comfy's decoder views `to_qkv` output as [.., heads, 3 * head_dim] and chunks it, and
     computes `silu(gate) * value` from `ff.w1 = [gate; value]`; our file must mean the same."""
-    vae = support.tiny_video_vae(seed=1)
+    vae = weights_support.tiny_video_vae(seed=1)
     config = dict(vae.config)
     comfy = video_vae_keys.from_diffusers(vae.state_dict(), config)
     block = vae.decoder.transformer_blocks[0]
@@ -194,14 +194,14 @@ def test_video_vae_fused_layouts_mean_what_comfyui_computes():
 
 
 def test_audio_vae_folded_file_is_bit_exact_with_the_weight_normed_model(tmp_path):
-    vae = support.tiny_audio_vae(seed=0)
+    vae = weights_support.tiny_audio_vae(seed=0)
     path = tmp_path / "minimax_h3_audio_vae_tiny.safetensors"
     weights.save_comfy_audio_vae(vae, str(path))
     assert weights.detect(path).key_format == "folded"
     loaded = weights.load_audio_vae(path)
     # Folded weights equal what the weight-norm hook computes, and the forward is bit-exact.
     folded = audio_vae_keys.fold_weight_norm(vae.state_dict())
-    assert support.state_dicts_equal(folded, loaded)
+    assert weights_support.state_dicts_equal(folded, loaded)
     assert list(loaded.config.latents_mean) == list(vae.config.latents_mean)
     latent = torch.randn(2, 32, 3, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -212,10 +212,10 @@ def test_audio_vae_folded_file_is_bit_exact_with_the_weight_normed_model(tmp_pat
 
 
 def test_audio_vae_diffusers_folder_keeps_weight_norm(tmp_path):
-    vae = support.tiny_audio_vae(seed=1)
+    vae = weights_support.tiny_audio_vae(seed=1)
     vae.save_pretrained(tmp_path / "audio_vae")
     loaded = weights.load_audio_vae(tmp_path / "audio_vae")
-    assert support.state_dicts_equal(vae, loaded)
+    assert weights_support.state_dicts_equal(vae, loaded)
     assert any(k.endswith("weight_g") for k in loaded.state_dict())
 
 
@@ -223,7 +223,7 @@ def test_audio_vae_diffusers_folder_keeps_weight_norm(tmp_path):
 
 
 def test_text_encoder_comfy_round_trip_keeps_every_written_tensor(tmp_path):
-    model = support.tiny_text_encoder(seed=0)
+    model = weights_support.tiny_text_encoder(seed=0)
     path = tmp_path / "qwen3vl_tiny_minimax_h3.safetensors"
     weights.save_comfy_text_encoder(model, str(path))
     loaded = weights.load_text_encoder(path)
@@ -232,7 +232,7 @@ def test_text_encoder_comfy_round_trip_keeps_every_written_tensor(tmp_path):
     kept = {k for k in original if k not in dropped and not k.startswith("model.language_model.layers.50.")}
     assert set(back) == kept
     assert all(torch.equal(original[k], back[k]) for k in back)
-    assert torch.equal(support.prompt_embeds(model), support.prompt_embeds(loaded))
+    assert torch.equal(weights_support.prompt_embeds(model), weights_support.prompt_embeds(loaded))
 
 
 # --- writers ------------------------------------------------------------------------------------
@@ -241,10 +241,10 @@ def test_text_encoder_comfy_round_trip_keeps_every_written_tensor(tmp_path):
 @pytest.mark.parametrize(
     "build, save, load",
     [
-        (support.tiny_transformer, weights.save_comfy_transformer, weights.load_transformer),
-        (support.tiny_video_vae, weights.save_comfy_video_vae, weights.load_video_vae),
-        (support.tiny_audio_vae, weights.save_comfy_audio_vae, weights.load_audio_vae),
-        (support.tiny_text_encoder, weights.save_comfy_text_encoder, weights.load_text_encoder),
+        (weights_support.tiny_transformer, weights.save_comfy_transformer, weights.load_transformer),
+        (weights_support.tiny_video_vae, weights.save_comfy_video_vae, weights.load_video_vae),
+        (weights_support.tiny_audio_vae, weights.save_comfy_audio_vae, weights.load_audio_vae),
+        (weights_support.tiny_text_encoder, weights.save_comfy_text_encoder, weights.load_text_encoder),
     ],
     ids=["transformer", "video_vae", "audio_vae", "text_encoder"],
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import weights_support as support
+from support import weights_support
 
 from h3_core import weights
 from h3_core.weights import qwen_h3
@@ -23,7 +23,7 @@ def _offline(monkeypatch):
 @pytest.fixture(scope="module")
 def deep_and_truncated(tmp_path_factory):
     """A 51-layer tiny Qwen3-VL and the same model written to / read from a 50-layer Comfy file."""
-    deep = support.tiny_text_encoder(seed=0)  # 51 layers: the tiny config's (diffusers' minimum)
+    deep = weights_support.tiny_text_encoder(seed=0)  # 51 layers: the tiny config's (diffusers' minimum)
     path = tmp_path_factory.mktemp("te") / "qwen3vl_tiny_minimax_h3.safetensors"
     weights.save_comfy_text_encoder(deep, str(path))
     return deep, weights.load_text_encoder(path), path
@@ -52,23 +52,23 @@ def test_hidden_state_50_equals_the_deeper_stack_bit_exactly_with_an_image(deep_
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(type(truncated.model.language_model), "_deepstack_process", counting)
-    reference = support.prompt_embeds(deep)  # diffusers' get_qwen3vl_prompt_embeds, hidden_states[50]
-    ours = support.prompt_embeds(truncated)
+    reference = weights_support.prompt_embeds(deep)  # diffusers' get_qwen3vl_prompt_embeds, hidden_states[50]
+    ours = weights_support.prompt_embeds(truncated)
     assert calls.count(True) == 3  # three DeepStack mergers injected into the truncated stack
     assert ours.shape == reference.shape == (1, 11, 64)
     assert torch.equal(ours, reference)
     # ...and the image matters: other pixels give another stream.
-    other = support.prompt_embeds(truncated, seed=1)
+    other = weights_support.prompt_embeds(truncated, seed=1)
     assert not torch.equal(other, ours)
 
 
 def test_the_stream_is_pre_norm_and_the_arrangement_is_consistent(deep_and_truncated):
     deep, truncated, _ = deep_and_truncated
-    ids, vision = support.qwen_presentation()
+    ids, vision = weights_support.qwen_presentation()
     kwargs = dict(
         input_ids=torch.tensor([ids]),
         attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        mm_token_type_ids=torch.tensor(support.TokenTypes().create_mm_token_type_ids([ids])),
+        mm_token_type_ids=torch.tensor(weights_support.TokenTypes().create_mm_token_type_ids([ids])),
         use_cache=False,
         output_hidden_states=True,
         **vision,
@@ -91,9 +91,9 @@ def test_the_stream_is_pre_norm_and_the_arrangement_is_consistent(deep_and_trunc
 
 def test_diffusers_refuses_a_plain_50_layer_stack():
     """Why the arrangement exists: diffusers' reader rejects `num_hidden_layers <= 50`."""
-    plain = support.tiny_text_encoder(seed=0, num_layers=50)
+    plain = weights_support.tiny_text_encoder(seed=0, num_layers=50)
     with pytest.raises(ValueError, match="more than 50"):
-        support.prompt_embeds(plain)
+        weights_support.prompt_embeds(plain)
 
 
 def test_full_transformers_folder_loads_as_the_full_model(deep_and_truncated, tmp_path):
@@ -101,9 +101,9 @@ def test_full_transformers_folder_loads_as_the_full_model(deep_and_truncated, tm
     deep.save_pretrained(tmp_path / "text_encoder", max_shard_size="20MB")
     loaded = weights.load_text_encoder(tmp_path / "text_encoder")
     assert weights.detect(tmp_path / "text_encoder").layout == "diffusers"
-    assert support.state_dicts_equal(deep, loaded)
+    assert weights_support.state_dicts_equal(deep, loaded)
     assert loaded.lm_head.weight is loaded.model.language_model.embed_tokens.weight  # tied again
-    assert torch.equal(support.prompt_embeds(loaded), support.prompt_embeds(deep))
+    assert torch.equal(weights_support.prompt_embeds(loaded), weights_support.prompt_embeds(deep))
 
 
 def test_a_comfy_file_with_fewer_than_50_layers_is_refused(deep_and_truncated, tmp_path):

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-from comfy_harness import comfy  # noqa: F401  (session fixture)
-from test_nodes_comfyui import encoder_url, server  # noqa: F401  (module fixtures: pack server, encoder endpoint)
+from support.comfy_harness import comfy  # noqa: F401  (session fixture)
+from support.comfy_pack import encoder_url, server  # noqa: F401  (module fixtures: pack server, encoder endpoint)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "workflows"
 NAMES = sorted(p.stem for p in (FIXTURES / "ui").glob("*.json"))

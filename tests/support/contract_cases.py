@@ -8,10 +8,11 @@ latents, under the contract's 80-latent floor, so the soundtrack here is 3 s lik
 
 import json
 
+import pytest
 import safetensors.torch as st
 import torch
 
-from h3_core.contract import CHECKSUM_KEY, HEADER_KEY, H3Conditioning, H3Reference
+from h3_core.contract import CHECKSUM_KEY, HEADER_KEY, ContractError, H3Conditioning, H3Reference
 from h3_core.contract.wire import checksum_of
 
 H = W = 64
@@ -107,3 +108,12 @@ def _retamper(data, edit_header=None, edit_tensors=None, seal=True):
     table, start = _st_header(unsealed)
     table.pop("__metadata__")
     return st.save(tensors, metadata={HEADER_KEY: text, CHECKSUM_KEY: checksum_of(text, table, unsealed[start:])})
+
+
+def expect_contract_error(read, data, fragment, kind=ContractError, field="payload"):
+    """`read(data)` raises `kind` on `field`, naming `fragment`; returns the error for further checks."""
+    with pytest.raises(kind) as info:
+        read(data)
+    assert info.value.field == field
+    assert fragment in str(info.value), str(info.value)
+    return info.value

@@ -5,7 +5,7 @@ venv and its tree copied to `.comfyui/`, Debian chromium, playwright-core in `te
 
 Use from a test module::
 
-    from comfy_harness import comfy  # noqa: F401  (the session fixture: one server per session)
+    from support.comfy_harness import comfy  # noqa: F401  (the session fixture: one server per session)
 
     def test_x(comfy):
         info = comfy.object_info("H3SomeNode")
@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Mapping
 import pytest
 
 PACK_NAME = "comfyui-minimax-h3"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMFY_DIR = Path(os.environ.get("H3_COMFY_DIR", REPO / ".comfyui"))
 UI_DIR = REPO / "tests" / "ui"
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae")
