@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from comfy_harness import _thread_env, comfy_available, start_comfy
+from support.comfy_harness import thread_env, comfy_available, start_comfy
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
@@ -42,7 +42,7 @@ def changed_comfy(tiny_dir, encoder, tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy-seam")
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / "h3_test_remove_queue_snapshot.py").write_text(REMOVE_QUEUE_SNAPSHOT)
-    env = {**_thread_env(), "H3_TINY_DIR": str(tiny_dir), "H3_ENCODER_URLS": encoder.url,
+    env = {**thread_env(), "H3_TINY_DIR": str(tiny_dir), "H3_ENCODER_URLS": encoder.url,
            "H3_ENCODE_AHEAD_DELAY": "0"}
     server = start_comfy(base, models_src=tiny_dir / "comfyui", env=env)
     yield server

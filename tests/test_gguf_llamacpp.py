@@ -74,7 +74,7 @@ def test_twin_names_are_the_gguf_packages_own(models):
 def test_loaded_llamacpp_pair_equals_the_comfy_named_pair_bitwise(models):
     """The same stored bytes under the Comfy names (the patch kernel, dense in llama.cpp's file, is the Comfy file's
     numpy dequantisation); the loaded encoders hold equal weights and encode equal prompt embeddings."""
-    import weights_support as support
+    from support import weights_support
 
     llama, comfy = _pairs(models)
     ours, theirs = read_header([str(p) for p in llama]), read_header([str(p) for p in comfy])
@@ -96,7 +96,7 @@ def test_loaded_llamacpp_pair_equals_the_comfy_named_pair_bitwise(models):
     state_a, state_b = a.state_dict(), b.state_dict()
     assert state_a.keys() == state_b.keys()
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
-    assert torch.equal(support.prompt_embeds(a), support.prompt_embeds(b))
+    assert torch.equal(weights_support.prompt_embeds(a), weights_support.prompt_embeds(b))
 
 
 def test_encode_with_a_llamacpp_text_encoder(models, tmp_path):

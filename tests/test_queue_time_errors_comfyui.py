@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from comfy_harness import comfy  # noqa: F401  (session fixture)
+from support.comfy_harness import comfy  # noqa: F401  (session fixture)
 
 WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows" / "api"
 

@@ -1,7 +1,7 @@
 """The H3 Sampler's `gpus` widget in a real ComfyUI (CPU, so the workers are gloo ranks on the CPU): gpus=2 gives the
 latents of gpus=1 within 1e-6 relative, with the same progress and previews; an interrupt stops the workers and
 leaves them warm; a worker killed mid-prompt fails that prompt with an error naming it, and the next prompt samples
-on fresh workers. One server for the module; tests/comfy_latent_probe.py saves the latents."""
+on fresh workers. One server for the module; tests/support/comfy_latent_probe.py saves the latents."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_harness import comfy_available, start_comfy
+from support.comfy_harness import comfy_available, start_comfy
 from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parent
@@ -31,7 +31,7 @@ def server(tiny_dir, tmp_path_factory):
         pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
     base = tmp_path_factory.mktemp("sp_comfy") / "base"
     (base / "custom_nodes").mkdir(parents=True)
-    shutil.copyfile(HERE / "comfy_latent_probe.py", base / "custom_nodes" / "h3_latent_probe.py")
+    shutil.copyfile(HERE / "support" / "comfy_latent_probe.py", base / "custom_nodes" / "h3_latent_probe.py")
     env = {"H3_TINY_DIR": str(tiny_dir), "OMP_NUM_THREADS": "1", "H3_THREADS": "1"}  # two ranks on shared cores
     server = start_comfy(base, models_src=Path(tiny_dir) / "comfyui", env=env,
                          extra_args=("--preview-method", "auto"))

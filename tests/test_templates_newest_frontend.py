@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from comfy_harness import PACK_NAME, comfy_factory  # noqa: F401  (session fixture)
+from support.comfy_harness import PACK_NAME, comfy_factory  # noqa: F401  (session fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflows"))

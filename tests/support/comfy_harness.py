@@ -583,7 +583,7 @@ def _stop_all() -> None:
 atexit.register(_stop_all)  # also when pytest exits without tearing fixtures down
 
 
-def _thread_env() -> dict[str, str]:
+def thread_env() -> dict[str, str]:
     return {k: os.environ.get(k, "2") for k in ("OMP_NUM_THREADS", "H3_THREADS")}
 
 
@@ -591,7 +591,7 @@ def _thread_env() -> dict[str, str]:
 def comfy(tiny_dir, tmp_path_factory) -> ComfyServer:
     """A real ComfyUI server with this pack, the tiny H3's ComfyUI models linked in, and
     H3_TINY_DIR set; started once per session, stopped at session end."""
-    env = {"H3_TINY_DIR": str(tiny_dir), **_thread_env()}
+    env = {"H3_TINY_DIR": str(tiny_dir), **thread_env()}
     yield shared_comfy(tmp_path_factory.getbasetemp(), Path(tiny_dir) / "comfyui", env)
     _stop_all()
 
@@ -602,7 +602,7 @@ def comfy_factory(tmp_path_factory):
     that configuration (thread variables are added to env)."""
 
     def make(models_src=None, env=None, extra_args=()):
-        return shared_comfy(tmp_path_factory.getbasetemp(), models_src, {**_thread_env(), **(env or {})}, extra_args)
+        return shared_comfy(tmp_path_factory.getbasetemp(), models_src, {**thread_env(), **(env or {})}, extra_args)
 
     yield make
     _stop_all()
