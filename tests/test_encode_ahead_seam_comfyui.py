@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from support.comfy_harness import thread_env, comfy_available, start_comfy
+from support.comfy_harness import comfy_available, start_comfy, thread_env
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.comfy_harness import comfy_available, start_comfy
 from safetensors.torch import load_file
+from support.comfy_harness import comfy_available, start_comfy
 
 HERE = Path(__file__).resolve().parent
 TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
