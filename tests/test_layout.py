@@ -213,3 +213,49 @@ def test_every_test_module_is_in_a_tier():
                   ["pytest"]["ini_options"]["markers"]}
     used = {marker for markers in [*TIERS.values(), *SLOW_TESTS.values()] for marker in markers}
     assert used <= registered == {"slow", "comfyui", "ray", "process"}
+
+
+# ComfyUI's public surface (the V3 node API and the model-folder registry) may be used by any node module; its
+# internals only where this table says, each for one reason (docs/ARCHITECTURE.md §1). A new internal import, or
+# an entry no longer needed, fails here: the table is the rule, kept true.
+COMFY_PUBLIC = {"comfy_api.latest", "folder_paths"}
+COMFY_ROOTS = {"comfy", "comfy_api", "comfy_execution", "comfy_extras", "folder_paths", "server", "execution",
+               "nodes", "latent_preview", "node_helpers", "app"}
+COMFY_INTERNALS = {
+    # model management, progress bars, previews, the VIDEO/AUDIO types, the prompt server's messages
+    "nodes/comfy_bridge.py": {"comfy.cli_args", "comfy.latent_formats", "comfy.model_management",
+                              "comfy.model_patcher", "comfy.nested_tensor", "comfy.utils", "server"},
+    # the queue and executor state encode-ahead reads, feature-detected (off when it is not as expected)
+    "nodes/comfy_queue_seam.py": {"comfy_execution", "comfy_execution.progress", "nodes", "server"},
+    # the load / offload device of each loader
+    "nodes/loaders.py": {"comfy.model_management"},
+    # ComfyUI's cast-weights protocol for streaming the DiT's and text encoder's layers
+    "nodes/low_vram.py": {"comfy.model_management", "comfy.model_patcher", "comfy.ops", "comfy.patcher_extension"},
+    # ComfyUI's own inference minimum, added to what a node asks to keep free
+    "nodes/memory.py": {"comfy.model_management"},
+    # the progress bar and its text line of the running node
+    "nodes/progress_text.py": {"comfy.utils", "comfy_execution.utils", "server"},
+    # the POST /prompt middleware: one validation error per problem
+    "nodes/validation_errors.py": {"nodes", "server"},
+}
+
+
+def _comfy_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        found |= {name for name in names if name.split(".")[0] in COMFY_ROOTS}
+    return found
+
+
+def test_comfyui_internals_are_imported_only_where_the_table_allows():
+    seen = {}
+    for path in sorted((REPO / "nodes").glob("*.py")):
+        internal = _comfy_imports(path) - COMFY_PUBLIC
+        if internal:
+            seen[str(path.relative_to(REPO))] = internal
+    assert seen == COMFY_INTERNALS
