@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from h3_core import tiny_gguf, weights  # noqa: E402
+from h3_core import weights  # noqa: E402
+from h3_core.tiny import gguf_twins as tiny_gguf  # noqa: E402
 from h3_core.weights import gguf_file, release_headers  # noqa: E402
 from h3_core.weights.headers import read_header  # noqa: E402
 from h3_core.weights.quant import ggml  # noqa: E402

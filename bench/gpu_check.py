@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from h3_core import configs, facts, offload, planner  # noqa: E402
+from h3_core import configs, facts, offload  # noqa: E402
+from h3_core.planning import planner  # noqa: E402
 from h3_core.safetensors_header import DTYPE_TAGS  # noqa: E402
 from h3_core.weights.headers import TensorInfo  # noqa: E402
 

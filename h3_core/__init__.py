@@ -5,8 +5,8 @@ all call the same functions.
 
     facts.py        every H3 number (fps, sample rates, frame grid, limits, shifts), pinned against diffusers
     rules.py        request rules built on the facts (canvas, frames, task, reference counts and durations)
-    media.py        decode images/video/audio (media_audio, media_video), resample to 32 kHz stereo, write mp4
-    media_sandbox   decode untrusted media in a forked, memory-capped worker (a crash costs one request)
+    media/          decode images/video/audio (base, audio, video), resample to 32 kHz stereo, write mp4 (mp4);
+                    sandbox: decode untrusted media in a forked, memory-capped worker (a crash costs one request)
     request.py      EncodeRequest: decoded media + numbers, fixed reference order
     encoder.py      STAGE 0: EncoderStage (Qwen3-VL text, video VAE, audio VAE)  -> H3Conditioning
     contract/       THE CONTRACT: H3Conditioning, its validation, file/bytes, core and vLLM conversions
@@ -17,7 +17,8 @@ all call the same functions.
     remote/         THE WIRE: encoder server (service, http, ingest) and client (packing, transport)
     diffusers_adapter.py  the only imports of diffusers private helpers
     testing.py      synthetic media and the canonical requests shared by tests and benchmarks
-    tiny.py         the embedded tiny H3
+    planning/       the header-only memory planner, the `plan` report and the published tables
+    tiny/           the embedded tiny H3 and its twins in every published format (quantised, pruned, GGUF)
 
 docs/ARCHITECTURE.md is the map.
 """

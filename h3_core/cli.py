@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import component_args, devices, facts, loadbar, plan_report, progress
+from . import component_args, devices, facts, loadbar, progress
+from .planning import report as plan_report
 from .remote import engines
 
 
@@ -61,7 +62,7 @@ def _cmd_tiny(args) -> int:
         out = tiny.build(args.out, seed=args.seed)
         _log(f"built the tiny H3 (seed {args.seed}) in {time.perf_counter() - start:.1f} s")
     if args.twins == "gguf":
-        from . import tiny_gguf
+        from .tiny import gguf_twins as tiny_gguf
 
         written = tiny_gguf.write_gguf_twins(out / "comfyui")
         _log(f"wrote {len(written)} GGUF twins in {time.perf_counter() - start:.1f} s")

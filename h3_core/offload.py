@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import devices, planner, progress
+from . import devices, progress
+from .planning import planner
 
 # What streaming applies to, per component: the module to hook, and its children to recurse into.
 STREAMABLE = ("transformer", "transformer_ref", "text_encoder")

@@ -18,8 +18,9 @@ import folder_paths
 import numpy as np
 import torch
 
-from ..h3_core import media, previews, rules, safe_paths, tiny_files
+from ..h3_core import media, previews, rules, safe_paths
 from ..h3_core.progress import Cancelled
+from ..h3_core.tiny import files as tiny_files
 from . import low_vram
 
 PACK_FOLDER = "minimax_h3"  # models/minimax_h3/: diffusers roots, native partitions, the embedded tiny H3

@@ -1,7 +1,7 @@
 """What a node asks ComfyUI to keep free for its own work (`load_models_gpu(memory_required=...)`).
 
-The figure is the planner's activation estimate for this job (h3_core.planner: canvas, frames, tokens, the loaded
-model's own widths) with a fifth more for the allocator's fragmentation, plus ComfyUI's own inference minimum
+The figure is the planner's activation estimate for this job (h3_core.planning.planner: canvas, frames, tokens, the
+loaded model's own widths) with a fifth more for the allocator's fragmentation, plus ComfyUI's own inference minimum
 (kernels' workspace). ComfyUI adds --reserve-vram on top, keeps the sum free and streams the weights that no
 longer fit; an estimate that is too small would leave weights resident and run out of memory mid-forward.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import comfy.model_management as mm
 import torch
 
-from ..h3_core import planner
+from ..h3_core.planning import planner
 
 MARGIN = 1.2
 

@@ -15,12 +15,14 @@ import av
 import pytest
 import torch
 
-from h3_core import cli, component_args, tiny, tiny_pruned, tiny_twins
+from h3_core import cli, component_args, tiny
 from h3_core.contract import H3Conditioning
 from h3_core.diffusion import DiffusionStage, SamplingOptions
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource, ModelSourceError
 from h3_core.request import EncodeRequest
+from h3_core.tiny import pruned as tiny_pruned
+from h3_core.tiny import twins as tiny_twins
 
 VAE = tiny.COMFY_FILES["vae"]
 AUDIO_VAE = tiny.COMFY_FILES["audio_vae"]

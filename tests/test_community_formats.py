@@ -12,7 +12,7 @@ from safetensors import safe_open
 from support import weights_support
 
 from h3_core import tiny, weights
-from h3_core.tiny_pruned import block_linears
+from h3_core.tiny.pruned import block_linears
 from h3_core.weights.quant import quantise_state_dict
 from h3_core.weights.quant.linear import QuantLinear
 from h3_core.weights.safetensors_io import write_file

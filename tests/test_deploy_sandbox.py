@@ -17,7 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from h3_core import media, media_sandbox, testing
+from h3_core import media, testing
+from h3_core.media import sandbox as media_sandbox
 from h3_core.remote import protocol
 
 SECRET = "sandbox-env-secret-" + "q" * 24
@@ -180,7 +181,7 @@ def test_the_decoder_host_imports_no_torch():
     assert "._serve(fd)" in media_sandbox._BOOT
     code = media_sandbox._BOOT.replace("._serve(fd)", "") + (
         "\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'diffusers', 'transformers')))")
-    directory = str(Path(media_sandbox.__file__).parent)
+    directory = str(Path(media_sandbox.__file__).parent.parent)  # the h3_core folder, as the host gets it
     out = subprocess.run([sys.executable, "-c", code, directory, "0"], capture_output=True, text=True, check=True,
                          timeout=120)
     assert out.stdout.strip() == "[]"

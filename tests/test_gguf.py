@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from h3_core import cli, tiny, tiny_gguf, weights
+from h3_core import cli, tiny, weights
 from h3_core.contract import H3Conditioning
+from h3_core.tiny import gguf_twins as tiny_gguf
 from h3_core.weights import gguf_file
 from h3_core.weights.errors import UnsupportedCheckpointError
 from h3_core.weights.headers import read_header
@@ -209,7 +210,7 @@ def test_encode_and_generate_with_gguf_files_write_a_valid_mp4(models, tmp_path,
 
 def test_plan_counts_the_stored_blocks(models):
     """The planner sizes a GGUF file from its header: quantised layers at their stored bytes."""
-    from h3_core import planner
+    from h3_core.planning import planner
 
     path = _path(models, "fl2va", "Q4_0")
     header = read_header([str(path)])

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from support.comfy_harness import comfy_available, start_comfy
 
-from h3_core import tiny, tiny_gguf
+from h3_core import tiny
+from h3_core.tiny import gguf_twins as tiny_gguf
 
 DIT = tiny_gguf.gguf_path("fl2va_pruned", "Q4_K")
 TE = tiny_gguf.gguf_path("text_encoder", "Q8_0")

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from h3_core import cli, tiny, tiny_gguf, weights
+from h3_core import cli, tiny, weights
 from h3_core.contract import H3Conditioning
+from h3_core.tiny import gguf_twins as tiny_gguf
 from h3_core.weights import gguf_file, gguf_llama_names
 from h3_core.weights.errors import UnsupportedCheckpointError
 from h3_core.weights.headers import read_header
@@ -155,7 +156,7 @@ def test_what_cannot_be_mapped_is_refused_by_name(tmp_path):
 def test_the_plain_tiny_build_writes_the_default_gguf_twins_and_loaders_offer_them(tiny_dir):
     """`python -m h3_core tiny` writes the Q8_0 and Q4_K twins (both pairs included); the loaders' embedded tiny
     choices are exactly its GGUF files but the vision-projector ones."""
-    from h3_core import tiny_files
+    from h3_core.tiny import files as tiny_files
 
     built = {name.split("/", 1)[1] for name in json.loads((tiny_dir / "tiny.json").read_text())["files"]
              if name.startswith("comfyui/") and name.endswith(".gguf")}

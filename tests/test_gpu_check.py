@@ -40,7 +40,7 @@ def test_release_files_are_sparse_and_planned_from_their_headers(tmp_path):
 
     from support.weights_support import sparse_files_supported
 
-    from h3_core import planner
+    from h3_core.planning import planner
 
     if not sparse_files_supported(tmp_path):
         pytest.skip("this filesystem stores holes: a 21 GB release-size fixture would use the disk")

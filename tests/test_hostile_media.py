@@ -1,7 +1,7 @@
 """Hostile media: inputs that crashed the process, kept memory after a refusal, or cost gigabytes when accepted.
 
 Every file here is generated with PyAV in the test (a few KB each). Decodes that could crash the interpreter run
-through `h3_core.media_sandbox` first, so a regression fails one test instead of killing the session; memory is
+through `h3_core.media.sandbox` first, so a regression fails one test instead of killing the session; memory is
 measured in fresh subprocesses (VmHWM after resetting it through /proc/self/clear_refs).
 """
 
@@ -19,8 +19,9 @@ import av
 import numpy as np
 import pytest
 
-from h3_core import media, media_sandbox
+from h3_core import media
 from h3_core.media import MediaError
+from h3_core.media import sandbox as media_sandbox
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {1: "mono", 2: "stereo", 3: "2.1", 4: "quad", 5: "5.0", 6: "5.1", 7: "6.1", 8: "7.1"}

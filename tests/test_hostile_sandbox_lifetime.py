@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from support.encoder_process import ServerProcess, post_parts, server_env
 
-from h3_core import media, media_sandbox
+from h3_core import media
+from h3_core.media import sandbox as media_sandbox
 
 
 def _children(pid: int) -> dict[int, str]:

@@ -22,7 +22,8 @@ import torch
 from support.comfy_harness import comfy_available, start_comfy
 from support.lora_support import comfy_lora as _comfy_lora
 
-from h3_core import configs, planner
+from h3_core import configs
+from h3_core.planning import planner
 
 HERE = Path(__file__).resolve().parent
 TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
@@ -65,7 +66,7 @@ def _models_with_twins(tiny_dir: Path, tmp: Path) -> Path:
     models = tiny_dir / "comfyui"
     if all((models / "text_encoders" / name).is_file() for name in (BF16_TE, INT8_TE, NVFP4_TE)):
         return models
-    from h3_core import tiny_twins
+    from h3_core.tiny import twins as tiny_twins
 
     copy = tmp / "comfyui"
     shutil.copytree(models, copy)

@@ -516,7 +516,7 @@ def test_video_target_refusals_come_before_decoding():
 def test_video_target_of_an_extreme_aspect_keeps_the_decoded_size():
     """A 4:1 clip on the tiny canvas rule rounds to 160x32 (5:1), outside the rule's own limits: the frames are kept
     at their decoded size (diffusers resizes them once, as always) instead of the decode failing."""
-    from h3_core.media_video import _target_size
+    from h3_core.media.video import _target_size
 
     target = media.VideoTarget(124, 64, 64 * 112)
     assert _target_size((64, 256), target) == (64, 256)

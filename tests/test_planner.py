@@ -7,7 +7,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from h3_core import cli, plan_report, plan_tables, planner
+from h3_core import cli
+from h3_core.planning import planner
+from h3_core.planning import report as plan_report
+from h3_core.planning import tables as plan_tables
 
 GB = 1e9
 

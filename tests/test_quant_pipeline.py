@@ -7,13 +7,14 @@ import shutil
 import pytest
 import torch
 
-from h3_core import configs, media, tiny_twins, weights
+from h3_core import configs, media, weights
 from h3_core.contract import H3Conditioning
 from h3_core.diffusion import DiffusionStage, SamplingOptions
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.request import EncodeRequest
 from h3_core.testing import image
+from h3_core.tiny import twins as tiny_twins
 from h3_core.weights.quant.linear import QuantLinear
 
 AUDIO_VAE = "vae/minimax_h3_tiny_audio_vae_fp32.safetensors"

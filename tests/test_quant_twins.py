@@ -9,8 +9,9 @@ import torch
 from support import quant_support as qs
 from support import weights_support
 
-from h3_core import tiny_twins, weights
+from h3_core import weights
 from h3_core.safetensors_header import DTYPE_TAGS
+from h3_core.tiny import twins as tiny_twins
 from h3_core.weights import release_headers
 from h3_core.weights.quant.linear import Int8Embedding, QuantLinear
 

@@ -9,8 +9,9 @@ import socket
 import numpy as np
 import pytest
 
-from h3_core import media, media_sandbox
+from h3_core import media
 from h3_core.encoder import EncoderStage
+from h3_core.media import sandbox as media_sandbox
 from h3_core.models import ModelSource
 from h3_core.remote import transport
 from h3_core.remote.client import EncoderClient, RemoteAuthError, RemoteRequestError, RemoteUnavailableError

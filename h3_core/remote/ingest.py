@@ -10,7 +10,7 @@
   equals a local encode while a 4K clip never exists at 4K; the decoded-bytes bound counts that output size.
 
 Every parse of untrusted media bytes goes through `decode_media`, which runs it in a sandboxed worker process
-(`h3_core.media_sandbox`: address-space cap, timeout; a crash is a 422 for that request). Nothing here unpickles
+(`h3_core.media.sandbox`: address-space cap, timeout; a crash is a 422 for that request). Nothing here unpickles
 or evaluates anything; part and file names are never paths (the sandbox passes bytes through a private tmpfs
 directory of its own).
 """
@@ -27,7 +27,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import media, media_sandbox, rules
+from .. import media, rules
+from ..media import sandbox as media_sandbox
 from ..progress import check_cancel
 from ..request import AudioInput, EncodeRequest, VideoInput
 from .protocol import Limits, MediaRef, ProtocolError, RequestSpec, bad, invalid, too_large

@@ -159,7 +159,7 @@ def error_from_exception(error: BaseException) -> ProtocolError | None:
         return error
     if isinstance(error, rules.H3InputError):
         return ProtocolError(422, "invalid_request", str(error))
-    from ..media_sandbox import DecoderStopped
+    from ..media.sandbox import DecoderStopped
 
     if isinstance(error, DecoderStopped):  # a stop or restart reached the decoder: the request was fine, retry it
         return ProtocolError(503, "decoder_stopped", f"{error}; retry")

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from . import facts
-from .media_audio import decode_audio_stream
-from .media_base import (
+from .. import facts
+from .audio import decode_audio_stream
+from .base import (
     MediaError,
     Source,
     TooManyFrames,

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from . import media, safetensors_header
+from .. import media, safetensors_header
 
 __all__ = ["decode_isolated", "DECODERS", "DecoderStopped", "default_memory_cap", "BASE_BYTES"]
 
@@ -256,7 +256,7 @@ spec = importlib.util.spec_from_file_location(
 package = importlib.util.module_from_spec(spec)
 sys.modules["_h3_media_host"] = package
 spec.loader.exec_module(package)
-importlib.import_module("_h3_media_host.media_sandbox")._serve(fd)
+importlib.import_module("_h3_media_host.media.sandbox")._serve(fd)
 """
 
 
@@ -271,7 +271,8 @@ class _Host:
     def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = _spawn_environment()
-        directory = os.path.dirname(os.path.abspath(__file__))
+        # the h3_core folder, loaded under another name so its torch-importing modules stay unimported
+        directory = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.process = subprocess.Popen(
             [sys.executable, "-c", _BOOT, directory, str(child.fileno())],
             pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env, close_fds=True,

@@ -21,7 +21,9 @@ import argparse
 import json
 from dataclasses import replace
 
-from . import plan_tables, planner, rules
+from .. import rules
+from . import planner
+from . import tables as plan_tables
 
 # The largest sequence-parallel degree the planner suggests (one 8-GPU node).
 MAX_RANKS = 8
@@ -68,7 +70,7 @@ def verdicts(plans: list[planner.ComponentPlan], vram: int, ram: int | None, ran
 
 
 def _plans_from_args(args) -> list[planner.ComponentPlan]:
-    from .models import ModelSource
+    from ..models import ModelSource
 
     paths = list(args.files)
     if args.models:
@@ -133,7 +135,7 @@ def run(args) -> int:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `plan` on the CLI's subparsers."""
-    from . import dtypes
+    from .. import dtypes
 
     plan = sub.add_parser("plan", help="memory plan of a job from the weights' headers (no weights read, no GPU)")
     plan.add_argument("files", nargs="*", help="component .safetensors files (any layout `check` names)")

@@ -5,14 +5,14 @@ and markers as the published files have them; no data, no file written).
 
 from __future__ import annotations
 
+from ..weights.headers import TensorInfo
 from . import planner
 from .planner import GB
-from .weights.headers import TensorInfo
 
 
 def published_table(name: str) -> dict[str, TensorInfo]:
     """`{tensor: TensorInfo}` of a published file (a key of `release_headers.PUBLISHED`), headers only."""
-    from .weights.release_headers import release_header
+    from ..weights.release_headers import release_header
 
     tensors, _ = release_header(name)
     return {tensor: TensorInfo(dtype=tag, shape=tuple(shape), file="") for tensor, (tag, shape) in tensors.items()}

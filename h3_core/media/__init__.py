@@ -30,7 +30,7 @@ Public API::
 
 The implementation is split by concern (``media_base``: sources, errors; ``media_audio``; ``media_video``: the
 frame-by-frame decoder; ``media_mp4``: the mp4 writer); import everything from here. Untrusted bytes (a server's
-requests) should be decoded through :mod:`h3_core.media_sandbox`, which runs these same functions in a child
+requests) should be decoded through :mod:`h3_core.media.sandbox`, which runs these same functions in a child
 process.
 
 A source (``src``) is a filesystem path (``str`` / ``os.PathLike``), the file's bytes (``bytes``, ``bytearray``,
@@ -49,8 +49,8 @@ import av
 import numpy as np
 from PIL import Image, ImageOps
 
-from . import facts
-from .media_audio import (
+from .. import facts
+from .audio import (
     MAX_AUDIO_CHANNELS,
     MAX_SAMPLE_RATE,
     MIN_SAMPLE_RATE,
@@ -59,7 +59,7 @@ from .media_audio import (
     resample_audio,
     resampled_length,
 )
-from .media_base import (
+from .base import (
     MediaError,
     Source,
     TooManyFrames,
@@ -70,8 +70,8 @@ from .media_base import (
     to_numpy,
     wrap_errors,
 )
-from .media_mp4 import Mp4Writer, encode_frames, streamed_mp4
-from .media_video import VideoClip, VideoTarget, canvas_size, read_video
+from .mp4 import Mp4Writer, encode_frames, streamed_mp4
+from .video import VideoClip, VideoTarget, canvas_size, read_video
 
 __all__ = [
     "MediaError",

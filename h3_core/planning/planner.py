@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import configs, facts
-from .safetensors_header import DTYPES
+from .. import configs, facts
+from ..safetensors_header import DTYPES
 
 # A prompt's Qwen presentation length when the caller does not know it: a few hundred words of
 # prompt plus the chat template.
@@ -43,7 +43,7 @@ def _tensor_table(header_or_path) -> Mapping:
     """name -> entry with `.nbytes` for a path (file or sharded folder), a weights `Header`, a parsed
     safetensors header, or a mapping of such entries."""
     if isinstance(header_or_path, (str, os.PathLike)):
-        from .weights.headers import read_header
+        from ..weights.headers import read_header
 
         path = os.fspath(header_or_path)
         if os.path.isdir(path):
@@ -280,7 +280,7 @@ def plan_component(component: str, tensors: Mapping, *, name: str = "", width: i
     """Plan one component from its tensor table (`{name: entry}` with `.dtype` tags and `.nbytes`).
 
     Each tensor is counted at the size the loaders give it (`_loaded_itemsize`)."""
-    from .dtypes import compute_dtype
+    from ..dtypes import compute_dtype
 
     compute = compute_dtype(component, device, dtype)
     floating = {"F64", "F32", "F16", "BF16"}
@@ -320,7 +320,7 @@ def plan_component(component: str, tensors: Mapping, *, name: str = "", width: i
 def plan_file(path, *, width: int, height: int, frames: int, text_tokens: int = DEFAULT_TEXT_TOKENS,
               device: str = "cuda", dtype=None) -> ComponentPlan:
     """`plan_component` for a checkpoint on disk: its header says what it is and its model widths."""
-    from .weights import components, detect
+    from ..weights import components, detect
 
     det = detect(os.fspath(path))
     config = components.resolve_config(det)

@@ -17,9 +17,9 @@ from typing import Any, Iterator
 import av
 import numpy as np
 
-from . import facts
-from .media_audio import check_rate, to_stereo, waveform_to_numpy
-from .media_base import MediaError, wrap_errors
+from .. import facts
+from .audio import check_rate, to_stereo, waveform_to_numpy
+from .base import MediaError, wrap_errors
 
 
 def _fps_fraction(fps: Any) -> Fraction:

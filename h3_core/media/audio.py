@@ -13,8 +13,8 @@ from typing import Any
 import av
 import numpy as np
 
-from . import facts
-from .media_base import MediaError, Source, av_open, load_source, releases_on_failure, to_numpy, wrap_errors
+from .. import facts
+from .base import MediaError, Source, av_open, load_source, releases_on_failure, to_numpy, wrap_errors
 
 
 def waveform_to_numpy(waveform: Any, kind: str = "waveform") -> np.ndarray:

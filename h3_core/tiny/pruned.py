@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .weights.headers import read_header
-from .weights.pruned import RELEASE_GRID, TABLE_KEY, is_adaln_key, prune_comfy_state_dict
-from .weights.safetensors_io import load_tensors, write_file
+from ..weights.headers import read_header
+from ..weights.pruned import RELEASE_GRID, TABLE_KEY, is_adaln_key, prune_comfy_state_dict
+from ..weights.safetensors_io import load_tensors, write_file
 
 PARTITION_FILES = {  # partition -> the tiny full DiT it is pruned from (tiny.COMFY_FILES' names)
     "fl2va": "diffusion_models/minimax_h3_tiny_fl2va_fp32.safetensors",
@@ -77,7 +77,7 @@ def layer_options(fmt: str, layers: list[str]) -> dict[str, dict]:
 
 def pruned_twins(full_path: Path, *, grid: int = RELEASE_GRID) -> dict[str, tuple[dict, dict]]:
     """variant -> (tensors, metadata) of every pruned twin of one full tiny DiT file."""
-    from .weights.quant import quantise_state_dict
+    from ..weights.quant import quantise_state_dict
 
     header = read_header([str(full_path)])
     exact = prune_comfy_state_dict(load_tensors(header), grid=grid)

@@ -6,7 +6,10 @@ is listed before the tiny H3 exists and resolved to a file only when a loader ru
 
 from __future__ import annotations
 
-from . import tiny, tiny_gguf, tiny_pruned, tiny_twins
+from .. import tiny
+from . import gguf_twins as tiny_gguf
+from . import pruned as tiny_pruned
+from . import twins as tiny_twins
 
 
 def comfy_files() -> list[str]:

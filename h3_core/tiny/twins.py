@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from .weights.quant import quantise_state_dict
-from .weights.release_headers import DIT_BLOCK_LINEARS, DIT_FP32_PREFIXES, TE_AWQ, TE_LINEARS, VAE_DECODER_LINEARS
-from .weights.safetensors_io import write_file
+from ..weights.quant import quantise_state_dict
+from ..weights.release_headers import DIT_BLOCK_LINEARS, DIT_FP32_PREFIXES, TE_AWQ, TE_LINEARS, VAE_DECODER_LINEARS
+from ..weights.safetensors_io import write_file
 
 # The published files' layer sets (float32 islands, quantised linears) have one home: weights/release_headers.
 DIT_ADALN = re.compile(r"blocks\.\d+\.adaln_proj\.linear\.weight")

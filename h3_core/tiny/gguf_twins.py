@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .weights.release_headers import DIT_BLOCK_LINEARS, TE_LINEARS
+from ..weights.release_headers import DIT_BLOCK_LINEARS, TE_LINEARS
 
 QUANT_TYPES = ("Q8_0", "Q5_1", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 # What the plain tiny build writes (about 3 s of its ~55 s; every type takes ~8 s): one type the package
@@ -146,9 +146,9 @@ def split_paths(ggml_type: str = SPLIT_TYPE) -> tuple[str, str]:
 
 
 def _sources(models_dir: Path) -> dict:
-    from .weights.headers import read_header
-    from .weights.pruned import prune_comfy_state_dict
-    from .weights.safetensors_io import load_tensors
+    from ..weights.headers import read_header
+    from ..weights.pruned import prune_comfy_state_dict
+    from ..weights.safetensors_io import load_tensors
 
     out = {}
     for family, rel in SOURCES.items():
@@ -207,7 +207,7 @@ def llamacpp_twin(language: Path, projector: Path, out_language: Path, out_proje
 
     import gguf
 
-    from .weights import gguf_llama_names
+    from ..weights import gguf_llama_names
 
     text, metadata = _stored(language)
     vision, _ = _stored(projector)

@@ -31,7 +31,10 @@ from pathlib import Path
 
 import torch
 
-from . import configs, facts, tiny_gguf, tiny_pruned, tiny_twins
+from .. import configs, facts
+from . import gguf_twins as tiny_gguf
+from . import pruned as tiny_pruned
+from . import twins as tiny_twins
 
 # Salts keep the components' draws independent: changing one component's config must not
 # change another component's weights.
@@ -143,7 +146,7 @@ def write_diffusers_root(models: dict[str, torch.nn.Module], root: Path, *, tiny
     """
     from diffusers import MiniMaxH3Scheduler
 
-    from . import qwen_assets
+    from .. import qwen_assets
 
     root.mkdir(parents=True, exist_ok=True)
     for name in ("transformer", "transformer_ref", "vae", "audio_vae"):
@@ -182,7 +185,7 @@ def write_diffusers_root(models: dict[str, torch.nn.Module], root: Path, *, tiny
 
 def write_comfy_models(models: dict[str, torch.nn.Module], models_dir: Path) -> None:
     """Write the ComfyUI single files in the real Comfy-Org key layouts (docs/ARCHITECTURE.md §6)."""
-    from .weights import save_comfy_audio_vae, save_comfy_text_encoder, save_comfy_transformer, save_comfy_video_vae
+    from ..weights import save_comfy_audio_vae, save_comfy_text_encoder, save_comfy_transformer, save_comfy_video_vae
 
     paths = {name: models_dir / rel for name, rel in COMFY_FILES.items()}
     for path in paths.values():
@@ -202,7 +205,7 @@ def write_native_partitions(models: dict[str, torch.nn.Module], native_dir: Path
     config.json); the text encoder, tokenizer and processor, identical to the diffusers root's, as
     relative links to it (the release ships them twice; the tiny model need not).
     """
-    from .weights import save_comfy_audio_vae, save_comfy_video_vae, save_native_transformer
+    from ..weights import save_comfy_audio_vae, save_comfy_video_vae, save_native_transformer
 
     for partition, name in (("FL2VA", "transformer"), ("Ref2VA", "transformer_ref")):
         root = native_dir / partition
