@@ -2,7 +2,8 @@
 
 STAGE BOUNDARY: this module ends at `H3Conditioning` (h3_core/contract/); `diffusion.py` starts
 there. The cut is the one described in docs/ARCHITECTURE.md §2: stage 0 = diffusers' resolved
-`before_encode` + `text_encoder` + `vae_encoder` blocks of the task's workflow.
+`before_encode` + `text_encoder` blocks of the task's workflow, then the video VAE encode (`vae_encode.py`, the
+clip-by-clip form of diffusers' recipe) and the audio VAE encode (`encode_audio`).
 
     request --prepare()--> Prepared --encode_text()----> prompt_embeds, text_token_tags
                                     --encode_video()---> condition_latents        (video VAE)

@@ -53,7 +53,7 @@ def numbers_problems(width, height, length) -> list[Problem]:
         return problems
     if not width:
         return problems
-    step = rules.CANVAS_MULTIPLE
+    step = facts.CANVAS_MULTIPLE
     off_grid = [(name, value) for name, value in (("width", width), ("height", height)) if value % step]
     for name, value in off_grid:
         problems.append((name, f"{name} must be a multiple of {step} px (VAE /16 x DiT patch 2), got {value}; nearest "

@@ -259,3 +259,13 @@ def test_comfyui_internals_are_imported_only_where_the_table_allows():
         if internal:
             seen[str(path.relative_to(REPO))] = internal
     assert seen == COMFY_INTERNALS
+
+
+def test_the_architecture_module_index_names_every_module():
+    """docs/ARCHITECTURE.md §10 is the map's index: one row per module of h3_core/ and nodes/, none stale."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text().split("## 10. Module index", 1)[1]
+    listed = {line.split("`")[1] for line in text.splitlines() if line.startswith("| `")}
+    modules = {str(path.relative_to(REPO)) for folder in ("h3_core", "nodes") for path in (REPO / folder).rglob("*.py")
+               if "__pycache__" not in path.parts and path.name != "__main__.py"}
+    assert sorted(modules - listed) == [], "add these modules to docs/ARCHITECTURE.md §10"
+    assert sorted(listed - modules) == [], "these rows of docs/ARCHITECTURE.md §10 name no module"
