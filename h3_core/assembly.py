@@ -114,8 +114,8 @@ class EncodingParts:
 
 
 # Each encoder as the node a user adds to run it.
-ENCODER_NODES = {"text": "text (H3 Text Encode)", "video": "video VAE (H3 Video VAE Encode)",
-                 "audio": "audio VAE (H3 Audio VAE Encode)"}
+ENCODER_NODES = {"text": "text (MiniMax H3 Text Encode)", "video": "video VAE (MiniMax H3 Video VAE Encode)",
+                 "audio": "audio VAE (MiniMax H3 Audio VAE Encode)"}
 
 
 def missing_encoders(parts: EncodingParts) -> list[str]:
@@ -158,7 +158,8 @@ def to_core(parts: EncodingParts) -> list:
     """Complete: the contract's core form, and nothing else (the chain's normalised media are released).
     Incomplete: `[[cross_attn, extras]]` with the parts for the next encode node."""
     if parts.prompt_embeds is None:
-        raise IncompleteConditioning("the text encoder part comes first: a conditioning starts at H3 Text Encode")
+        raise IncompleteConditioning("the text encoder part comes first: a conditioning starts at "
+                                     "MiniMax H3 Text Encode")
     if parts.is_complete:
         parts.normalised.prepared = None  # the chain is done: cached earlier outputs stop holding the media
         return parts.complete().to_comfy()

@@ -1,12 +1,12 @@
 """Thin ComfyUI V3 adapters over h3_core: ComfyUI types in, h3_core calls, ComfyUI types out.
 
     loaders.py          Load MiniMax H3 Text Encoder / Video VAE / Audio VAE / DiT
-    media.py            H3 Keyframes, H3 References (the order the prompt's tags use)
-    encode.py           H3 Text Encode -> H3 Video VAE Encode -> H3 Audio VAE Encode
-    remote.py           H3 Remote Encode (the same conditioning from an encoder endpoint)
+    media.py            MiniMax H3 Keyframes, MiniMax H3 References (the order the prompt's tags use)
+    encode.py           MiniMax H3 Text Encode -> MiniMax H3 Video VAE Encode -> MiniMax H3 Audio VAE Encode
+    remote.py           MiniMax H3 Remote Encode (the same conditioning from an encoder endpoint)
     encode_ahead.py     the next queued prompt's remote encodes started while the current prompt runs
-    sample.py           H3 Sampler
-    decode.py           H3 Decode
+    sample.py           MiniMax H3 Sampler
+    decode.py           MiniMax H3 VAE Decode
     conditioning_io.py  H3 Save / Load Conditioning
     comfy_bridge.py     the one module touching ComfyUI internals (model management, progress, types)
     comfy_queue_seam.py the queue / executor internals encode-ahead reads, feature-detected (off when missing)

@@ -304,5 +304,5 @@ def split_av_latent(latent: dict) -> tuple[torch.Tensor, torch.Tensor]:
     samples = latent.get("samples") if isinstance(latent, dict) else None
     tensors = getattr(samples, "tensors", None)
     if not tensors or len(tensors) != 2:
-        raise ValueError("expected an H3 AV latent (NestedTensor of video and audio), e.g. from H3 Sampler")
+        raise ValueError("expected an H3 AV latent (NestedTensor of video and audio), e.g. from MiniMax H3 Sampler")
     return tensors[0], tensors[1]

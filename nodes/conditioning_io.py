@@ -14,9 +14,9 @@ from ..h3_core import assembly, safe_paths
 from ..h3_core.contract import H3Conditioning
 from .types import CONDITIONING_CATEGORY
 
-OUTPUT_FOLDER = "h3"  # output/h3/: where H3 Save Conditioning writes by default; listed read-only
+OUTPUT_FOLDER = "h3"  # output/h3/: where MiniMax H3 Save Conditioning writes by default; listed read-only
 OUTPUT_MARK = " [output]"  # core's annotation of a file in output/ (folder_paths.annotated_filepath)
-EMPTY_CHOICE = ("(no conditioning file yet: H3 Save Conditioning writes them to output/h3/, or upload a "
+EMPTY_CHOICE = ("(no conditioning file yet: MiniMax H3 Save Conditioning writes them to output/h3/, or upload a "
                 ".safetensors conditioning into input/)")
 
 
@@ -73,7 +73,7 @@ def resolve_conditioning(name: str) -> Path:
 
 
 def listed_name(path: Path) -> str | None:
-    """How H3 Load Conditioning lists a file Save just wrote, or None when it is outside the listed folders."""
+    """How MiniMax H3 Load Conditioning lists a file Save just wrote, or None when it is outside the listed folders."""
     try:
         return f"{OUTPUT_FOLDER}/{Path(path).resolve().relative_to(_output_root().resolve()).as_posix()}{OUTPUT_MARK}"
     except ValueError:
@@ -88,13 +88,13 @@ class SaveConditioning(io.ComfyNode):
             display_name="MiniMax H3 Save Conditioning",
             category=CONDITIONING_CATEGORY,
             description="Writes the complete H3 conditioning, as core conditioning nodes left it, to output/ as "
-            ".safetensors (tensors + a versioned JSON header; no pickle). H3 Load Conditioning lists output/h3/ on "
-            "this machine; on another one, upload the file (or copy it into input/).",
+            ".safetensors (tensors + a versioned JSON header; no pickle). MiniMax H3 Load Conditioning lists "
+            "output/h3/ on this machine; on another one, upload the file (or copy it into input/).",
             inputs=[
                 io.Conditioning.Input("conditioning"),
                 io.String.Input("filename_prefix", default=f"{OUTPUT_FOLDER}/conditioning",
                                 tooltip="Path under output/, then _NNNNN_.safetensors. Under h3/ the file is listed "
-                                "by H3 Load Conditioning."),
+                                "by MiniMax H3 Load Conditioning."),
             ],
             outputs=[],
             is_output_node=True,
@@ -110,8 +110,9 @@ class SaveConditioning(io.ComfyNode):
         path = os.path.join(folder, filename)
         cond.save(path)
         listed = listed_name(Path(path))
-        where = (f"H3 Load Conditioning lists it as {listed!r}" if listed else
-                 f"outside output/{OUTPUT_FOLDER}/: copy it into input/ (or upload it) for H3 Load Conditioning")
+        where = (f"MiniMax H3 Load Conditioning lists it as {listed!r}" if listed else
+                 f"outside output/{OUTPUT_FOLDER}/: copy it into input/ (or upload it) for "
+                 "MiniMax H3 Load Conditioning")
         return io.NodeOutput(ui=ui.PreviewText(
             f"saved {os.path.join(subfolder, filename)} ({cond.task} {cond.width}x{cond.height}, "
             f"{cond.num_frames} frames); {where}"))
@@ -125,11 +126,11 @@ class LoadConditioning(io.ComfyNode):
             display_name="MiniMax H3 Load Conditioning",
             category=CONDITIONING_CATEGORY,
             description="Reads an H3 conditioning .safetensors from input/ or, read-only, from output/h3/ (written "
-            "by H3 Save Conditioning, `python -m h3_core encode` or the encoder server) and validates it before use. "
-            "Upload puts a file into input/.",
+            "by MiniMax H3 Save Conditioning, `python -m h3_core encode` or the encoder server) and validates it "
+            "before use. Upload puts a file into input/.",
             inputs=[io.Combo.Input("conditioning_file", options=_choices(), upload=io.UploadType.model,
                                    tooltip="A .safetensors conditioning file in input/, or 'h3/NAME [output]' for "
-                                   "one H3 Save Conditioning wrote to output/h3/.")],
+                                   "one MiniMax H3 Save Conditioning wrote to output/h3/.")],
             outputs=[io.Conditioning.Output()],
         )
 

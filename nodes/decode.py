@@ -1,4 +1,4 @@
-"""H3 Decode: AV latent -> core VIDEO (with audio), IMAGE frames and AUDIO."""
+"""MiniMax H3 VAE Decode: AV latent -> core VIDEO (with audio), IMAGE frames and AUDIO."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ class Decode(io.ComfyNode):
             node_id="H3SplitDecode",
             display_name="MiniMax H3 VAE Decode (video + audio)",
             category=LATENT_CATEGORY,
-            description="Decodes the AV latent: video with the video VAE's tiled ViT decoder (24 fps), streamed tile "
-            "by tile into the output (memory: the video once plus one tile's work), audio with the BigVGAN decoder "
-            "(32 kHz stereo, trimmed to the video's duration). Feeds core SaveVideo, PreviewAudio, GetVideoComponents.",
+            description="Turns the Sampler's latent into the video (24 fps) and its stereo soundtrack (32 kHz, as long "
+            "as the video), decoded tile by tile so memory holds the video once. Connect `video` to Save Video; "
+            "`frames` and `audio` feed any image or audio node.",
             inputs=[
-                io.Latent.Input("latent", tooltip="From H3 Sampler."),
+                io.Latent.Input("latent", tooltip="From MiniMax H3 Sampler."),
                 VideoVAE.Input("vae", tooltip=f"From {loaders.VideoVAELoader.DISPLAY_NAME}."),
                 AudioVAE.Input("audio_vae", tooltip=f"From {loaders.AudioVAELoader.DISPLAY_NAME}."),
             ],

@@ -1,6 +1,6 @@
 """The three encoder nodes: Text Encode starts a conditioning, the VAE encoders add their parts.
 
-    media --> H3 Text Encode --> H3 Video VAE Encode --> H3 Audio VAE Encode --> CONDITIONING
+    media --> MiniMax H3 Text Encode --> MiniMax H3 Video VAE Encode --> MiniMax H3 Audio VAE Encode --> CONDITIONING
                  (Qwen3-VL)         (keyframes, refs)       (soundtracks, audio)
 
 Each node calls the same h3_core functions the encoder stage runs (`h3_core.assembly`), so the
@@ -22,9 +22,9 @@ from .media import MediaBundle
 from .types import CONDITIONING_CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
 
 TASKS = ["auto", "t2va", "fl2va", "ref2va"]
-TASK_TOOLTIP = ("What to make: t2va from the prompt alone, fl2va from first/last frames (H3 Keyframes), ref2va from "
-                "references (H3 References). auto: decided by the media connected (references -> ref2va, keyframes "
-                "-> fl2va, nothing -> t2va).")
+TASK_TOOLTIP = ("What to make: t2va from the prompt alone, fl2va from first/last frames (MiniMax H3 Keyframes), "
+                "ref2va from references (MiniMax H3 References). auto: decided by the media connected (references -> "
+                "ref2va, keyframes -> fl2va, nothing -> t2va).")
 # ComfyUI re-runs a VAE encode node whenever its input conditioning changes, and a new prompt changes it: without
 # this, every prompt edit re-encodes unchanged reference videos. Parts are keyed by content and VAE identity
 # (h3_core/component_cache.py), so an entry is only reused for the very pixels and weights that produced it.
@@ -139,12 +139,13 @@ def parts_of(conditioning, node: str) -> assembly.EncodingParts | None:
     if parts is None:
         if _is_h3(conditioning):
             return None
-        raise ValueError(f"{node} adds to a conditioning started by H3 Text Encode; connect that node's output here")
+        raise ValueError(f"{node} adds to a conditioning started by MiniMax H3 Text Encode; connect that node's "
+                         "output here")
     if not assembly.is_untouched(conditioning, parts):
         raise ValueError(
             f"{node}: another node changed this conditioning before its encode parts were complete; connect the H3 "
             "encode nodes directly to each other and put core conditioning nodes after the last one, right before "
-            "the H3 Sampler"
+            "the MiniMax H3 Sampler"
         )
     return parts
 
@@ -163,9 +164,9 @@ class TextEncode(io.ComfyNode):
             node_id="H3SplitTextEncode",
             display_name="MiniMax H3 Text Encode",
             category=CONDITIONING_CATEGORY,
-            description="Qwen3-VL encodes H3's presentation of the request: the prompt plus a labelled vision block "
-            "per keyframe/reference image and per 2 fps pair of reference-video frames. Starts the conditioning "
-            "the VAE encode nodes add to.",
+            description="Starts the conditioning: the text encoder reads the prompt together with the pictures it "
+            "refers to (keyframes or references connected to `media`), and this node sets the video's size and "
+            "length. Chain MiniMax H3 Video VAE Encode and Audio VAE Encode after it, then the Sampler.",
             inputs=[
                 TextEncoder.Input("text_encoder", tooltip=f"From {loaders.TextEncoderLoader.DISPLAY_NAME}."),
                 io.String.Input(
@@ -211,7 +212,7 @@ class TextEncode(io.ComfyNode):
 
 
 class _VAEEncode(io.ComfyNode):
-    """Adds one VAE encoder's part to a conditioning started by H3 Text Encode."""
+    """Adds one VAE encoder's part to a conditioning started by MiniMax H3 Text Encode."""
 
     NODE_ID = DISPLAY_NAME = DESCRIPTION = MODEL_INPUT = LOADER = ""
     MODEL_TYPE = None
@@ -227,7 +228,8 @@ class _VAEEncode(io.ComfyNode):
             category=CONDITIONING_CATEGORY,
             description=cls.DESCRIPTION,
             inputs=[
-                io.Conditioning.Input("conditioning", tooltip="From H3 Text Encode (or the encode node before this)."),
+                io.Conditioning.Input("conditioning",
+                                      tooltip="From MiniMax H3 Text Encode (or the encode node before this)."),
                 cls.MODEL_TYPE.Input(cls.MODEL_INPUT, tooltip=f"From {cls.LOADER}."),
             ],
             outputs=[io.Conditioning.Output()],
@@ -251,9 +253,8 @@ class _VAEEncode(io.ComfyNode):
 class VideoVAEEncode(_VAEEncode):
     NODE_ID, DISPLAY_NAME = "H3SplitVideoVAEEncode", "MiniMax H3 Video VAE Encode"
     DESCRIPTION = (
-        "Encodes the request's keyframes and reference images/videos with the video VAE (posterior sampled under "
-        "seed 42 through fp16, as the release does) and adds them to the conditioning. A t2va conditioning passes "
-        "through."
+        "Adds the keyframes and the reference images and videos to the conditioning, encoded by the video VAE (as "
+        "the release does it, bit for bit). A text-only (t2va) conditioning passes through unchanged."
     )
     MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "vae", VideoVAE, "vae", loaders.VideoVAELoader.DISPLAY_NAME
     NEEDED, ADD = "needs_video_vae", staticmethod(assembly.add_video)
@@ -262,8 +263,8 @@ class VideoVAEEncode(_VAEEncode):
 class AudioVAEEncode(_VAEEncode):
     NODE_ID, DISPLAY_NAME = "H3SplitAudioVAEEncode", "MiniMax H3 Audio VAE Encode"
     DESCRIPTION = (
-        "Encodes reference-video soundtracks and reference audios (32 kHz stereo, 40 latents/s, posterior mean) and "
-        "adds them to the conditioning. A request without audio passes through."
+        "Adds the reference audios and the reference videos' soundtracks to the conditioning, encoded by the audio "
+        "VAE. A conditioning without audio passes through unchanged."
     )
     MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "audio_vae", AudioVAE, "audio_vae", loaders.AudioVAELoader.DISPLAY_NAME
     NEEDED, ADD = "needs_audio_vae", staticmethod(assembly.add_audio)

@@ -1,8 +1,8 @@
 """Encode-ahead: the remote encode of the prompt that runs next starts while the current prompt still runs.
 
-When prompts are queued, each H3 Remote Encode node of the next prompt would otherwise start its upload and encode
-only once the executor reaches it, after the current prompt's sampling and decoding. This module starts that encode
-early, in a background thread, and hands its result to the node, which then sends nothing at all.
+When prompts are queued, each MiniMax H3 Remote Encode node of the next prompt would otherwise start its upload and
+encode only once the executor reaches it, after the current prompt's sampling and decoding. This module starts that
+encode early, in a background thread, and hands its result to the node, which then sends nothing at all.
 
 What is sent, when, and to whom (the rules this module keeps):
 
@@ -17,7 +17,8 @@ What is sent, when, and to whom (the rules this module keeps):
   encode started has the request cancelled (the client drops the connection; the server abandons the work); what
   was uploaded by then was uploaded, to the operator's own endpoint.
 * Only what the node would send: the node's widget values from the queued prompt, and media from core's LoadImage,
-  LoadVideo and LoadAudio through H3 References / H3 Keyframes (run here exactly as the executor would run them).
+  LoadVideo and LoadAudio through MiniMax H3 References / MiniMax H3 Keyframes (run here exactly as the executor would
+  run them).
   A node with any other input linked is left to run as usual.
 * No double work: requests are keyed by their content (endpoint, widgets, media bytes). A key the node already
   encoded in this process is not encoded ahead (ComfyUI's own cache serves that node when nothing changed), a key
@@ -187,8 +188,8 @@ class EncodeAhead:
             for entry in self._pending.values():
                 self._drop(entry, cancel=True)
             self._pending.clear()
-        log.warning("encode-ahead off: ComfyUI's %s (a ComfyUI update?); H3 Remote Encode nodes encode when they "
-                    "run", why)
+        log.warning("encode-ahead off: ComfyUI's %s (a ComfyUI update?); MiniMax H3 Remote Encode nodes encode when "
+                    "they run", why)
 
     # -- the on-prompt hook (ComfyUI's server thread: quick, never raises) ---------------------------------------
 

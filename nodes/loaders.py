@@ -194,8 +194,8 @@ class _ComponentLoader(io.ComfyNode):
 class TextEncoderLoader(_ComponentLoader):
     NODE_ID, DISPLAY_NAME = "H3SplitTextEncoderLoader", "Load MiniMax H3 Text Encoder"
     DESCRIPTION = (
-        "Loads the Qwen3-VL text encoder H3 conditions on (layer-50 states), with its tokenizer and processor. "
-        "~51 GB in bf16 at full size: the piece a remote encoder endpoint can take off this machine."
+        "Loads the text encoder (Qwen3-VL, with its tokenizer): ~51 GB in bf16 at full size, the largest piece. "
+        "MiniMax H3 Remote Encode can run it on another machine instead."
     )
     INPUT_ID, FOLDER, COMPONENT = "text_encoder", "text_encoders", "text_encoder"
     FILE_HINT, OUTPUT = "qwen3vl_32b_minimax_h3_*.safetensors, or a GGUF file", TextEncoder
@@ -213,8 +213,7 @@ class TextEncoderLoader(_ComponentLoader):
 class VideoVAELoader(_ComponentLoader):
     NODE_ID, DISPLAY_NAME = "H3SplitVideoVAELoader", "Load MiniMax H3 Video VAE"
     DESCRIPTION = (
-        "Loads H3's video VAE (24 latent channels, /16 space, 17k+5 frames <-> 5k+2 latents): its encoder for "
-        "keyframes and visual references, its decoder for the output."
+        "Loads the video VAE: it encodes keyframes and visual references, and decodes the output video."
     )
     INPUT_ID, FOLDER, COMPONENT = "vae", "vae", "vae"
     FILE_HINT, OUTPUT = "minimax_h3_video_vae_fp16.safetensors", VideoVAE
@@ -224,8 +223,7 @@ class VideoVAELoader(_ComponentLoader):
 class AudioVAELoader(_ComponentLoader):
     NODE_ID, DISPLAY_NAME = "H3SplitAudioVAELoader", "Load MiniMax H3 Audio VAE"
     DESCRIPTION = (
-        "Loads H3's audio VAE (32 kHz stereo, 40 latents/s, 32 channels): its encoder for reference audio and "
-        "soundtracks, its decoder for the output."
+        "Loads the audio VAE: it encodes reference audio and soundtracks, and decodes the output's stereo sound."
     )
     INPUT_ID, FOLDER, COMPONENT = "audio_vae", "vae", "audio_vae"
     FILE_HINT, OUTPUT = "minimax_h3_audio_vae_fp32.safetensors", AudioVAE
@@ -241,8 +239,9 @@ class DiTLoader(_ComponentLoader):
 
     NODE_ID, DISPLAY_NAME = "H3SplitDiTLoader", "Load MiniMax H3 DiT"
     DESCRIPTION = (
-        "Loads one H3 DiT partition (33B at full size): FL2VA serves t2va and first/last-frame requests, Ref2VA "
-        "serves reference requests. A DiT file says which it is; `partition` matters only for a model folder."
+        "Loads the DiT, the model that makes the video and sound (33B at full size). The fl2va file serves text-only "
+        "and first/last-frame jobs, the ref2va file reference jobs; a file says which it is (`partition` matters "
+        "only for a model folder)."
     )
     INPUT_ID, FOLDER, COMPONENT, FILE_COMPONENT = "dit", "diffusion_models", "transformer", model_files.DIT
     FILE_HINT, OUTPUT = "minimax_h3_{fl2va,ref2va}_bf16.safetensors, or a GGUF file, also from models/unet", DiT

@@ -69,7 +69,7 @@ class Keyframes(io.ComfyNode):
     @classmethod
     def execute(cls, first_frame=None, last_frame=None) -> io.NodeOutput:
         if first_frame is None and last_frame is None:
-            raise ValueError("H3 Keyframes needs a first_frame, a last_frame, or both")
+            raise ValueError("MiniMax H3 Keyframes needs a first_frame, a last_frame, or both")
         return io.NodeOutput(
             MediaBundle(
                 first_frame=None if first_frame is None else bridge.image_to_uint8(first_frame, "first_frame"),
@@ -136,7 +136,7 @@ class References(io.ComfyNode):
                 audios.append(AudioInput(waveform=waveform, sample_rate=rate))
                 added[f"ref_audio_{i}"] = audios[-1]
         if not (images or videos or audios):
-            raise ValueError("H3 References needs at least one reference image, video or audio")
+            raise ValueError("MiniMax H3 References needs at least one reference image, video or audio")
         _check_clip_lengths(bundle, added)
         return io.NodeOutput(
             replace(bundle, ref_images=tuple(images), ref_videos=tuple(videos), ref_audios=tuple(audios))
@@ -163,12 +163,12 @@ def _check_clip_lengths(bundle: MediaBundle, sockets: dict) -> None:
                           facts.MIN_AUDIO_CLIP_S, facts.MAX_AUDIO_CLIP_S),
         ):
             if problem:
-                raise H3InputError(f"{problem} (H3 References, {socket}: trim or replace that video)")
+                raise H3InputError(f"{problem} (MiniMax H3 References, {socket}: trim or replace that video)")
     for index, (socket, audio) in enumerate(audios, start=len(bundle.ref_audios) + 1):
         problem = _clip_problem(f"reference audio {index}", audio.seconds, facts.MIN_AUDIO_CLIP_S,
                                 facts.MAX_AUDIO_CLIP_S)
         if problem:
-            raise H3InputError(f"{problem} (H3 References, {socket}: trim or replace that audio)")
+            raise H3InputError(f"{problem} (MiniMax H3 References, {socket}: trim or replace that audio)")
 
 
 NODES = [Keyframes, References]

@@ -1,4 +1,4 @@
-"""H3 Remote Encode: the conditioning from an encoder endpoint on another machine.
+"""MiniMax H3 Remote Encode: the conditioning from an encoder endpoint on another machine.
 
 Same inputs as the local chain (prompt, canvas, length, media), the same conditioning out
 (bit-identical to local encoding of the same inputs), but no text encoder or VAE encoder is loaded
@@ -91,7 +91,7 @@ def public_error(error: RemoteEncodeError, endpoint: str) -> str:
     code = error.code if isinstance(error.code, str) and _CODE.fullmatch(error.code) else None
     field = error.field if isinstance(error.field, str) and _FIELD.fullmatch(error.field) else None
     url = error.url or endpoint
-    words = [f"H3 Remote Encode: {kind}"]
+    words = [f"MiniMax H3 Remote Encode: {kind}"]
     if status is not None:
         words.append(f"(HTTP {status} {http.client.responses.get(status, '')}".rstrip() + ")")
         if code:

@@ -54,7 +54,7 @@ def test_missing_encoder_is_named(stages):
     full, text, _, _ = stages
     request = CASES["ref2va-image-video-audio-seed2"][0]
     parts = assembly.add_text(assembly.start(request, full.pipeline_config), text)
-    with pytest.raises(assembly.IncompleteConditioning, match=r"video VAE \(H3 Video VAE Encode\).*audio VAE"):
+    with pytest.raises(assembly.IncompleteConditioning, match=r"video VAE \(MiniMax H3 Video VAE Encode\).*audio VAE"):
         assembly.conditioning_from_core(assembly.to_core(parts))
 
 

@@ -21,7 +21,7 @@ async function upload(node, file) {
   body.append("type", "input");
   const answer = await api.fetchApi("/upload/image", { method: "POST", body });
   if (answer.status !== 200) {
-    alert(`H3 Load Conditioning: the upload failed (${answer.status} ${answer.statusText})`);
+    alert(`MiniMax H3 Load Conditioning: the upload failed (${answer.status} ${answer.statusText})`);
     return;
   }
   const saved = await answer.json();

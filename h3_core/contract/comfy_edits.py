@@ -41,8 +41,8 @@ def read(cls, conditioning: Sequence):
     if isinstance(conditioning, (list, tuple)) and len(conditioning) > 1:
         raise RefusedEdit(
             f"this CONDITIONING holds {len(conditioning)} prompts (ConditioningCombine joins conditionings into a "
-            "list); an H3 job samples one prompt: write everything into one H3 Text Encode prompt, or sample each "
-            "conditioning with its own H3 Sampler"
+            "list); an H3 job samples one prompt: write everything into one MiniMax H3 Text Encode prompt, or "
+            "sample each conditioning with its own MiniMax H3 Sampler"
         )
     entry = conditioning[0] if isinstance(conditioning, (list, tuple)) and conditioning else None
     extras = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
@@ -84,7 +84,7 @@ def _check_token_count(cross_attn, extras: Mapping) -> None:
         raise RefusedEdit(
             f"ConditioningConcat appended {extra} token embeddings to this H3 prompt of {int(tags.shape[-1])} "
             "tokens; H3 needs each token's tag (text or vision) and the appended ones have none: write both texts "
-            "into one H3 Text Encode prompt"
+            "into one MiniMax H3 Text Encode prompt"
         )
 
 
