@@ -28,7 +28,7 @@ import torch
 
 from .contract import H3Conditioning, H3Reference
 from .encoder import EncoderStage, Prepared, assemble, prepare, references_table
-from .request import EncodeRequest
+from .request import EncodeRequest, NeedsEncoders
 
 PARTS_KEY = "minimax_h3_parts"
 
@@ -38,7 +38,7 @@ class IncompleteConditioning(ValueError):
 
 
 @dataclass(frozen=True)
-class Resolved:
+class Resolved(NeedsEncoders):
     """What media normalisation resolved for a request, without the media: all `complete()` needs."""
 
     task: str
@@ -53,14 +53,6 @@ class Resolved:
     def of(cls, prepared: Prepared) -> Resolved:
         return cls(prepared.task, prepared.width, prepared.height, prepared.num_frames,
                    tuple(prepared.keyframe_anchors), references_table(prepared), prepared.encoders)
-
-    @property
-    def needs_video_vae(self) -> bool:
-        return "video" in self.encoders
-
-    @property
-    def needs_audio_vae(self) -> bool:
-        return "audio" in self.encoders
 
 
 class _Normalised:

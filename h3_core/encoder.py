@@ -33,7 +33,7 @@ from .contract import H3Conditioning, H3Reference
 from .models import ModelSource
 from .offload import activation_estimate, place
 from .progress import ProgressFn, check_cancel
-from .request import EncodeRequest
+from .request import EncodeRequest, NeedsEncoders
 
 ENCODER_COMPONENTS = ("text", "video", "audio")
 
@@ -43,7 +43,7 @@ class StageError(RuntimeError):
 
 
 @dataclass
-class Prepared:
+class Prepared(NeedsEncoders):
     """A request after diffusers' media normalisation: everything the three encoders read."""
 
     task: str
@@ -55,14 +55,6 @@ class Prepared:
     keyframe_anchors: tuple = ()
     references: list = field(default_factory=list)  # diffusers Minimax reference dataclasses (ref2va)
     encoders: tuple[str, ...] = ("text",)  # EncodeRequest.needed_encoders() of the request this was prepared from
-
-    @property
-    def needs_video_vae(self) -> bool:
-        return "video" in self.encoders
-
-    @property
-    def needs_audio_vae(self) -> bool:
-        return "audio" in self.encoders
 
 
 def _to_diffusers_references(request: EncodeRequest) -> list:

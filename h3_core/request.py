@@ -35,6 +35,20 @@ def needed_encoders(*, keyframes: int = 0, images: int = 0, videos: int = 0, aud
     return tuple(needs)
 
 
+class NeedsEncoders:
+    """What a prepared or resolved request says about its encoders: `encoders` holds `needed_encoders()`."""
+
+    encoders: tuple[str, ...]
+
+    @property
+    def needs_video_vae(self) -> bool:
+        return "video" in self.encoders
+
+    @property
+    def needs_audio_vae(self) -> bool:
+        return "audio" in self.encoders
+
+
 @dataclass
 class VideoInput:
     """A reference video: uint8 RGB frames [F, H, W, 3] at `fps`, with an optional soundtrack.
