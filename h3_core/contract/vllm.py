@@ -10,6 +10,7 @@ version 2), then per-entry shapes, reference rows and keyframe indices. This mod
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,6 +104,40 @@ def decode(cls, payload: Mapping[str, Any], *, metadata: Mapping[str, str] | Non
     (non-zero v2 edit rows) is not representable and raises. `metadata` (explicit) wins over a
     `minimax_h3_pack` key; without either the metadata is empty.
     """
+    hidden_states, tags, visual, speech, layout = _slots(payload)
+    header = _Header.read(layout)
+    condition_latents = _visual_slot(visual, header.shapes)
+    audio_rows = _audio_slot(speech, header.lengths)
+    anchors, references = _keyframes_and_references(header)
+    if metadata is None:
+        pack = payload.get(COMFY_PACK_KEY)
+        if isinstance(pack, Mapping) and pack.get("format") == FORMAT_ID:
+            metadata = pack.get("metadata") or {}
+
+    cond = cls(
+        task=header.task,
+        height=header.height,
+        width=header.width,
+        num_frames=header.num_frames,
+        prompt_embeds=hidden_states.unsqueeze(0),
+        text_token_tags=tags,
+        condition_latents=tuple(condition_latents),
+        audio_condition_latents=tuple(audio_rows),
+        keyframe_anchors=tuple(anchors),
+        references=tuple(references),
+        metadata=metadata or {},
+    )
+    if (header.latent_t, header.audio_t) != (cond.latent_t, cond.audio_t):
+        raise fail(LAYOUT_FIELD, f"latent_t/audio_t = {(header.latent_t, header.audio_t)} disagree with num_frames "
+                                 f"{header.num_frames} (expected {(cond.latent_t, cond.audio_t)})")
+    return cond
+
+
+LAYOUT_FIELD = f"kv_metadata.{VLLM_LAYOUT_KEY}"
+
+
+def _slots(payload: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The payload's five tensors (hidden states, token tags, visual and speech slots, layout header), checked."""
     if not isinstance(payload, Mapping):
         raise fail("payload", f"must be a mapping, got {type(payload).__name__}")
     hidden = payload.get("hidden_states")
@@ -115,104 +150,128 @@ def decode(cls, payload: Mapping[str, Any], *, metadata: Mapping[str, str] | Non
     speech = embed.get("speech_feat") if isinstance(embed, Mapping) else None
     layout = kv.get(VLLM_LAYOUT_KEY) if isinstance(kv, Mapping) else None
     for name, value in (("hidden_states.output", hidden_states), ("meta.token_role_ids", tags),
-                        ("embed.embedding", visual), ("embed.speech_feat", speech),
-                        (f"kv_metadata.{VLLM_LAYOUT_KEY}", layout)):
+                        ("embed.embedding", visual), ("embed.speech_feat", speech), (LAYOUT_FIELD, layout)):
         if not isinstance(value, torch.Tensor):
             raise fail(name, f"missing or not a tensor (got {type(value).__name__})")
     if hidden_states.ndim != 2:
         raise fail("hidden_states.output", f"must be [L, D], got {shape(hidden_states)}")
     if tags.ndim == 2 and tags.shape[-1] == 1:
         tags = tags.reshape(-1)
+    return hidden_states, tags, visual, speech, layout
 
-    lname = f"kv_metadata.{VLLM_LAYOUT_KEY}"
-    if layout.ndim != 1 or layout.dtype.is_floating_point or layout.dtype.is_complex or layout.dtype == torch.bool:
-        raise fail(lname, f"must be a 1-D integer tensor, got {layout.dtype} {shape(layout)}")
-    values = [int(v) for v in layout.tolist()]
-    if len(values) < 2:
-        raise fail(lname, f"header truncated ({len(values)} ints)")
-    schema_id, version = values[:2]
-    if schema_id != VLLM_WIRE_SCHEMA_ID or version not in HEADER_LEN:
-        raise fail(lname, f"unsupported wire schema {schema_id}:{version} (expected {VLLM_WIRE_SCHEMA_ID}:1 or "
-                         f"{VLLM_WIRE_SCHEMA_ID}:{VLLM_STAGE_SCHEMA_VERSION})")
-    header_len = HEADER_LEN[version]
-    if len(values) < header_len:
-        raise fail(lname, f"header truncated ({len(values)} of {header_len} ints)")
-    (task_code, height, width, num_frames, latent_t, audio_t, n_visual, n_audio, n_ref,
-     n_kf) = values[2:12]
-    edit = values[12:15] if version >= 2 else [0, 0, 0]
-    if any(edit):
-        raise fail(lname, f"latent-mask editing (video_edit_rows, audio_edit_rows, audio_edit_source_t = "
-                         f"{tuple(edit)}) is not representable in H3Conditioning")
-    task = CODE_TASKS.get(task_code)
-    if task is None:
-        raise fail(lname, f"unknown task code {task_code}")
-    if min(n_visual, n_audio, n_ref, n_kf) < 0:
-        raise fail(lname, "counts must be non-negative")
-    expected_len = header_len + 3 * n_visual + n_audio + 5 * n_ref + n_kf
-    if len(values) != expected_len:
-        raise fail(lname, f"has {len(values)} ints, the header's counts imply {expected_len}")
-    cursor = header_len
-    shapes = [tuple(values[cursor + 3 * i:cursor + 3 * i + 3]) for i in range(n_visual)]
-    cursor += 3 * n_visual
-    lengths = values[cursor:cursor + n_audio]
-    cursor += n_audio
-    ref_rows = [values[cursor + 5 * i:cursor + 5 * i + 5] for i in range(n_ref)]
-    cursor += 5 * n_ref
-    kf_indices = values[cursor:cursor + n_kf]
 
-    if any(min(s) <= 0 or s[1] % 2 or s[2] % 2 for s in shapes):
-        raise fail(lname, f"visual shapes must be positive (T, h, w) with even h, w, got {shapes}")
-    if any(length <= 0 for length in lengths):
-        raise fail(lname, f"audio lengths must be positive, got {lengths}")
+@dataclass(frozen=True)
+class _Header:
+    """The layout header's integers: the numbers, then one row per visual shape, audio length, reference, keyframe."""
 
-    # visual slot
-    if n_visual == 0:
+    task: str
+    height: int
+    width: int
+    num_frames: int
+    latent_t: int
+    audio_t: int
+    shapes: list  # (T, h, w) per visual condition
+    lengths: list  # rows per audio condition
+    ref_rows: list  # (kind code, audio_t, latent_t, h, w) per reference
+    kf_indices: list  # 0 (first) / -1 (last) per keyframe
+
+    @classmethod
+    def read(cls, layout: torch.Tensor) -> _Header:
+        if layout.ndim != 1 or layout.dtype.is_floating_point or layout.dtype.is_complex or layout.dtype == torch.bool:
+            raise fail(LAYOUT_FIELD, f"must be a 1-D integer tensor, got {layout.dtype} {shape(layout)}")
+        values = [int(v) for v in layout.tolist()]
+        if len(values) < 2:
+            raise fail(LAYOUT_FIELD, f"header truncated ({len(values)} ints)")
+        schema_id, version = values[:2]
+        if schema_id != VLLM_WIRE_SCHEMA_ID or version not in HEADER_LEN:
+            raise fail(LAYOUT_FIELD, f"unsupported wire schema {schema_id}:{version} (expected "
+                                     f"{VLLM_WIRE_SCHEMA_ID}:1 or {VLLM_WIRE_SCHEMA_ID}:{VLLM_STAGE_SCHEMA_VERSION})")
+        header_len = HEADER_LEN[version]
+        if len(values) < header_len:
+            raise fail(LAYOUT_FIELD, f"header truncated ({len(values)} of {header_len} ints)")
+        (task_code, height, width, num_frames, latent_t, audio_t, n_visual, n_audio, n_ref,
+         n_kf) = values[2:12]
+        edit = values[12:15] if version >= 2 else [0, 0, 0]
+        if any(edit):
+            raise fail(LAYOUT_FIELD, f"latent-mask editing (video_edit_rows, audio_edit_rows, audio_edit_source_t = "
+                                     f"{tuple(edit)}) is not representable in H3Conditioning")
+        task = CODE_TASKS.get(task_code)
+        if task is None:
+            raise fail(LAYOUT_FIELD, f"unknown task code {task_code}")
+        if min(n_visual, n_audio, n_ref, n_kf) < 0:
+            raise fail(LAYOUT_FIELD, "counts must be non-negative")
+        expected_len = header_len + 3 * n_visual + n_audio + 5 * n_ref + n_kf
+        if len(values) != expected_len:
+            raise fail(LAYOUT_FIELD, f"has {len(values)} ints, the header's counts imply {expected_len}")
+        cursor = header_len
+        shapes = [tuple(values[cursor + 3 * i:cursor + 3 * i + 3]) for i in range(n_visual)]
+        cursor += 3 * n_visual
+        lengths = values[cursor:cursor + n_audio]
+        cursor += n_audio
+        ref_rows = [values[cursor + 5 * i:cursor + 5 * i + 5] for i in range(n_ref)]
+        cursor += 5 * n_ref
+        kf_indices = values[cursor:cursor + n_kf]
+        if any(min(s) <= 0 or s[1] % 2 or s[2] % 2 for s in shapes):
+            raise fail(LAYOUT_FIELD, f"visual shapes must be positive (T, h, w) with even h, w, got {shapes}")
+        if any(length <= 0 for length in lengths):
+            raise fail(LAYOUT_FIELD, f"audio lengths must be positive, got {lengths}")
+        return cls(task, height, width, num_frames, latent_t, audio_t, shapes, lengths, ref_rows, kf_indices)
+
+
+def _visual_slot(visual: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """The visual slot's rows, back to one latent [1, C, T, h, w] per visual condition."""
+    if not shapes:
         if visual.dtype != torch.float32 or shape(visual) != (0,):
             raise fail("embed.embedding", f"empty slot must be fp32 [0], got {visual.dtype} {shape(visual)}")
-        condition_latents = []
-    else:
-        n_rows = sum(t * (h // 2) * (w // 2) for t, h, w in shapes)
-        if visual.dtype != torch.float32 or visual.ndim != 2 or visual.shape[0] != n_rows or \
-                visual.shape[1] % 4 or visual.shape[1] == 0:
-            raise fail("embed.embedding", f"must be fp32 [{n_rows}, 4*C], got {visual.dtype} {shape(visual)}")
-        channels = visual.shape[1] // 4
-        condition_latents, start = [], 0
-        for t, h, w in shapes:
-            n = t * (h // 2) * (w // 2)
-            condition_latents.append(unpatchify_video_rows(visual[start:start + n], t, h, w, channels))
-            start += n
+        return []
+    n_rows = sum(t * (h // 2) * (w // 2) for t, h, w in shapes)
+    if visual.dtype != torch.float32 or visual.ndim != 2 or visual.shape[0] != n_rows or \
+            visual.shape[1] % 4 or visual.shape[1] == 0:
+        raise fail("embed.embedding", f"must be fp32 [{n_rows}, 4*C], got {visual.dtype} {shape(visual)}")
+    channels = visual.shape[1] // 4
+    condition_latents, start = [], 0
+    for t, h, w in shapes:
+        n = t * (h // 2) * (w // 2)
+        condition_latents.append(unpatchify_video_rows(visual[start:start + n], t, h, w, channels))
+        start += n
+    return condition_latents
 
-    # audio slot
-    if n_audio == 0:
+
+def _audio_slot(speech: torch.Tensor, lengths: list) -> list[torch.Tensor]:
+    """The speech slot's rows, split into one channel-major block per audio condition."""
+    if not lengths:
         if speech.dtype != torch.float32 or shape(speech) != (0,):
             raise fail("embed.speech_feat", f"empty slot must be fp32 [0], got {speech.dtype} {shape(speech)}")
-        audio_rows = []
-    else:
-        n_rows = facts.AUDIO_CHANNELS * sum(lengths)
-        if speech.dtype != torch.float32 or speech.ndim != 2 or speech.shape[0] != n_rows:
-            raise fail("embed.speech_feat", f"must be fp32 [{n_rows}, {facts.AUDIO_LATENT_CHANNELS}], got "
-                                           f"{speech.dtype} {shape(speech)}")
-        audio_rows, start = [], 0
-        for length in lengths:
-            audio_rows.append(speech[start:start + facts.AUDIO_CHANNELS * length].contiguous())
-            start += facts.AUDIO_CHANNELS * length
+        return []
+    n_rows = facts.AUDIO_CHANNELS * sum(lengths)
+    if speech.dtype != torch.float32 or speech.ndim != 2 or speech.shape[0] != n_rows:
+        raise fail("embed.speech_feat", f"must be fp32 [{n_rows}, {facts.AUDIO_LATENT_CHANNELS}], got "
+                                       f"{speech.dtype} {shape(speech)}")
+    audio_rows, start = [], 0
+    for length in lengths:
+        audio_rows.append(speech[start:start + facts.AUDIO_CHANNELS * length].contiguous())
+        start += facts.AUDIO_CHANNELS * length
+    return audio_rows
 
-    # references / keyframes
+
+def _keyframes_and_references(header: _Header) -> tuple[list, list]:
+    """Keyframe anchors, and (kind, has_audio) per reference, each row checked against the slots it uses."""
     anchors = []
-    for index in kf_indices:
+    for index in header.kf_indices:
         if index not in INDEX_KEYFRAME:
-            raise fail(lname, f"keyframe frame index must be 0 (first) or -1 (last), got {index}")
+            raise fail(LAYOUT_FIELD, f"keyframe frame index must be 0 (first) or -1 (last), got {index}")
         anchors.append(INDEX_KEYFRAME[index])
+    shapes, lengths = header.shapes, header.lengths
     references = []
     vis_i = aud_i = 0
-    for i, (code, rt, rlt, rlh, rlw) in enumerate(ref_rows):
+    for i, (code, rt, rlt, rlh, rlw) in enumerate(header.ref_rows):
         kind = CODE_REF_KINDS.get(code)
-        where = f"{lname} ref row {i}"
+        where = f"{LAYOUT_FIELD} ref row {i}"
         if kind is None:
-            raise fail(lname, f"ref row {i}: unknown kind code {code}")
+            raise fail(LAYOUT_FIELD, f"ref row {i}: unknown kind code {code}")
         if kind != "audio":
             if vis_i >= len(shapes):
-                raise fail(lname, f"ref row {i}: more visual references than visual shapes ({len(shapes)})")
+                raise fail(LAYOUT_FIELD, f"ref row {i}: more visual references than visual shapes ({len(shapes)})")
             t, h, w = shapes[vis_i]
             vis_i += 1
             ok_t = rlt in (0, 1) if kind == "image" else rlt == t
@@ -229,29 +288,7 @@ def decode(cls, payload: Mapping[str, Any], *, metadata: Mapping[str, str] | Non
         elif rt:
             raise fail(where, f"kind {kind!r} carries no audio, got ref_audio_t={rt}")
         references.append(("video" if kind == "video_audio" else kind, kind in ("video_audio", "audio")))
-    if n_ref and (vis_i != len(shapes) or aud_i != len(lengths)):
-        raise fail(lname, f"references use {vis_i} visual and {aud_i} audio conditions, the payload holds "
-                         f"{len(shapes)} and {len(lengths)}")
-
-    if metadata is None:
-        pack = payload.get(COMFY_PACK_KEY)
-        if isinstance(pack, Mapping) and pack.get("format") == FORMAT_ID:
-            metadata = pack.get("metadata") or {}
-
-    cond = cls(
-        task=task,
-        height=height,
-        width=width,
-        num_frames=num_frames,
-        prompt_embeds=hidden_states.unsqueeze(0),
-        text_token_tags=tags,
-        condition_latents=tuple(condition_latents),
-        audio_condition_latents=tuple(audio_rows),
-        keyframe_anchors=tuple(anchors),
-        references=tuple(references),
-        metadata=metadata or {},
-    )
-    if (latent_t, audio_t) != (cond.latent_t, cond.audio_t):
-        raise fail(lname, f"latent_t/audio_t = {(latent_t, audio_t)} disagree with num_frames {num_frames} "
-                         f"(expected {(cond.latent_t, cond.audio_t)})")
-    return cond
+    if header.ref_rows and (vis_i != len(shapes) or aud_i != len(lengths)):
+        raise fail(LAYOUT_FIELD, f"references use {vis_i} visual and {aud_i} audio conditions, the payload holds "
+                                 f"{len(shapes)} and {len(lengths)}")
+    return anchors, references
