@@ -235,7 +235,7 @@ class WorkerPool:
         message, data = results[0]
         tensors = tensors_from_bytes(data)
         passes = message.get("passes")
-        return AVLatents(video=tensors["video"], audio=tensors["audio"], num_frames=cond.num_frames,
+        return AVLatents(video=tensors["video"], audio=tensors["audio"],
                          passes=None if passes is None else step_cache.Passes(**passes))
 
     # waiting ----------------------------------------------------------------------------------------------------
@@ -261,9 +261,12 @@ class WorkerPool:
                 except (OSError, ChannelClosed):
                     self._raise_dead(doing, rank)
                 if message["kind"] == "error":
-                    time.sleep(POLL_S)  # a rank whose peer died fails in the next collective: name the dead one
+                    # A rank whose peer was killed fails in the next collective: name the killed one. A peer that
+                    # exited on its own error (code 1, like this one: e.g. both failed to read the same LoRA) is not
+                    # the cause, and this rank's message is the one to show.
+                    time.sleep(POLL_S)
                     for dead, proc in enumerate(self.procs):
-                        if proc.poll() is not None and dead != rank:
+                        if dead != rank and proc.poll() is not None and proc.returncode < 0:
                             self._raise_dead(doing, dead)
                     self.close()
                     raise WorkerError(f"sequence-parallel rank {rank} failed while {doing}: {message['message']} "

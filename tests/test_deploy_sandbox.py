@@ -31,7 +31,8 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def _children(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc (Linux)."""
+    """Live direct children of `pid`, from /proc (Linux): a zombie (a worker killed by the previous test and not
+    yet reaped by its waiter) is not one, or a test would signal it instead of the worker it started."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -42,7 +43,7 @@ def _children(pid: int) -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rfind(b")") + 2:].split()
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and fields[0] != b"Z":
             found.append(int(name))
     return found
 

@@ -184,7 +184,7 @@ def test_the_frontend_shows_a_bad_length_once_on_length(server, tmp_path):
     import os
     import subprocess
 
-    from comfy_harness import chromium_path, ui_available
+    from support.comfy_harness import chromium_path, ui_available
 
     ok, reason = ui_available()
     if not ok:
