@@ -106,8 +106,28 @@ def test_the_crash_hook_still_reaches_the_workers(monkeypatch, fresh_host):
         media_sandbox.decode_isolated("read_image", marker.encode())
 
 
+@pytest.fixture
+def default_stop_signals():
+    """A decoder host started with SIGTERM and SIGHUP at their defaults, as systemd starts a unit's processes. A test
+    run under `nohup` would otherwise hand its ignored SIGHUP down to the host and its workers (fork and exec keep
+    an ignored signal ignored), and a worker sent SIGHUP would never stop."""
+    before = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    _stop_host()
+    yield
+    _stop_host()  # the next test's host inherits the run's own dispositions again
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+def _stop_host() -> None:
+    host = media_sandbox._HOST.process
+    if host is not None and host.poll() is None:
+        host.kill()
+        host.wait(10)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGINT: ignored by the workers
-def test_a_worker_stopped_from_outside_is_not_a_media_error(sig):
+def test_a_worker_stopped_from_outside_is_not_a_media_error(sig, default_stop_signals):
     outcome: list = []
 
     def call():
@@ -131,7 +151,7 @@ def test_a_worker_stopped_from_outside_is_not_a_media_error(sig):
         media_sandbox.decode_isolated("selftest_hang", b"x", timeout_s=0.3)
 
 
-def test_a_decode_stopped_mid_request_is_retried_by_the_client(tiny_dir):
+def test_a_decode_stopped_mid_request_is_retried_by_the_client(tiny_dir, default_stop_signals):
     """A real server and client: the first sandbox worker of a ref2va request is stopped with SIGTERM; the server
     answers 503 decoder_stopped with Retry-After, the client retries, and the answer is the normal one."""
     from h3_core.encoder import EncoderStage

@@ -396,6 +396,11 @@ def _serve(fd: int) -> None:
     sock.settimeout(PARENT_POLL_S)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C for the parent's terminal is the parent's to handle
+    # The stop signals end a decode (a 503 the client retries) whatever this host inherited: a mask or an ignore
+    # from the thread or shell that started it (exec keeps both) would leave a worker deaf to `systemctl stop`.
+    for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(stop, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
     clean_stale_scratch()
     me, waiters = os.getpid(), []
     try:
