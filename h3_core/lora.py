@@ -37,16 +37,21 @@ class LoRA:
     @classmethod
     def load(cls, path: str | Path) -> "LoRA":
         from diffusers.loaders import MiniMaxH3LoraLoaderMixin
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
+        from safetensors.torch import load as load_safetensors
+
+        from .safetensors_header import HeaderError, header_length, parse_header
 
         path = Path(path)
         if path.suffix != ".safetensors":
             raise LoraError(f"{path.name}: LoRAs are read as .safetensors only (never pickle)")
+        # Read, never memory-mapped: a LoRA is a file users download and replace, and a file truncated or rewritten
+        # under a mapping would crash this process (SIGBUS) instead of failing this load.
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-                raw = {key: handle.get_tensor(key) for key in handle.keys()}
-        except (SafetensorError, OSError) as error:
+            data = path.read_bytes()
+            metadata = parse_header(data[8:8 + header_length(data[:8])]).metadata or {}
+            raw = load_safetensors(data)
+        except (SafetensorError, HeaderError, OSError) as error:
             raise LoraError(f"{path.name}: not a readable safetensors file ({error})") from None
         already_diffusers = all(key.startswith(PREFIX) for key in raw)
         try:
