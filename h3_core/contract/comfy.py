@@ -120,6 +120,35 @@ def decode(cls, conditioning: Sequence, *, task: str | None = None, height: int 
     keyframes mixed with refs, and the `minimax_*_cond_noise_aug` overrides. `picture_index` is not
     read (core never consumes it). fp16/bf16 condition latents are upcast to fp32 (exact).
     """
+    # Each reader raises on the first thing it refuses, and they run in this order: the order (and so which error
+    # a payload with several faults gets) is part of the behaviour the tests pin.
+    cross_attn, extras = _entry(conditioning)
+    _check_representable(extras)
+    pack = _pack(extras)
+    keyframes, refs = _keyframes_and_refs(extras)
+    task = _task(pack, task, keyframes, refs)
+    height, width, num_frames = _canvas_and_frames(pack, height, width, num_frames)
+    metadata = _resolve(pack, "metadata", None if metadata is None else dict(metadata))
+    anchors, keyframe_latents = _keyframes(keyframes, num_frames)
+    ref_latents, audio_rows, references = _references(refs)
+    return cls(
+        task=task,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        prompt_embeds=check_tensor("cross_attn", cross_attn),
+        text_token_tags=check_tensor("minimax_token_tags", extras["minimax_token_tags"]),
+        # keyframes and references never come together (`_keyframes_and_refs`): one of the two is empty
+        condition_latents=tuple(keyframe_latents + ref_latents),
+        audio_condition_latents=tuple(audio_rows),
+        keyframe_anchors=tuple(anchors),
+        references=tuple(references),
+        metadata=metadata or {},
+    )
+
+
+def _entry(conditioning: Any) -> tuple[Any, Mapping]:
+    """The one `[cross_attn, extras]` entry: H3 runs batch 1, so a CONDITIONING of several entries is refused."""
     if not isinstance(conditioning, (list, tuple)) or len(conditioning) != 1:
         n = len(conditioning) if isinstance(conditioning, (list, tuple)) else type(conditioning).__name__
         raise fail("conditioning", f"must be a list of exactly one [cross_attn, extras] entry (H3 runs batch "
@@ -128,43 +157,69 @@ def decode(cls, conditioning: Sequence, *, task: str | None = None, height: int 
     if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], Mapping):
         raise fail("conditioning", "entry must be [cross_attn tensor, extras dict]")
     cross_attn, extras = entry
+    return cross_attn, extras
+
+
+def _check_representable(extras: Mapping) -> None:
+    """Refuse a CONDITIONING no H3 text encoder made, and core's noise overrides the contract has no field for."""
     if "minimax_token_tags" not in extras:
         raise fail("minimax_token_tags", "missing: the CONDITIONING was not made by the MiniMax H3 text encoder")
     for key in _UNREPRESENTABLE_KEYS:
         if extras.get(key) is not None:
             raise fail(key, "condition noise overrides are not representable in H3Conditioning")
 
+
+def _pack(extras: Mapping) -> Mapping:
+    """The pack's own key (task, canvas, frames, metadata), checked; empty for a CONDITIONING core's nodes made."""
     pack = extras.get(COMFY_PACK_KEY)
     if pack is not None:
         if not isinstance(pack, Mapping) or pack.get("format") != FORMAT_ID:
             raise fail(COMFY_PACK_KEY, f"must be a mapping with format {FORMAT_ID!r}")
         if pack.get("version") != FORMAT_VERSION:
             raise fail(COMFY_PACK_KEY, f"unsupported version {pack.get('version')!r}")
-    pack = pack or {}
+    return pack or {}
 
-    def resolve(name: str, explicit: Any) -> Any:
-        packed = pack.get(name)
-        if explicit is not None and packed is not None and explicit != packed:
-            raise fail(name, f"explicit value {explicit!r} conflicts with {COMFY_PACK_KEY}[{name!r}]={packed!r}")
-        return explicit if explicit is not None else packed
 
+def _resolve(pack: Mapping, name: str, explicit: Any) -> Any:
+    """The explicit value, else the pack's; both given and different is an error (neither silently wins)."""
+    packed = pack.get(name)
+    if explicit is not None and packed is not None and explicit != packed:
+        raise fail(name, f"explicit value {explicit!r} conflicts with {COMFY_PACK_KEY}[{name!r}]={packed!r}")
+    return explicit if explicit is not None else packed
+
+
+def _keyframes_and_refs(extras: Mapping) -> tuple[Any, Any]:
+    """Core's keyframe and reference lists; a conditioning holds one task, so never both."""
     keyframes = extras.get("minimax_keyframes") or []
     refs = extras.get("minimax_refs") or []
     if keyframes and refs:
         raise fail("minimax_keyframes", "keyframes together with references are not representable (one task "
                                          "per conditioning)")
-    task = resolve("task", task)
+    return keyframes, refs
+
+
+def _task(pack: Mapping, task: Any, keyframes: Any, refs: Any) -> Any:
+    """The explicit or packed task; without either (core's own nodes), inferred: references, keyframes or text only."""
+    task = _resolve(pack, "task", task)
     if task is None:
         task = "ref2va" if refs else "fl2va" if keyframes else "t2va"
-    height, width, num_frames = resolve("height", height), resolve("width", width), resolve("num_frames",
-                                                                                           num_frames)
+    return task
+
+
+def _canvas_and_frames(pack: Mapping, height: Any, width: Any, num_frames: Any) -> tuple[Any, Any, Any]:
+    """Height, width and frame count: core's CONDITIONING carries none of them, so the pack key or the caller must."""
+    height, width, num_frames = (_resolve(pack, "height", height), _resolve(pack, "width", width),
+                                 _resolve(pack, "num_frames", num_frames))
     for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
         if value is None:
             raise fail(name, f"not carried by core's CONDITIONING and no {COMFY_PACK_KEY} key: pass it "
                               f"explicitly (e.g. from the LATENT)")
-    metadata = resolve("metadata", None if metadata is None else dict(metadata))
+    return height, width, num_frames
 
-    condition_latents, audio_rows, anchors, references = [], [], [], []
+
+def _keyframes(keyframes: Any, num_frames: Any) -> tuple[list[str], list[torch.Tensor]]:
+    """Core's `minimax_keyframes`, in order: the anchor ('first' / 'last') and the video latent of each."""
+    anchors, latents = [], []
     for i, kf in enumerate(keyframes):
         name = f"minimax_keyframes[{i}]"
         if not isinstance(kf, Mapping):
@@ -173,16 +228,24 @@ def decode(cls, conditioning: Sequence, *, task: str | None = None, height: int 
             raise fail(name, "audio keyframes (MiniMaxH3AddGuide) are not representable in H3Conditioning")
         if kf.get("latent") is None:
             raise fail(name, "has no video latent")
-        index = kf.get("resolved_frame_index")
-        if index == 0:
-            anchors.append("first")
-        elif is_int(num_frames) and index == num_frames - 1:
-            anchors.append("last")
-        else:
-            raise fail(name, f"resolved_frame_index must be 0 (first) or num_frames-1 = "
-                              f"{num_frames - 1 if is_int(num_frames) else '?'} (last), got {index!r}")
-        condition_latents.append(_f32(kf["latent"], f"{name}['latent']"))
+        anchors.append(_anchor(kf.get("resolved_frame_index"), num_frames, name))
+        latents.append(_f32(kf["latent"], f"{name}['latent']"))
+    return anchors, latents
 
+
+def _anchor(index: Any, num_frames: Any, name: str) -> str:
+    """'first' for frame 0, 'last' for frame num_frames - 1: H3 has no interior keyframes (MiniMaxH3AddGuide's)."""
+    if index == 0:
+        return "first"
+    if is_int(num_frames) and index == num_frames - 1:
+        return "last"
+    raise fail(name, f"resolved_frame_index must be 0 (first) or num_frames-1 = "
+                     f"{num_frames - 1 if is_int(num_frames) else '?'} (last), got {index!r}")
+
+
+def _references(refs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[str, bool]]]:
+    """Core's `minimax_refs`, in packed order: visual latents, audio rows, and (kind, has_audio) per reference."""
+    latents, audio_rows, references = [], [], []
     for i, ref in enumerate(refs):
         name = f"minimax_refs[{i}]"
         if not isinstance(ref, Mapping):
@@ -191,37 +254,37 @@ def decode(cls, conditioning: Sequence, *, task: str | None = None, height: int 
         if kind not in CORE_REF_KINDS:
             raise fail(name, f"kind must be image/video/video_audio/audio, got {kind!r}")
         if kind != "audio":
-            lat = _f32(ref.get("latent"), f"{name}['latent']")
-            if lat.ndim != 5:
-                raise fail(f"{name}['latent']", f"must be [1, C, T, h, w], got {shape(lat)}")
-            declared = [("latent_h", 3), ("latent_w", 4)] + ([("latent_t", 2)] if kind != "image" else [])
-            for key, dim in declared:
-                if ref.get(key) != lat.shape[dim]:
-                    raise fail(name, f"{key}={ref.get(key)!r} does not match the latent shape {shape(lat)}")
-            condition_latents.append(lat)
-        audio_latent = ref.get("audio_latent")
-        ref_audio_t = ref.get("ref_audio_t", 0) or 0
-        if kind in ("video_audio", "audio"):
-            audio_latent = _f32(audio_latent, f"{name}['audio_latent']")
-            if audio_latent.ndim != 4 or audio_latent.shape[-1] != ref_audio_t:
-                raise fail(name, f"ref_audio_t={ref_audio_t!r} does not match audio_latent "
-                                  f"{shape(audio_latent)}")
-            audio_rows.append(audio_latent_to_rows(audio_latent))
-        elif audio_latent is not None or ref_audio_t:
+            latents.append(_ref_latent(ref, kind, name))
+        rows = _ref_audio_rows(ref, kind, name)
+        if rows is not None:
+            audio_rows.append(rows)
+        references.append(("video" if kind == "video_audio" else kind, rows is not None))
+    return latents, audio_rows, references
+
+
+def _ref_latent(ref: Mapping, kind: str, name: str) -> torch.Tensor:
+    """A visual reference's latent [1, C, T, h, w], its declared latent_h/latent_w (and latent_t) checked against it."""
+    lat = _f32(ref.get("latent"), f"{name}['latent']")
+    if lat.ndim != 5:
+        raise fail(f"{name}['latent']", f"must be [1, C, T, h, w], got {shape(lat)}")
+    declared = [("latent_h", 3), ("latent_w", 4)] + ([("latent_t", 2)] if kind != "image" else [])
+    for key, dim in declared:
+        if ref.get(key) != lat.shape[dim]:
+            raise fail(name, f"{key}={ref.get(key)!r} does not match the latent shape {shape(lat)}")
+    return lat
+
+
+def _ref_audio_rows(ref: Mapping, kind: str, name: str) -> torch.Tensor | None:
+    """A reference's audio latent [1, 32, 2, T] as the contract's rows [2T, 32], T checked against ref_audio_t;
+    None for the kinds without audio, which must then carry none."""
+    audio_latent = ref.get("audio_latent")
+    ref_audio_t = ref.get("ref_audio_t", 0) or 0
+    if kind not in ("video_audio", "audio"):
+        if audio_latent is not None or ref_audio_t:
             raise fail(name, f"kind {kind!r} must carry no audio (audio_latent None, ref_audio_t 0)")
-        references.append(("video" if kind == "video_audio" else kind, kind in ("video_audio", "audio")))
-
-    return cls(
-        task=task,
-        height=height,
-        width=width,
-        num_frames=num_frames,
-        prompt_embeds=check_tensor("cross_attn", cross_attn),
-        text_token_tags=check_tensor("minimax_token_tags", extras["minimax_token_tags"]),
-        condition_latents=tuple(condition_latents),
-        audio_condition_latents=tuple(audio_rows),
-        keyframe_anchors=tuple(anchors),
-        references=tuple(references),
-        metadata=metadata or {},
-    )
-
+        return None
+    audio_latent = _f32(audio_latent, f"{name}['audio_latent']")
+    if audio_latent.ndim != 4 or audio_latent.shape[-1] != ref_audio_t:
+        raise fail(name, f"ref_audio_t={ref_audio_t!r} does not match audio_latent "
+                          f"{shape(audio_latent)}")
+    return audio_latent_to_rows(audio_latent)
