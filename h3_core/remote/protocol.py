@@ -360,24 +360,37 @@ def _media_ref(value: Any, where: str, kind: str, limits: Limits) -> MediaRef:
     part = _part_name(value["part"], f"{where}.part")
     fps, soundtrack = None, None
     if kind == "video":
-        fps = value.get("fps")
-        if fps is not None:
-            if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps):
-                raise bad(f"{where}.fps must be a number, got {type(fps).__name__}", f"{where}.fps")
-            if not 0 < fps <= limits.max_fps:
-                raise invalid(f"{where}.fps must be in (0, {limits.max_fps:g}] frames per second, got {fps}",
-                               f"{where}.fps")
-            fps = float(fps)
-        soundtrack = value.get("soundtrack")
-        if soundtrack is True:
-            raise bad(f"{where}.soundtrack must be a part name, false (no soundtrack) or absent/null "
-                       "(the container's own audio)", f"{where}.soundtrack")
-        if isinstance(soundtrack, str):
-            soundtrack = _part_name(soundtrack, f"{where}.soundtrack")
-        elif soundtrack not in (None, False):
-            raise bad(f"{where}.soundtrack must be a part name, false or null, got {type(soundtrack).__name__}",
-                       f"{where}.soundtrack")
+        fps = _video_fps(value.get("fps"), f"{where}.fps", limits)
+        soundtrack = _video_soundtrack(value.get("soundtrack"), f"{where}.soundtrack")
     return MediaRef(field=where, part=part, kind=kind, fps=fps, soundtrack=soundtrack)
+
+
+def _video_fps(fps: Any, where: str, limits: Limits) -> float | None:
+    """A video's frame rate as a float, or None (absent/null: the container's own rate)."""
+    if fps is None:
+        return None
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps):
+        raise bad(f"{where} must be a number, got {type(fps).__name__}", where)
+    if not 0 < fps <= limits.max_fps:
+        raise invalid(f"{where} must be in (0, {limits.max_fps:g}] frames per second, got {fps}", where)
+    return float(fps)
+
+
+def _video_soundtrack(soundtrack: Any, where: str) -> str | bool | None:
+    """A video's soundtrack: a part name, False (none) or None (the container's own audio); `true` means nothing."""
+    if soundtrack is True:
+        raise bad(f"{where} must be a part name, false (no soundtrack) or absent/null "
+                  "(the container's own audio)", where)
+    if isinstance(soundtrack, str):
+        return _part_name(soundtrack, where)
+    if soundtrack not in (None, False):
+        raise bad(f"{where} must be a part name, false or null, got {type(soundtrack).__name__}", where)
+    return soundtrack
+
+
+def _keyframe_ref(obj: Mapping, key: str, limits: Limits) -> MediaRef | None:
+    """`first_frame` / `last_frame`: an image part, or None when absent or null."""
+    return None if obj.get(key) is None else _media_ref(obj[key], key, "image", limits)
 
 
 def _media_list(obj: Mapping, key: str, kind: str, limits: Limits) -> tuple[MediaRef, ...]:
@@ -396,99 +409,23 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
 
     Raises `ProtocolError` (400 malformed, 413 over a size cap, 422 against an H3 rule).
     """
+    # One reader per field, run in this order: each raises on the first thing it refuses, so the order decides
+    # which error a request with several faults gets (clients and the tests rely on it).
     if not isinstance(obj, dict):
         raise bad(f"the JSON request must be an object, got {type(obj).__name__}", REQUEST_PART)
     _check_keys(obj, _TOP_KEYS, "the request")
-    version = obj.get("protocol")
-    if version is None:
-        raise bad(f"protocol is required (this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION})",
-                   "protocol")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise bad(f"protocol must be an integer, got {type(version).__name__}", "protocol")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(400, "protocol_mismatch",
-                            f"this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION}; the request declares "
-                            f"version {version} (update the client or the server so they match)", "protocol")
-
-    prompt = obj.get("prompt")
-    if not isinstance(prompt, str):
-        raise bad(f"prompt is required and must be a string, got {type(prompt).__name__}", "prompt")
-    if len(prompt) > limits.max_prompt_chars:
-        raise too_large(f"prompt has {len(prompt)} characters, over the limit of "
-                         f"max_prompt_chars={limits.max_prompt_chars}", "prompt")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad("prompt contains unpaired UTF-16 surrogates (not encodable as UTF-8)", "prompt") from None
-    if "\x00" in prompt:
-        raise bad("prompt contains a NUL character", "prompt")
-    if not prompt.strip():
-        raise invalid("prompt must be a non-empty string", "prompt")
-
-    task = obj.get("task")
-    if task is not None and task not in rules.TASKS:
-        shown = task[:32] if isinstance(task, str) else type(task).__name__
-        raise invalid(f"task must be one of {', '.join(rules.TASKS)} or null (inferred), got {shown!r}", "task")
-
-    num_frames = _int(obj, "num_frames", facts.MIN_FRAMES)
-    try:
-        rules.check_output_frames(num_frames)
-    except rules.H3InputError as error:
-        raise invalid(str(error), "num_frames") from None
-
-    width, height = _int(obj, "width"), _int(obj, "height")
-    if (width is None) != (height is None):
-        raise invalid("width and height must be given together, or neither", "width" if width is None else "height")
-    if width is not None:
-        if width > 0 and height > 0:  # sizes first: a canvas too large is 413, whatever else is wrong with it
-            oversize = rules.canvas_size_error(width, height)
-            if oversize:
-                raise too_large(oversize, "width")
-            if max(width, height) > limits.max_canvas_edge or width * height > limits.max_canvas_pixels:
-                raise too_large(
-                    f"canvas {width}x{height} is over this server's limits (max_canvas_edge={limits.max_canvas_edge}, "
-                    f"max_canvas_pixels={limits.max_canvas_pixels})", "width")
-        try:
-            rules.check_canvas(width, height)
-        except rules.H3InputError as error:
-            raise invalid(str(error), "width") from None
-
-    first = None if obj.get("first_frame") is None else _media_ref(obj["first_frame"], "first_frame", "image", limits)
-    last = None if obj.get("last_frame") is None else _media_ref(obj["last_frame"], "last_frame", "image", limits)
+    _check_protocol(obj)
+    prompt = _prompt(obj, limits)
+    task = _task(obj)
+    num_frames = _num_frames(obj)
+    width, height = _canvas(obj, limits)
+    first, last = _keyframe_ref(obj, "first_frame", limits), _keyframe_ref(obj, "last_frame", limits)
     images = _media_list(obj, "ref_images", "image", limits)
     videos = _media_list(obj, "ref_videos", "video", limits)
     audios = _media_list(obj, "ref_audios", "audio", limits)
-
-    model = obj.get("model")
-    if model is not None and (not isinstance(model, str) or not re.fullmatch(r"[0-9a-f]{1,64}", model)):
-        raise bad("model must be the hex model fingerprint from /v1/capabilities, or null", "model")
-
-    deadline = obj.get("deadline_s")
-    if deadline is not None:
-        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
-            raise bad(f"deadline_s must be a number of seconds, got {type(deadline).__name__}", "deadline_s")
-        if deadline <= 0 or (max_deadline_s is not None and deadline > max_deadline_s):
-            raise invalid(f"deadline_s must be in (0, {max_deadline_s:g}] seconds, got {deadline}"
-                           if max_deadline_s is not None else f"deadline_s must be positive, got {deadline}",
-                           "deadline_s")
-        deadline = float(deadline)
-
-    # H3's own rules on counts and the task, with placeholder (valid) durations: the real durations are
-    # checked by EncodeRequest.validate() after decoding, with the same messages as a local run.
-    keyframes = int(first is not None) + int(last is not None)
-    summary = rules.MediaSummary(
-        keyframes=keyframes,
-        image_refs=len(images),
-        video_ref_seconds=(facts.MIN_REFERENCE_VIDEO_S,) * len(videos),
-        soundtrack_seconds=(None,) * len(videos),
-        audio_ref_seconds=(facts.MIN_AUDIO_CLIP_S,) * len(audios),
-    )
-    resolved = task or rules.infer_task(summary)
-    try:
-        rules.check_request(resolved, prompt, summary, num_frames)
-    except rules.H3InputError as error:
-        raise invalid(str(error), "task" if task else None) from None
-
+    model = _model(obj)
+    deadline = _deadline(obj, max_deadline_s)
+    summary = _media_summary(first, last, images, videos, audios)
     spec = RequestSpec(
         prompt=prompt,
         task=task,
@@ -502,8 +439,139 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
         ref_audios=audios,
         model=model,
         deadline_s=deadline,
-        resolved_task=resolved,
+        resolved_task=_resolved_task(task, prompt, summary, num_frames),
     )
+    _check_parts(spec, limits)
+    return spec
+
+
+def _check_protocol(obj: Mapping) -> None:
+    """The protocol version, required and exactly this server's: a mismatch is its own code so clients can say so."""
+    version = obj.get("protocol")
+    if version is None:
+        raise bad(f"protocol is required (this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION})",
+                  "protocol")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise bad(f"protocol must be an integer, got {type(version).__name__}", "protocol")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(400, "protocol_mismatch",
+                            f"this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION}; the request declares "
+                            f"version {version} (update the client or the server so they match)", "protocol")
+
+
+def _prompt(obj: Mapping, limits: Limits) -> str:
+    """The prompt: a string within max_prompt_chars that the text encoder can take (UTF-8, no NUL, not blank)."""
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad(f"prompt is required and must be a string, got {type(prompt).__name__}", "prompt")
+    if len(prompt) > limits.max_prompt_chars:
+        raise too_large(f"prompt has {len(prompt)} characters, over the limit of "
+                        f"max_prompt_chars={limits.max_prompt_chars}", "prompt")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad("prompt contains unpaired UTF-16 surrogates (not encodable as UTF-8)", "prompt") from None
+    if "\x00" in prompt:
+        raise bad("prompt contains a NUL character", "prompt")
+    if not prompt.strip():
+        raise invalid("prompt must be a non-empty string", "prompt")
+    return prompt
+
+
+def _task(obj: Mapping) -> str | None:
+    """One of H3's tasks, or None: inferred from the media once they are counted (`_resolved_task`)."""
+    task = obj.get("task")
+    if task is not None and task not in rules.TASKS:
+        shown = task[:32] if isinstance(task, str) else type(task).__name__
+        raise invalid(f"task must be one of {', '.join(rules.TASKS)} or null (inferred), got {shown!r}", "task")
+    return task
+
+
+def _num_frames(obj: Mapping) -> int:
+    """Output frames on H3's grid (rules.check_output_frames); absent means the shortest clip."""
+    num_frames = _int(obj, "num_frames", facts.MIN_FRAMES)
+    try:
+        rules.check_output_frames(num_frames)
+    except rules.H3InputError as error:
+        raise invalid(str(error), "num_frames") from None
+    return num_frames
+
+
+def _canvas(obj: Mapping, limits: Limits) -> tuple[int | None, int | None]:
+    """Width and height in pixels, both or neither (neither: the media decide); within H3's and this server's caps."""
+    width, height = _int(obj, "width"), _int(obj, "height")
+    if (width is None) != (height is None):
+        raise invalid("width and height must be given together, or neither", "width" if width is None else "height")
+    if width is not None:
+        _check_canvas_size(width, height, limits)
+        try:
+            rules.check_canvas(width, height)
+        except rules.H3InputError as error:
+            raise invalid(str(error), "width") from None
+    return width, height
+
+
+def _check_canvas_size(width: int, height: int, limits: Limits) -> None:
+    """413 for a canvas over H3's or this server's size caps, checked before H3's other canvas rules (422): a canvas
+    too large is 413 whatever else is wrong with it. Non-positive sizes are left to those rules."""
+    if width <= 0 or height <= 0:
+        return
+    oversize = rules.canvas_size_error(width, height)
+    if oversize:
+        raise too_large(oversize, "width")
+    if max(width, height) > limits.max_canvas_edge or width * height > limits.max_canvas_pixels:
+        raise too_large(
+            f"canvas {width}x{height} is over this server's limits (max_canvas_edge={limits.max_canvas_edge}, "
+            f"max_canvas_pixels={limits.max_canvas_pixels})", "width")
+
+
+def _model(obj: Mapping) -> str | None:
+    """The model fingerprint the client expects (checked against the loaded one later), or None for any."""
+    model = obj.get("model")
+    if model is not None and (not isinstance(model, str) or not re.fullmatch(r"[0-9a-f]{1,64}", model)):
+        raise bad("model must be the hex model fingerprint from /v1/capabilities, or null", "model")
+    return model
+
+
+def _deadline(obj: Mapping, max_deadline_s: float | None) -> float | None:
+    """The client's deadline in seconds (positive, at most the server's max_deadline_s when it sets one), or None."""
+    deadline = obj.get("deadline_s")
+    if deadline is None:
+        return None
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+        raise bad(f"deadline_s must be a number of seconds, got {type(deadline).__name__}", "deadline_s")
+    if deadline <= 0 or (max_deadline_s is not None and deadline > max_deadline_s):
+        raise invalid(f"deadline_s must be in (0, {max_deadline_s:g}] seconds, got {deadline}"
+                      if max_deadline_s is not None else f"deadline_s must be positive, got {deadline}",
+                      "deadline_s")
+    return float(deadline)
+
+
+def _media_summary(first: MediaRef | None, last: MediaRef | None, images: tuple[MediaRef, ...],
+                   videos: tuple[MediaRef, ...], audios: tuple[MediaRef, ...]) -> rules.MediaSummary:
+    """The request's media counts for H3's rules, with placeholder (valid) durations: the real durations are checked
+    by EncodeRequest.validate() after decoding, with the same messages as a local run."""
+    return rules.MediaSummary(
+        keyframes=int(first is not None) + int(last is not None),
+        image_refs=len(images),
+        video_ref_seconds=(facts.MIN_REFERENCE_VIDEO_S,) * len(videos),
+        soundtrack_seconds=(None,) * len(videos),
+        audio_ref_seconds=(facts.MIN_AUDIO_CLIP_S,) * len(audios),
+    )
+
+
+def _resolved_task(task: str | None, prompt: str, summary: rules.MediaSummary, num_frames: int) -> str:
+    """The task (given, or inferred from the media counts), checked against H3's own rules on counts and task."""
+    resolved = task or rules.infer_task(summary)
+    try:
+        rules.check_request(resolved, prompt, summary, num_frames)
+    except rules.H3InputError as error:
+        raise invalid(str(error), "task" if task else None) from None
+    return resolved
+
+
+def _check_parts(spec: RequestSpec, limits: Limits) -> None:
+    """Each media item (and soundtrack) names its own part, and the parts fit max_parts (the JSON part counts too)."""
     seen: dict[str, str] = {}
     for ref in spec.media():
         for name, where in ((ref.part, f"{ref.field}.part"),
@@ -512,13 +580,11 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
                 continue
             if name in seen:
                 raise bad(f"part {name!r} is named twice ({seen[name]} and {where}); each media item needs its "
-                           "own part", where)
+                          "own part", where)
             seen[name] = where
     if len(seen) + 1 > limits.max_parts:
         raise too_large(f"the request names {len(seen)} media parts, over the limit of "
-                         f"max_parts={limits.max_parts - 1}", REQUEST_PART)
-    return spec
-
+                        f"max_parts={limits.max_parts - 1}", REQUEST_PART)
 
 
 def cache_key(spec: RequestSpec, digests: Mapping[str, str], model_fingerprint: str) -> str:
