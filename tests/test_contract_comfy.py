@@ -187,3 +187,57 @@ def test_core_pack_key_conflicts_and_versions():
     assert H3Conditioning.from_comfy(core, height=64) == make("fl2va")  # agreeing value is fine
     core[0][1][hc.COMFY_PACK_KEY] = dict(core[0][1][hc.COMFY_PACK_KEY], version=9)
     _core_error(core, "unsupported version 9", hc.COMFY_PACK_KEY)
+
+
+def _two_faults(fault):
+    """A core-native fl2va CONDITIONING (first and last keyframe) with one of the faults below applied."""
+    core = _core_native_fl2va()
+    extras = core[0][1]
+    fault(core, extras)
+    return core
+
+
+# A CONDITIONING with two faults gets the error of the one read first: decode reads the entry, the keys the
+# contract cannot hold, the pack key, keyframes-or-references, task, canvas, metadata, each keyframe, each
+# reference, then the tensors. Each case pins one step of that order (the first field named wins).
+_FAULT_ORDER = [
+    ("conditioning", lambda core, x: (core.append(core[0]), x.pop("minimax_token_tags"))),
+    ("minimax_token_tags", lambda core, x: (x.pop("minimax_token_tags"), x.update(minimax_audio_cond_noise_aug=1))),
+    ("minimax_audio_cond_noise_aug", lambda core, x: x.update(minimax_audio_cond_noise_aug=1,
+                                                              minimax_h3_pack={"format": "other"})),
+    (hc.COMFY_PACK_KEY, lambda core, x: x.update(minimax_h3_pack={"format": hc.FORMAT_ID, "version": 9},
+                                                 minimax_refs=_core_native_ref2va()[0][1]["minimax_refs"])),
+    ("minimax_keyframes", lambda core, x: x.update(minimax_refs=_core_native_ref2va()[0][1]["minimax_refs"],
+                                                   minimax_h3_pack={**_PACK, "task": "t2va"})),
+    ("task", lambda core, x: x.update(minimax_h3_pack={**_PACK, "task": "t2va", "height": 32})),
+    ("height", lambda core, x: x.update(minimax_h3_pack={**_PACK, "height": 32, "metadata": {"a": "b"}})),
+    ("metadata", lambda core, x: (x.update(minimax_h3_pack={**_PACK, "metadata": {"a": "b"}}),
+                                  x["minimax_keyframes"][0].update(resolved_frame_index=60))),
+    ("minimax_keyframes[0]", lambda core, x: (x["minimax_keyframes"][0].update(resolved_frame_index=60),
+                                              x["minimax_keyframes"][1].update(latent=None))),
+    ("minimax_keyframes[1]['latent']", lambda core, x: (x["minimax_keyframes"][1].update(latent="x"),
+                                                        core[0].__setitem__(0, "not a tensor"))),
+    ("cross_attn", lambda core, x: (core[0].__setitem__(0, "not a tensor"), x.update(minimax_token_tags=1))),
+]
+_PACK = {"format": hc.FORMAT_ID, "version": 1, "task": "fl2va", "height": 64, "width": 64, "num_frames": 124,
+         "metadata": {}}
+
+
+@pytest.mark.parametrize("field_name, fault", _FAULT_ORDER, ids=[name for name, _ in _FAULT_ORDER])
+def test_core_reader_order_decides_which_fault_is_named(field_name, fault):
+    canvas = dict(height=64, width=64, num_frames=124, metadata={"src": "comfy"})
+    if field_name in ("task", "height", "metadata"):
+        canvas = dict(task="fl2va", height=64, metadata={"src": "comfy"})  # faults: conflicts with the pack key
+    with pytest.raises(ContractError) as info:
+        H3Conditioning.from_comfy(_two_faults(fault), **canvas)
+    assert info.value.field == field_name, str(info.value)
+
+
+def test_core_reference_faults_are_named_in_reference_order():
+    core = _core_native_ref2va()
+    refs = core[0][1]["minimax_refs"]
+    refs[1]["ref_audio_t"] = 99  # audio mismatch on the second reference
+    refs[2]["latent_w"] = 8  # and a shape mismatch on the third
+    _core_error(core, "ref_audio_t=99 does not match", "minimax_refs[1]", height=64, width=64, num_frames=124)
+    refs[1]["latent_h"] = 9  # the second's visual latent is read before its audio
+    _core_error(core, "latent_h=9 does not match", "minimax_refs[1]", height=64, width=64, num_frames=124)

@@ -82,6 +82,48 @@ def test_request_errors_name_the_constraint(fields, status, code, field):
     assert set(body["error"]) == {"code", "message", "field", "request_id"}
 
 
+# A request with two faults gets the error of the field read first. parse_request reads: the keys, protocol,
+# prompt, task, num_frames, the canvas (size caps before H3's canvas rules), first/last frame, the reference lists,
+# model, deadline_s, H3's rules on the counts, then the part names. Each case pins one step of that order.
+@pytest.mark.parametrize(
+    "fields, status, field",
+    [
+        ({"num_frame": 124, "protocol": 1}, 400, "the request"),
+        ({"protocol": 1, "prompt": 5}, 400, "protocol"),
+        ({"prompt": 5, "task": "i2v"}, 400, "prompt"),
+        ({"task": "i2v", "num_frames": 125}, 422, "task"),
+        ({"num_frames": 125, "width": 65, "height": 64}, 422, "num_frames"),
+        ({"width": 8200, "height": 4100}, 413, "width"),  # too large and off the grid: the size is named
+        ({"width": 65, "height": 64, "first_frame": {"part": 1}}, 422, "width"),
+        ({"first_frame": {"part": 1}, "last_frame": "x"}, 400, "first_frame.part"),
+        ({"last_frame": "x", "ref_images": "x"}, 400, "last_frame"),
+        ({"ref_images": "x", "ref_videos": "x"}, 400, "ref_images"),
+        ({"ref_videos": [{"part": "v", "fps": 0, "soundtrack": True}]}, 422, "ref_videos[0].fps"),
+        ({"ref_videos": [{"part": "v", "soundtrack": True}], "ref_audios": "x"}, 400, "ref_videos[0].soundtrack"),
+        ({"ref_audios": "x", "model": "not hex!"}, 400, "ref_audios"),
+        ({"model": "not hex!", "deadline_s": 0}, 400, "model"),
+        ({"deadline_s": 0, "task": "fl2va"}, 422, "deadline_s"),
+        ({"first_frame": {"part": "k"}, "ref_images": [{"part": "k"}]}, 422, None),  # H3's rules before part names
+        ({"ref_images": [{"part": "a"}, {"part": "a"}, {"part": "b"}, {"part": "b"}]}, 400, "ref_images[1].part"),
+    ],
+)
+def test_request_field_order_decides_which_fault_is_named(fields, status, field):
+    error = _error(**fields)
+    assert (error.status, error.field) == (status, field), error.message
+
+
+def test_too_many_parts_is_checked_after_their_names():
+    limits = Limits(max_parts=2)
+    body = {"protocol": 2, "prompt": "a fox", "ref_images": [{"part": "a"}, {"part": "b"}, {"part": "a"}]}
+    with pytest.raises(ProtocolError) as info:
+        protocol.parse_request(body, limits)
+    assert (info.value.status, info.value.field) == (400, "ref_images[2].part")
+    body["ref_images"][2]["part"] = "c"
+    with pytest.raises(ProtocolError) as info:
+        protocol.parse_request(body, limits)
+    assert (info.value.status, info.value.field) == (413, "request")
+
+
 def test_strict_json():
     for raw in (b'{"protocol": 2, "prompt": NaN}', b'{"a": 1, "a": 2}', b"[" * 5000, b"\xff\xfe", b'{"x": 1e999}'):
         with pytest.raises(ProtocolError) as info:
