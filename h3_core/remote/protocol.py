@@ -377,7 +377,8 @@ def _video_fps(fps: Any, where: str, limits: Limits) -> float | None:
 
 
 def _video_soundtrack(soundtrack: Any, where: str) -> str | bool | None:
-    """A video's soundtrack: a part name, False (none) or None (the container's own audio); `true` means nothing."""
+    """A video's soundtrack: a part name, False (none) or None (the container's own audio); `true` is refused:
+    it names no part."""
     if soundtrack is True:
         raise bad(f"{where} must be a part name, false (no soundtrack) or absent/null "
                   "(the container's own audio)", where)
