@@ -241,3 +241,35 @@ def test_core_reference_faults_are_named_in_reference_order():
     _core_error(core, "ref_audio_t=99 does not match", "minimax_refs[1]", height=64, width=64, num_frames=124)
     refs[1]["latent_h"] = 9  # the second's visual latent is read before its audio
     _core_error(core, "latent_h=9 does not match", "minimax_refs[1]", height=64, width=64, num_frames=124)
+
+
+# A hostile CONDITIONING puts a multi-element tensor where core holds a list or an int: `or`, `==` and `!=` on it
+# are no bools, so each place is checked by type first and refused as a ContractError naming it (not a RuntimeError).
+_TENSOR = torch.zeros(3)
+_TENSOR_PLACES = [
+    ("minimax_keyframes", lambda c: c[0][1].__setitem__("minimax_keyframes", _TENSOR), "fl2va"),
+    ("minimax_refs", lambda c: c[0][1].__setitem__("minimax_refs", _TENSOR), "ref2va"),
+    ("minimax_keyframes[0]", lambda c: c[0][1]["minimax_keyframes"][0].__setitem__("resolved_frame_index", _TENSOR),
+     "fl2va"),
+    ("minimax_refs[0]", lambda c: c[0][1]["minimax_refs"][0].__setitem__("latent_h", _TENSOR), "ref2va"),
+    ("minimax_refs[1]", lambda c: c[0][1]["minimax_refs"][1].__setitem__("ref_audio_t", _TENSOR), "ref2va"),
+    ("minimax_refs[0]", lambda c: c[0][1]["minimax_refs"][0].__setitem__("ref_audio_t", _TENSOR), "ref2va"),
+]
+
+
+@pytest.mark.parametrize("field_name, plant, task", _TENSOR_PLACES, ids=[f"{n}-{i}" for i, (n, _, _) in
+                                                                         enumerate(_TENSOR_PLACES)])
+def test_a_tensor_where_a_list_or_int_belongs_is_refused_by_name(field_name, plant, task):
+    core = _core_native_fl2va() if task == "fl2va" else _core_native_ref2va()
+    plant(core)
+    with pytest.raises(ContractError) as info:
+        H3Conditioning.from_comfy(core, height=64, width=64, num_frames=124)
+    assert info.value.field == field_name, str(info.value)
+
+
+def test_a_tensor_in_the_pack_key_is_refused_by_name():
+    core = make("t2va").to_comfy()
+    core[0][1]["minimax_h3_pack"]["height"] = _TENSOR
+    with pytest.raises(ContractError) as info:
+        H3Conditioning.from_comfy(core, height=64)
+    assert info.value.field == "height" and "plain value" in str(info.value)

@@ -183,6 +183,9 @@ def _pack(extras: Mapping) -> Mapping:
 def _resolve(pack: Mapping, name: str, explicit: Any) -> Any:
     """The explicit value, else the pack's; both given and different is an error (neither silently wins)."""
     packed = pack.get(name)
+    if packed is not None and not isinstance(packed, (str, int, float, Mapping)):
+        # a hostile pack key could hold a tensor, whose `!=` is no bool: refuse it by name instead
+        raise fail(name, f"{COMFY_PACK_KEY}[{name!r}] must be a plain value, got {type(packed).__name__}")
     if explicit is not None and packed is not None and explicit != packed:
         raise fail(name, f"explicit value {explicit!r} conflicts with {COMFY_PACK_KEY}[{name!r}]={packed!r}")
     return explicit if explicit is not None else packed
@@ -190,12 +193,21 @@ def _resolve(pack: Mapping, name: str, explicit: Any) -> Any:
 
 def _keyframes_and_refs(extras: Mapping) -> tuple[Any, Any]:
     """Core's keyframe and reference lists; a conditioning holds one task, so never both."""
-    keyframes = extras.get("minimax_keyframes") or []
-    refs = extras.get("minimax_refs") or []
+    keyframes, refs = _listed(extras, "minimax_keyframes"), _listed(extras, "minimax_refs")
     if keyframes and refs:
         raise fail("minimax_keyframes", "keyframes together with references are not representable (one task "
                                          "per conditioning)")
     return keyframes, refs
+
+
+def _listed(extras: Mapping, key: str) -> list | tuple:
+    """Core's list under `key` (absent or None: empty); anything else (a tensor, a dict) is refused by name."""
+    value = extras.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise fail(key, f"must be a list of dicts, got {type(value).__name__}")
+    return value
 
 
 def _task(pack: Mapping, task: Any, keyframes: Any, refs: Any) -> Any:
@@ -235,9 +247,9 @@ def _keyframes(keyframes: Any, num_frames: Any) -> tuple[list[str], list[torch.T
 
 def _anchor(index: Any, num_frames: Any, name: str) -> str:
     """'first' for frame 0, 'last' for frame num_frames - 1: H3 has no interior keyframes (MiniMaxH3AddGuide's)."""
-    if index == 0:
+    if is_int(index) and index == 0:
         return "first"
-    if is_int(num_frames) and index == num_frames - 1:
+    if is_int(index) and is_int(num_frames) and index == num_frames - 1:
         return "last"
     raise fail(name, f"resolved_frame_index must be 0 (first) or num_frames-1 = "
                      f"{num_frames - 1 if is_int(num_frames) else '?'} (last), got {index!r}")
@@ -269,7 +281,7 @@ def _ref_latent(ref: Mapping, kind: str, name: str) -> torch.Tensor:
         raise fail(f"{name}['latent']", f"must be [1, C, T, h, w], got {shape(lat)}")
     declared = [("latent_h", 3), ("latent_w", 4)] + ([("latent_t", 2)] if kind != "image" else [])
     for key, dim in declared:
-        if ref.get(key) != lat.shape[dim]:
+        if not is_int(ref.get(key)) or ref.get(key) != lat.shape[dim]:
             raise fail(name, f"{key}={ref.get(key)!r} does not match the latent shape {shape(lat)}")
     return lat
 
@@ -278,7 +290,11 @@ def _ref_audio_rows(ref: Mapping, kind: str, name: str) -> torch.Tensor | None:
     """A reference's audio latent [1, 32, 2, T] as the contract's rows [2T, 32], T checked against ref_audio_t;
     None for the kinds without audio, which must then carry none."""
     audio_latent = ref.get("audio_latent")
-    ref_audio_t = ref.get("ref_audio_t", 0) or 0
+    ref_audio_t = ref.get("ref_audio_t", 0)
+    if ref_audio_t is None:
+        ref_audio_t = 0
+    if not is_int(ref_audio_t):
+        raise fail(name, f"ref_audio_t must be an int, got {type(ref_audio_t).__name__}")
     if kind not in ("video_audio", "audio"):
         if audio_latent is not None or ref_audio_t:
             raise fail(name, f"kind {kind!r} must carry no audio (audio_latent None, ref_audio_t 0)")
