@@ -249,6 +249,7 @@ def test_a_run_time_error_dialog_is_titled_with_the_display_name(server, tmp_pat
     display_name = server.object_info("H3SplitReferences")["display_name"]
     assert report["execution_error"], report
     assert report["execution_error"]["node_type"] == display_name  # as the page's listeners see it
+    assert report["history_error"]["node_type"] == display_name  # and its history (the queue panel's report)
     assert report["dialog_titles"] == [display_name], report["dialogs"]
     shown = next(dialog for dialog in report["dialogs"] if "Show Report" in dialog)
     assert "H3SplitReferences" not in shown

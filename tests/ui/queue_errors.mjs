@@ -9,6 +9,7 @@
 //
 // Prints one JSON line: {node_errors: {id: {class_type, inputs: [input_name...], details: [...]}}, dialogs: [...],
 //   dialog_titles: [...], prompt_id, execution_error: <the message as the page's listeners got it> | null,
+//   history_error: <that error as the page's api.getHistory() reads it> | null,
 //   report: <the report's text> | null}.
 import { readFileSync } from "node:fs";
 import { basename } from "node:path";
@@ -55,8 +56,12 @@ try {
     // The error dialogs' titles (1.32.9's ErrorDialogContent: a placeholder heading above "Show Report").
     const titles = [...document.querySelectorAll(".p-dialog")].filter((d) => d.innerText.includes("Show Report"))
       .map((d) => d.querySelector(".no-results-placeholder h3")?.innerText.trim() ?? null);
+    // The run's error as the page's history reads it (what the queue panel's "Report error" opens).
+    const history = promptId && typeof app.api.getHistory === "function" ? await app.api.getHistory(20) : null;
+    const task = history?.History?.find((t) => t.prompt_id === promptId || t.prompt?.[1] === promptId);
+    const historyError = task?.status?.messages?.find((m) => m[0] === "execution_error")?.[1] ?? null;
     return { node_errors: nodeErrors, dialogs, dialog_titles: titles, prompt_id: promptId,
-      execution_error: executionError, report: null };
+      execution_error: executionError, history_error: historyError, report: null };
   }, { wf: workflow, name: basename(file), runErrorS });
   if (showReport && report.execution_error) {
     await page.locator(".p-dialog button", { hasText: "Show Report" }).first().click();
