@@ -5,7 +5,8 @@ entry point. The import of ComfyUI's API is deferred to the call, so `h3_core` (
 encoder server) and the test-suite never import ComfyUI through this file.
 
 `WEB_DIRECTORY` serves web/ (the Save / Load Conditioning canvas helpers: the saved file's name, an upload
-button); it is a plain string, so importing this file still imports nothing from ComfyUI.
+button; the tiny-H3 badge; run-time error dialogs titled with display names); it is a plain string, so importing
+this file still imports nothing from ComfyUI.
 """
 
 WEB_DIRECTORY = "./web"

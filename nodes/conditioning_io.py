@@ -87,9 +87,10 @@ class SaveConditioning(io.ComfyNode):
             node_id="H3SplitSaveConditioning",
             display_name="MiniMax H3 Save Conditioning",
             category=CONDITIONING_CATEGORY,
-            description="Writes the complete H3 conditioning, as core conditioning nodes left it, to output/ as "
-            ".safetensors (tensors + a versioned JSON header; no pickle). MiniMax H3 Load Conditioning lists "
-            "output/h3/ on this machine; on another one, upload the file (or copy it into input/).",
+            description="Saves the finished conditioning to a .safetensors file in output/, so later runs (here or on "
+            "another machine) skip the encoders. Connect the last encode node (or any core conditioning node after "
+            "it). MiniMax H3 Load Conditioning lists output/h3/ on this machine; on another one, upload the file "
+            "(or copy it into input/).",
             inputs=[
                 io.Conditioning.Input("conditioning"),
                 io.String.Input("filename_prefix", default=f"{OUTPUT_FOLDER}/conditioning",
@@ -125,9 +126,9 @@ class LoadConditioning(io.ComfyNode):
             node_id="H3SplitLoadConditioning",
             display_name="MiniMax H3 Load Conditioning",
             category=CONDITIONING_CATEGORY,
-            description="Reads an H3 conditioning .safetensors from input/ or, read-only, from output/h3/ (written "
-            "by MiniMax H3 Save Conditioning, `python -m h3_core encode` or the encoder server) and validates it "
-            "before use. Upload puts a file into input/.",
+            description="Loads a saved conditioning (from MiniMax H3 Save Conditioning, `python -m h3_core encode` or "
+            "the encoder server) and checks it before use, so the graph needs no encoders: connect it to MiniMax H3 "
+            "Sampler. Pick a file in input/ or, read-only, in output/h3/; upload puts a file into input/.",
             inputs=[io.Combo.Input("conditioning_file", options=_choices(), upload=io.UploadType.model,
                                    tooltip="A .safetensors conditioning file in input/, or 'h3/NAME [output]' for "
                                    "one MiniMax H3 Save Conditioning wrote to output/h3/.")],

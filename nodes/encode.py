@@ -253,8 +253,9 @@ class _VAEEncode(io.ComfyNode):
 class VideoVAEEncode(_VAEEncode):
     NODE_ID, DISPLAY_NAME = "H3SplitVideoVAEEncode", "MiniMax H3 Video VAE Encode"
     DESCRIPTION = (
-        "Adds the keyframes and the reference images and videos to the conditioning, encoded by the video VAE (as "
-        "the release does it, bit for bit). A text-only (t2va) conditioning passes through unchanged."
+        "Adds the keyframes and the reference images and videos (Text Encode's `media`) to the conditioning, "
+        "encoded by the video VAE. Connect Text Encode's conditioning and the video VAE loader; then Audio VAE "
+        "Encode. A text-only (t2va) conditioning passes through unchanged."
     )
     MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "vae", VideoVAE, "vae", loaders.VideoVAELoader.DISPLAY_NAME
     NEEDED, ADD = "needs_video_vae", staticmethod(assembly.add_video)
@@ -264,7 +265,8 @@ class AudioVAEEncode(_VAEEncode):
     NODE_ID, DISPLAY_NAME = "H3SplitAudioVAEEncode", "MiniMax H3 Audio VAE Encode"
     DESCRIPTION = (
         "Adds the reference audios and the reference videos' soundtracks to the conditioning, encoded by the audio "
-        "VAE. A conditioning without audio passes through unchanged."
+        "VAE. Connect Video VAE Encode's conditioning and the audio VAE loader; then the Sampler. A conditioning "
+        "without audio passes through unchanged."
     )
     MODEL_INPUT, MODEL_TYPE, STAGE_KEY, LOADER = "audio_vae", AudioVAE, "audio_vae", loaders.AudioVAELoader.DISPLAY_NAME
     NEEDED, ADD = "needs_audio_vae", staticmethod(assembly.add_audio)

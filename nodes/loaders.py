@@ -195,7 +195,7 @@ class TextEncoderLoader(_ComponentLoader):
     NODE_ID, DISPLAY_NAME = "H3SplitTextEncoderLoader", "Load MiniMax H3 Text Encoder"
     DESCRIPTION = (
         "Loads the text encoder (Qwen3-VL, with its tokenizer): ~51 GB in bf16 at full size, the largest piece. "
-        "MiniMax H3 Remote Encode can run it on another machine instead."
+        "Connect it to MiniMax H3 Text Encode; MiniMax H3 Remote Encode can run it on another machine instead."
     )
     INPUT_ID, FOLDER, COMPONENT = "text_encoder", "text_encoders", "text_encoder"
     FILE_HINT, OUTPUT = "qwen3vl_32b_minimax_h3_*.safetensors, or a GGUF file", TextEncoder
@@ -213,7 +213,8 @@ class TextEncoderLoader(_ComponentLoader):
 class VideoVAELoader(_ComponentLoader):
     NODE_ID, DISPLAY_NAME = "H3SplitVideoVAELoader", "Load MiniMax H3 Video VAE"
     DESCRIPTION = (
-        "Loads the video VAE: it encodes keyframes and visual references, and decodes the output video."
+        "Loads the video VAE: it encodes keyframes and visual references, and decodes the output video. Connect it "
+        "to MiniMax H3 Video VAE Encode and VAE Decode."
     )
     INPUT_ID, FOLDER, COMPONENT = "vae", "vae", "vae"
     FILE_HINT, OUTPUT = "minimax_h3_video_vae_fp16.safetensors", VideoVAE
@@ -223,7 +224,8 @@ class VideoVAELoader(_ComponentLoader):
 class AudioVAELoader(_ComponentLoader):
     NODE_ID, DISPLAY_NAME = "H3SplitAudioVAELoader", "Load MiniMax H3 Audio VAE"
     DESCRIPTION = (
-        "Loads the audio VAE: it encodes reference audio and soundtracks, and decodes the output's stereo sound."
+        "Loads the audio VAE: it encodes reference audio and soundtracks, and decodes the output's stereo sound. "
+        "Connect it to MiniMax H3 Audio VAE Encode and VAE Decode."
     )
     INPUT_ID, FOLDER, COMPONENT = "audio_vae", "vae", "audio_vae"
     FILE_HINT, OUTPUT = "minimax_h3_audio_vae_fp32.safetensors", AudioVAE
@@ -241,7 +243,7 @@ class DiTLoader(_ComponentLoader):
     DESCRIPTION = (
         "Loads the DiT, the model that makes the video and sound (33B at full size). The fl2va file serves text-only "
         "and first/last-frame jobs, the ref2va file reference jobs; a file says which it is (`partition` matters "
-        "only for a model folder)."
+        "only for a model folder). Connect it to MiniMax H3 Sampler."
     )
     INPUT_ID, FOLDER, COMPONENT, FILE_COMPONENT = "dit", "diffusion_models", "transformer", model_files.DIT
     FILE_HINT, OUTPUT = "minimax_h3_{fl2va,ref2va}_bf16.safetensors, or a GGUF file, also from models/unet", DiT

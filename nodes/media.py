@@ -56,9 +56,10 @@ class Keyframes(io.ComfyNode):
             node_id="H3SplitKeyframes",
             display_name="MiniMax H3 Keyframes (first / last frame)",
             category=CONDITIONING_CATEGORY,
-            description="The first and/or last frame the video is pinned to (task fl2va). The first frame is "
-            "stretched onto the canvas, the last one cover-cropped; with width/height 0 the canvas follows the "
-            "first frame's aspect ratio (768 px short edge at full size).",
+            description="The first and/or last frame the video starts and ends on (task fl2va): connect images "
+            "(Load Image), then `media` to MiniMax H3 Text Encode. The first frame is stretched onto the canvas, the "
+            "last one cover-cropped; with width/height 0 the video takes the first frame's aspect ratio (768 px "
+            "short edge at full size).",
             inputs=[
                 io.Image.Input("first_frame", optional=True, tooltip="Frame 0 of the video (one image)."),
                 io.Image.Input("last_frame", optional=True, tooltip="The video's final frame (one image)."),
@@ -109,7 +110,8 @@ class References(io.ComfyNode):
             category=CONDITIONING_CATEGORY,
             description="Reference images (<= 9), videos with their soundtracks (<= 3) and audios (<= 3) for task "
             "ref2va, in the order the prompt's tags count them: <Picture i> images, then <Video k> videos, then "
-            "<Audio j> (soundtracks first, then standalone audios). Chain a second node through `media` to append.",
+            "<Audio j> (soundtracks first, then standalone audios). Connect `media` to MiniMax H3 Text Encode; chain a "
+            "second References node through `media` to append.",
             inputs=[Media.Input("media", optional=True, tooltip="References to extend (appended after these).")]
             + images
             + videos

@@ -153,8 +153,9 @@ class RemoteEncode(io.ComfyNode):
             node_id="H3SplitRemoteEncode",
             display_name="MiniMax H3 Remote Encode",
             category=CONDITIONING_CATEGORY,
-            description="Runs all three H3 encoders (Qwen3-VL text, video VAE, audio VAE) on a remote H3 encoder "
-            "endpoint (`python -m h3_core serve`) and returns the same conditioning the local encode nodes make. "
+            description="Does what Text Encode, Video VAE Encode and Audio VAE Encode do, on a remote H3 encoder "
+            "server (`python -m h3_core serve`): this machine loads no text encoder. Connect keyframes or references "
+            "to `media` and the conditioning to MiniMax H3 Sampler; it is the same conditioning the local nodes make. "
             "The token, if the server wants one, is read from H3_ENCODER_TOKEN and sent only to the endpoints "
             "listed in H3_ENCODER_URLS (or per endpoint from H3_ENCODER_TOKENS), over https:// or to loopback.",
             inputs=[

@@ -24,9 +24,10 @@ class Sampler(io.ComfyNode):
             node_id="H3SplitSampler",
             display_name="MiniMax H3 Sampler",
             category=SAMPLING_CATEGORY,
-            description="Makes the video and its sound together from the conditioning, with the DiT: one DiT forward "
-            "per step (H3 needs no negative prompt and no CFG). The release samples 50 steps with shifts 12 (video) "
-            "and 3 (audio); the same seed gives the same result as diffusers' pipeline with that seed.",
+            description="Makes the video and its sound together from the conditioning: connect the DiT loader and the "
+            "conditioning (encode nodes, Remote Encode or Load Conditioning), then MiniMax H3 VAE Decode. Each step "
+            "runs the DiT once (no negative prompt, no CFG). The release uses 50 steps with shifts 12 (video) and 3 "
+            "(audio); a seed gives the same result as diffusers' H3 pipeline with that seed.",
             inputs=[
                 DiT.Input("dit", tooltip=f"From {DiTLoader.DISPLAY_NAME}: the partition the task needs."),
                 io.Conditioning.Input(

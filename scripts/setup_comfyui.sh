@@ -7,7 +7,9 @@
 #   2. a copy of the vendored tree in $REPO/.comfyui (ignored by git) without horde's
 #      extra_model_paths.yaml, which points custom_nodes at a missing folder and crashes startup;
 #   3. Debian chromium (only as root; otherwise the UI tests skip and say why);
-#   4. `npm ci` in tests/ui (playwright-core, pinned by the committed package-lock.json);
+#   4. `npm ci` in tests/ui (playwright-core, pinned by the committed package-lock.json), and the newest frontend
+#      tests/test_templates_newest_frontend.py serves (comfyui-frontend-package, --no-deps) in
+#      $COMFY_DIR/frontend-<version>, beside ComfyUI and never in the venv (ComfyUI 0.3.75 pins 1.32.9);
 #   5. Debian's prometheus (promtool) and systemd (systemd-analyze) for tests/test_deploy_docs.py (only as root;
 #      otherwise those checks skip and say why).
 # torch/torchvision are never (re)installed here: they stay pinned on every pip command line so
@@ -70,7 +72,7 @@ if [ ! -f "$COMFY_DIR/.h3-stamp-$key" ] || [ ! -f "$COMFY_DIR/main.py" ]; then
   touch "$COMFY_DIR/.h3-stamp-$key"
 fi
 
-# 3 + 4. The frontend test's browser and driver.
+# 3 + 4. The frontend tests' browser, driver and newest frontend.
 if [ "${H3_SKIP_UI_SETUP:-0}" != 1 ]; then
   if ! command -v chromium >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -91,6 +93,19 @@ if [ "${H3_SKIP_UI_SETUP:-0}" != 1 ]; then
       touch "$UI/node_modules/.h3-stamp-$ui_key"
     else
       log "npm is missing: the UI tests will skip"
+    fi
+  fi
+  NEWEST_FRONTEND=comfyui-frontend-package==1.58.1
+  fe_dir="$COMFY_DIR/frontend-${NEWEST_FRONTEND##*==}"
+  if [ ! -f "$fe_dir/.h3-stamp" ]; then
+    log "installing $NEWEST_FRONTEND (--no-deps) into $fe_dir"
+    rm -rf "$fe_dir"
+    "$PY" -m pip --disable-pip-version-check -q install --no-deps --target "$fe_dir" "$NEWEST_FRONTEND" 2>&1 \
+      | grep -vE "is ignored: it is neither|^$" >&2 || true
+    if [ -f "$fe_dir/comfyui_frontend_package/static/index.html" ]; then
+      touch "$fe_dir/.h3-stamp"
+    else
+      log "$NEWEST_FRONTEND did not install: tests/test_templates_newest_frontend.py will skip"
     fi
   fi
 fi

@@ -208,3 +208,53 @@ def test_the_frontend_shows_a_bad_length_once_on_length(server, tmp_path):
     assert node["inputs"] == ["length"], node
     shown = "\n".join(report["dialogs"])
     assert shown.count("got 107 frames") == 1, shown
+
+
+def run_in_frontend(server, workflow: dict, path: Path, *flags: str) -> dict:
+    """tests/ui/queue_errors.mjs on `workflow` (saved at `path`): what the real frontend shows once it is queued."""
+    import os
+    import subprocess
+
+    from support.comfy_harness import chromium_path, ui_available
+
+    ok, reason = ui_available()
+    if not ok:
+        pytest.skip(reason)
+    path.write_text(json.dumps(workflow))
+    ui = Path(__file__).resolve().parent / "ui"
+    env = {**os.environ, "COMFY_URL": server.url, "CHROMIUM_PATH": chromium_path() or ""}
+    done = subprocess.run(["node", str(ui / "queue_errors.mjs"), str(path), *flags], cwd=ui, env=env,
+                          capture_output=True, text=True, timeout=660)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+def test_a_run_time_error_dialog_is_titled_with_the_display_name(server, tmp_path):
+    """A pack node that fails at run time (References, on a 1 s reference audio) titles the frontend's error dialog
+    with its display name (web/error_titles.js); the report keeps the pack's exception type, and what the server
+    sends API clients (/history) keeps the class id."""
+    import numpy as np
+
+    from h3_core import media
+
+    short = server.input_dir / "h3test_ui_1s.wav"
+    tone = np.stack([np.sin(np.arange(32000) / 32000 * 2 * np.pi * 330)] * 2).astype(np.float32) * 0.2
+    short.write_bytes(media.encode_wav_bytes(tone, 32000, sample_format="s16"))
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "workflows" / "ui"
+    workflow = json.loads((fixtures / "ref2va.json").read_text())
+    next(node for node in workflow["nodes"] if node["type"] == "LoadAudio")["widgets_values"][0] = short.name
+    report = run_in_frontend(server, workflow, tmp_path / "ref2va_short_audio.json", "--run-error", "600",
+                             "--show-report")
+    display_name = server.object_info("H3SplitReferences")["display_name"]
+    assert report["execution_error"], report
+    assert report["execution_error"]["node_type"] == display_name  # as the page's listeners see it
+    assert report["history_error"]["node_type"] == display_name  # and its history (the queue panel's report)
+    assert report["dialog_titles"] == [display_name], report["dialogs"]
+    shown = next(dialog for dialog in report["dialogs"] if "Show Report" in dialog)
+    assert "H3SplitReferences" not in shown
+    assert "reference audio 1 must be 2-15 s long, got 1.00 s" in shown
+    assert f"**Node Type:** {display_name}" in report["report"], report["report"]
+    assert "**Exception Type:** minimax_h3.h3_core.rules.H3InputError" in report["report"], report["report"]
+    error = dict(server.history(report["prompt_id"])["status"]["messages"])["execution_error"]
+    assert error["node_type"] == "H3SplitReferences"  # API clients keep the class id

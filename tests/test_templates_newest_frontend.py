@@ -1,23 +1,33 @@
 """The shipped templates in the newest ComfyUI frontend, served by the ComfyUI the suite runs (0.3.75).
 
 The frontend is a separate PyPI package (comfyui-frontend-package); ComfyUI serves another one with
-`--front-end-root`. Install it beside the venv, never into it (0.3.75 pins 1.32.9):
+`--front-end-root`. scripts/setup_comfyui.sh installs the newest one checked here beside ComfyUI, never into the
+venv (0.3.75 pins 1.32.9): `pip install --no-deps --target <H3_COMFY_DIR>/frontend-1.58.1
+comfyui-frontend-package==1.58.1`. H3_FRONTEND_ROOT (another frontend's static/) overrides that folder.
 
-    pip install --no-deps --target /tmp/fe comfyui-frontend-package==1.58.1
-    H3_FRONTEND_ROOT=/tmp/fe/comfyui_frontend_package/static pytest tests/test_templates_newest_frontend.py
-
-Without H3_FRONTEND_ROOT the module skips (CI runs the pinned frontend's tests in test_nodes_comfyui.py).
+One server start and one browser session load every template of example_workflows/ (as the template browser does)
+and its tiny-H3 variant (as a dropped file), one after another (tests/ui/load_templates.mjs); each test reads its
+part of that one report. Without the frontend folder the module skips (fails in CI, where setup installs it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support.comfy_harness import PACK_NAME, comfy_factory  # noqa: F401  (session fixture)
+from support.comfy_harness import (  # noqa: F401  (comfy_factory: session fixture)
+    COMFY_DIR,
+    PACK_NAME,
+    UI_DIR,
+    _unavailable,
+    chromium_path,
+    comfy_factory,
+    ui_available,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflows"))
@@ -25,28 +35,62 @@ import build_workflows  # noqa: E402
 
 TITLES = {graph.key: graph.title for graph in build_workflows.build_graphs()}
 
-FRONTEND_ROOT = os.environ.get("H3_FRONTEND_ROOT")
-pytestmark = pytest.mark.skipif(not FRONTEND_ROOT, reason="H3_FRONTEND_ROOT (a newer frontend's static/) is not set")
+NEWEST_VERSION = "1.58.1"  # the comfyui-frontend-package scripts/setup_comfyui.sh installs beside ComfyUI
+FRONTEND_ROOT = Path(os.environ.get("H3_FRONTEND_ROOT")
+                     or COMFY_DIR / f"frontend-{NEWEST_VERSION}" / "comfyui_frontend_package" / "static")
 
 
 @pytest.fixture(scope="module")
-def newest(comfy_factory, tiny_dir):  # noqa: F811
+def newest(request, comfy_factory, tmp_path_factory):  # noqa: F811
+    """The one report: every template, then every tiny variant, loaded in one browser session."""
+    if not (FRONTEND_ROOT / "index.html").is_file():
+        _unavailable(f"no frontend at {FRONTEND_ROOT}: scripts/setup_comfyui.sh installs comfyui-frontend-package"
+                     f"=={NEWEST_VERSION} there (or set H3_FRONTEND_ROOT to a frontend's static/)")
+    ok, reason = ui_available()
+    if not ok:
+        _unavailable(reason)
+    tiny_dir = request.getfixturevalue("tiny_dir")  # built only once the frontend is known to be there
     server = comfy_factory(Path(tiny_dir) / "comfyui", {"H3_TINY_DIR": str(tiny_dir)},
-                           ("--front-end-root", FRONTEND_ROOT))
-    assert "<html" in (Path(FRONTEND_ROOT) / "index.html").read_text().lower()
-    return server
+                           ("--front-end-root", str(FRONTEND_ROOT)))
+    tiny = build_workflows.tiny_templates(server.object_info())
+    folder = tmp_path_factory.mktemp("tiny-templates")
+    argv = ["node", str(UI_DIR / "load_templates.mjs")]
+    for name in sorted(TITLES):
+        argv += ["--template", f"{PACK_NAME}/{TITLES[name]}"]
+    for name in sorted(TITLES):
+        path = folder / f"tiny_{name}.json"
+        path.write_text(json.dumps(tiny[name]))
+        argv.append(str(path))
+    env = {**os.environ, "COMFY_URL": server.url, "CHROMIUM_PATH": chromium_path() or ""}
+    done = subprocess.run(argv, cwd=UI_DIR, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"load_templates.mjs exited {done.returncode}\n{done.stderr[-3000:]}\n{server.log_tail()}"
+    report = json.loads(lines[-1])
+    assert "error" not in report, report["error"]
+    report["tiny"] = tiny
+    return report
+
+
+def test_the_newest_frontend_served_and_lists_the_templates(newest):
+    """The page runs the frontend the folder holds (its pip metadata names the version), not the pinned one."""
+    installed = [path.name.removeprefix("comfyui_frontend_package-").removesuffix(".dist-info")
+                 for path in FRONTEND_ROOT.parents[1].glob("comfyui_frontend_package-*.dist-info")]
+    expected = installed or [NEWEST_VERSION]
+    assert [newest["frontend_version"]] == expected, (newest["frontend_version"], installed)
+    if "H3_FRONTEND_ROOT" not in os.environ:
+        assert expected == [NEWEST_VERSION]
+    assert sorted(newest["templates_listed"][PACK_NAME]) == sorted(TITLES.values())
 
 
 @pytest.mark.parametrize("name", sorted(TITLES))
 def test_template_loads_cleanly_in_the_newest_frontend(newest, name):
     """From the template browser: no problem, nothing overlaps, and the newer frontend marks exactly the loaders
     whose published file is not installed here (it holds combo values to their lists; 1.32.9 does not)."""
-    report = newest.load_workflow_ui(template=TITLES[name])
-    assert sorted(report["templates_listed"][PACK_NAME]) == sorted(TITLES.values())
+    report = newest["loads"][f"{PACK_NAME}/{TITLES[name]}"]
     assert report["missing_types"] == [] and report["dangling_links"] == [], report
     nodes = json.loads((REPO / build_workflows.TEMPLATES / f"{TITLES[name]}.json").read_text())["nodes"]
-    assert report["node_count"] == len(nodes)
-    assert report["problems"] == [] and report["returncode"] == 0, report["problems"]
+    assert report["node_count"] == report["expected_node_count"] == len(nodes)
+    assert report["problems"] == [], report["problems"]
     assert report["overlaps"] == [], report["boxes"]
     loaders = {str(node["id"]) for node in nodes if node["type"] in build_workflows.LOADER_INPUT}
     assert {str(node["id"]) for node in report["error_nodes"]} == loaders
@@ -54,8 +98,19 @@ def test_template_loads_cleanly_in_the_newest_frontend(newest, name):
 
 @pytest.mark.parametrize("name", sorted(TITLES))
 def test_tiny_variant_loads_without_errors_and_shows_the_badge(newest, name):
-    workflow = build_workflows.tiny_templates(newest.object_info())[name]
-    report = newest.load_workflow_ui(workflow)
-    assert report["problems"] == [] and report["returncode"] == 0 and report["error_nodes"] == [], report
+    workflow = newest["tiny"][name]
+    report = newest["loads"][f"tiny_{name}.json"]
+    assert report["missing_types"] == [] and report["dangling_links"] == [], report
+    assert report["problems"] == [] and report["error_nodes"] == [], report
+    assert report["overlaps"] == [], report["boxes"]
     loaders = {str(node["id"]) for node in workflow["nodes"] if node["type"] in build_workflows.LOADER_INPUT}
     assert set(report["tiny_badges"]) == loaders
+    # Loader lists by component, as the frontend's combos offer them (the server lists files by what their header
+    # holds): the video VAE loader offers no audio VAE file, and the other way round.
+    offered = {kind: [] for kind in ("H3SplitVideoVAELoader", "H3SplitAudioVAELoader")}
+    for node in workflow["nodes"]:
+        if node["type"] in offered:
+            offered[node["type"]] += report["combos"][str(node["id"])][build_workflows.LOADER_INPUT[node["type"]]]
+    video, audio = offered["H3SplitVideoVAELoader"], offered["H3SplitAudioVAELoader"]
+    assert any("video_vae" in name for name in video) and any("audio_vae" in name for name in audio), offered
+    assert not any("audio_vae" in name for name in video) and not any("video_vae" in name for name in audio), offered

@@ -24,6 +24,7 @@ import { readFileSync } from "node:fs";
 import { basename } from "node:path";
 import { randomUUID } from "node:crypto";
 import { chromium } from "playwright-core";
+import { fileLinkProblems, graphLayout, inspectGraph, problemsOf } from "./graph_checks.mjs";
 
 const args = process.argv.slice(2);
 const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null,
@@ -45,36 +46,10 @@ if (!BASE || !(opt.workflow || opt.template || opt.searchTemplates.length || opt
   console.error("usage: COMFY_URL=... CHROMIUM_PATH=... node load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]");
   process.exit(3);
 }
-// Console noise of an offline machine, excepted by name; anything else a load prints as an error is a problem.
-const OFFLINE_NOISE = [
-  /^Connecting to 'https:\/\/api\.comfy\.org\/[^']*' violates the following Content Security Policy/, // registry look-ups
-  /^Connecting to 'https:\/\/huggingface\.co\/[^']*' violates the following Content Security Policy/, // the
-  /^Fetch API cannot load https:\/\/huggingface\.co\/\S* Refused to connect/, // missing-models dialog asks
-  /^Error fetching file size: TypeError: Failed to fetch/, // for each download's size
-  /^Failed to load resource: net::ERR_FAILED/, // off-loopback requests this script aborts
-  /^Failed to load resource: the server responded with a status of/, // judged by URL in failed_requests
-];
-// A fresh user's missing settings files: the frontend probes them at boot.
-const EXPECTED_404 = [/\/user\.css$/, /\/api\/userdata(\/|\?)/];
 let workflow = null;
 const t0 = Date.now();
 const since = () => (Date.now() - t0) / 1000;
 const report = { ok: false, workflow: opt.workflow, timings: {}, console_errors: [], run: null };
-
-// Links in the file itself: [id, origin, oslot, target, tslot, type] (v0.4) or objects (v1).
-function fileLinkProblems(wf) {
-  const problems = [];
-  const nodes = new Map((wf.nodes || []).map((n) => [String(n.id), n]));
-  for (const l of wf.links || []) {
-    const [id, o, os, t, ts] = Array.isArray(l) ? l : [l.id, l.origin_id, l.origin_slot, l.target_id, l.target_slot];
-    const on = nodes.get(String(o)), tn = nodes.get(String(t));
-    if (!on) problems.push({ id, why: `file: origin node ${o} does not exist` });
-    else if (on.outputs && !on.outputs[os]) problems.push({ id, why: `file: node ${o} has no output slot ${os}` });
-    if (!tn) problems.push({ id, why: `file: target node ${t} does not exist` });
-    else if (tn.inputs && !tn.inputs[ts]) problems.push({ id, why: `file: node ${t} has no input slot ${ts}` });
-  }
-  return problems;
-}
 
 async function main() {
   if (opt.workflow) workflow = JSON.parse(readFileSync(opt.workflow, "utf8"));
@@ -198,62 +173,24 @@ async function main() {
       if (!t.workflow) throw new Error(`template ${opt.template}: HTTP ${t.workflow_status}`);
       workflow = t.workflow;
     }
-    const loaded = await page.evaluate(async ({ wf, name, template }) => {
-      const app = window.app, LG = window.LiteGraph;
+    await page.evaluate(async ({ wf, name, template }) => {
+      const app = window.app;
       if (template) await app.loadGraphData(wf, true, true, name, { openSource: "template" });
       // The path a file dropped onto the canvas takes (schema validation, missing-model check, workflow tab).
       else await app.handleFile(new File([JSON.stringify(wf)], name, { type: "application/json" }), "file_drop");
-      const graph = app.graph;
-      const nodes = graph.nodes || graph._nodes || [];
-      const reg = LG.registered_node_types;
-      const missing = nodes.filter((n) => !reg[n.type]).map((n) => ({ id: n.id, type: n.type }));
-      const links = graph.links instanceof Map ? [...graph.links.values()] : Object.values(graph.links || {});
-      const dangling = [];
-      const linkIds = new Set();
-      for (const l of links) {
-        if (!l) continue;
-        linkIds.add(l.id);
-        const o = graph.getNodeById(l.origin_id), t = graph.getNodeById(l.target_id);
-        if (!o) dangling.push({ id: l.id, why: `origin node ${l.origin_id} does not exist` });
-        else if (!o.outputs?.[l.origin_slot]) dangling.push({ id: l.id, why: `node ${l.origin_id} has no output slot ${l.origin_slot}` });
-        if (!t) dangling.push({ id: l.id, why: `target node ${l.target_id} does not exist` });
-        else if (!t.inputs?.[l.target_slot]) dangling.push({ id: l.id, why: `node ${l.target_id} has no input slot ${l.target_slot}` });
-        else if (t.inputs[l.target_slot].link !== l.id) dangling.push({ id: l.id, why: `input ${l.target_id}.${l.target_slot} does not point back at it` });
-      }
-      for (const n of nodes) {
-        for (const [slot, inp] of (n.inputs || []).entries()) {
-          if (inp.link != null && !linkIds.has(inp.link)) dangling.push({ id: inp.link, why: `input ${n.id}.${slot} (${inp.name}) refers to a missing link` });
-        }
-      }
-      const errors = nodes.filter((n) => n.has_errors).map((n) => ({ id: n.id, type: n.type }));
-      let prompt = null, promptError = null;
-      try {
-        prompt = (await app.graphToPrompt()).output;
-      } catch (e) {
-        promptError = String(e?.stack || e);
-      }
-      const widgets = Object.fromEntries(nodes.map((n) => [n.id, (n.widgets || []).map((w) => ({ name: w.name, type: w.type }))]));
-      return { node_count: nodes.length, missing, dangling, errors, prompt, promptError, widgets };
     }, { wf: workflow, name: opt.template ? opt.template.split("/")[1] : basename(opt.workflow), template: !!opt.template });
+    const loaded = await page.evaluate(inspectGraph); // before graphToPrompt, as the graph was loaded
+    Object.assign(loaded, await page.evaluate(async () => {
+      try {
+        return { prompt: (await window.app.graphToPrompt()).output, promptError: null };
+      } catch (e) {
+        return { prompt: null, promptError: String(e?.stack || e) };
+      }
+    }));
     report.timings.loaded_s = since();
     await page.waitForTimeout(1500); // toasts, dialogs and media previews (which resize their nodes) render on later frames
     const seen = await page.evaluate(() => window.__h3Seen);
-    // Each node's box on the canvas (title bar included) as drawn now, and every pair that overlaps.
-    const layout = await page.evaluate(() => {
-      const app = window.app, LG = window.LiteGraph;
-      const nodes = app.graph.nodes || app.graph._nodes || [];
-      const titleH = LG.NODE_TITLE_HEIGHT || 30;
-      const boxes = nodes.map((n) => ({ id: n.id, type: n.type, title: n.title, x: n.pos[0], y: n.pos[1] - titleH,
-        w: n.size[0], h: n.size[1] + titleH }));
-      const overlaps = [];
-      for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
-        const a = boxes[i], b = boxes[j];
-        if (a.x < b.x + b.w && b.x < a.x + a.w && a.y < b.y + b.h && b.y < a.y + a.h) overlaps.push([a.id, b.id]);
-      }
-      // The pack's tiny-model badge (web/tiny_badge.js) of each loader that shows one.
-      const tinyBadges = Object.fromEntries(nodes.filter((n) => n.h3TinyBadge?.()).map((n) => [n.id, n.h3TinyBadge()]));
-      return { boxes, overlaps, tinyBadges };
-    });
+    const layout = await page.evaluate(graphLayout); // boxes (title bar included), overlaps, tiny badges
     report.boxes = layout.boxes;
     report.overlaps = layout.overlaps;
     report.tiny_badges = layout.tinyBadges;
@@ -271,13 +208,7 @@ async function main() {
     report.prompt_node_count = loaded.prompt ? Object.keys(loaded.prompt).length : 0;
     if (loaded.promptError) report.prompt_error = loaded.promptError;
 
-    report.problems = [
-      ...report.alerts.map((a) => `alert: ${a}`),
-      ...report.toasts.map((t) => `toast: ${t}`),
-      ...report.page_errors.map((e) => `page error: ${e}`),
-      ...report.console_errors.filter((e) => !OFFLINE_NOISE.some((re) => re.test(e))).map((e) => `console: ${e}`),
-      ...report.failed_requests.filter((r) => !EXPECTED_404.some((re) => re.test(r))).map((r) => `request: ${r}`),
-    ];
+    report.problems = problemsOf(report);
     if (opt.screenshot) {
       // The whole graph in view, as a user sees it after closing the dialogs.
       await page.keyboard.press("Escape");
