@@ -23,10 +23,10 @@ from support.comfy_harness import (  # noqa: F401  (comfy_factory: session fixtu
     COMFY_DIR,
     PACK_NAME,
     UI_DIR,
-    _unavailable,
     chromium_path,
     comfy_factory,
     ui_available,
+    unavailable,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,11 +44,11 @@ FRONTEND_ROOT = Path(os.environ.get("H3_FRONTEND_ROOT")
 def newest(request, comfy_factory, tmp_path_factory):  # noqa: F811
     """The one report: every template, then every tiny variant, loaded in one browser session."""
     if not (FRONTEND_ROOT / "index.html").is_file():
-        _unavailable(f"no frontend at {FRONTEND_ROOT}: scripts/setup_comfyui.sh installs comfyui-frontend-package"
+        unavailable(f"no frontend at {FRONTEND_ROOT}: scripts/setup_comfyui.sh installs comfyui-frontend-package"
                      f"=={NEWEST_VERSION} there (or set H3_FRONTEND_ROOT to a frontend's static/)")
     ok, reason = ui_available()
     if not ok:
-        _unavailable(reason)
+        unavailable(reason)
     tiny_dir = request.getfixturevalue("tiny_dir")  # built only once the frontend is known to be there
     server = comfy_factory(Path(tiny_dir) / "comfyui", {"H3_TINY_DIR": str(tiny_dir)},
                            ("--front-end-root", str(FRONTEND_ROOT)))

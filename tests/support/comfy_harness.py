@@ -60,7 +60,7 @@ class ComfyError(RuntimeError):
     """The server did not start, died, or a prompt did not end as expected (message has the log tail)."""
 
 
-def _unavailable(reason: str) -> None:
+def unavailable(reason: str) -> None:
     """Skip a test for a missing prerequisite; in CI, fail instead (the setup is part of CI)."""
     if IN_CI:
         pytest.fail(f"{reason} (CI is set: the setup step must provide it)", pytrace=False)
@@ -356,7 +356,7 @@ class ComfyServer:
         Skips (fails in CI) when chromium/node/playwright-core is missing."""
         ok, reason = ui_available()
         if not ok:
-            _unavailable(reason)
+            unavailable(reason)
         return run_ui_loader(
             self.url,
             workflow,
@@ -568,7 +568,7 @@ def shared_comfy(
     if server is None or not server.alive():
         ok, reason = comfy_available()
         if not ok:
-            _unavailable(reason)
+            unavailable(reason)
         base = Path(tempfile.mkdtemp(prefix="comfy-base-", dir=tmp_root))
         server = _SERVERS[key] = start_comfy(base, models_src=models_src, env=env, extra_args=extra_args)
     return server
