@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite. Extra arguments go to pytest.
-#   bash scripts/test.sh           everything (what CI runs), on two pytest-xdist workers
+#   bash scripts/test.sh           everything (what CI runs)
 #   bash scripts/test.sh --fast    the fast tier: no tiny-model runs, ComfyUI, Ray or server processes (tiers:
 #                                  tests/conftest.py TIERS); about a minute, for the inner loop
 set -euo pipefail
@@ -24,10 +24,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} H3_THREADS=${H3_THREADS:-2}
 if [[ $FAST == 1 ]]; then
   exec "$VENV/bin/python" -m pytest -q --fast "$@"  # = -m "not slow and not comfyui and not ray and not process"
 fi
-# Two pytest-xdist workers (H3_TEST_WORKERS to change; 0 runs in this process): whole modules per worker, longest
-# first; the Ray modules share one (tests/conftest.py, "running on pytest-xdist workers").
-WORKERS=${H3_TEST_WORKERS:-2}
-if [[ $WORKERS == 0 ]]; then
-  exec "$VENV/bin/python" -m pytest -q "$@"
-fi
-exec "$VENV/bin/python" -m pytest -q -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
+exec "$VENV/bin/python" -m pytest -q "$@"

@@ -203,40 +203,7 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-# --- running on pytest-xdist workers (scripts/test.sh: -n 2 --dist loadgroup --no-loadscope-reorder) -------------
-
-#: Modules that share a machine-wide resource run on one worker, one after the other: Ray (one local cluster per
-#: machine) and the README's fixed port 8190.
-SHARED_RESOURCE: dict[str, str] = {
-    "test_remote_ray": "ray",
-    "test_docs_commands": "ray",
-}
-
-#: Seconds each of the longest modules took in a serial full run on 2 cores (`--durations`, 2026-12-02). Workers
-#: take whole modules in this order, longest first, so the run does not end waiting on one long module.
-MEASURED_S: dict[str, int] = {
-    "test_nodes_comfyui": 308, "test_hostile_process": 180, "test_docs_commands": 168, "test_stage_split": 167,
-    "test_core_conditioning_comfyui": 165, "test_bench_quick": 139, "test_workflow_fixtures": 118,
-    "test_remote_ray": 115, "test_sequence_parallel": 109, "test_gpu_check": 83, "test_gguf_comfyui": 62,
-    "test_gguf": 60, "test_sequence_parallel_workers": 58, "test_encode_ahead_comfyui": 51, "test_remote_faults": 44,
-    "test_quant_pipeline": 42, "test_component_cache_server": 38, "test_remote_server": 35,
-    "test_sequence_parallel_comfyui": 34, "test_comfyui_server": 33, "test_stress_script": 32,
-    "test_hostile_server": 31, "test_gguf_llamacpp": 29, "test_low_vram_comfyui": 29, "test_tiny": 27,
-}
-
-
-def _on_xdist_worker(config) -> bool:
-    return hasattr(config, "workerinput")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the xdist_group marks into scopes
 def pytest_collection_modifyitems(config, items):
-    if _on_xdist_worker(config):
-        # Whole modules, longest first (a stable sort keeps each module's own order); a group shares one worker.
-        items.sort(key=lambda item: -MEASURED_S.get(item.path.stem, 0))
-        for item in items:
-            if item.path.stem in SHARED_RESOURCE:
-                item.add_marker(pytest.mark.xdist_group(SHARED_RESOURCE[item.path.stem]))
     for item in items:
         module = item.path.stem
         markers = set(TIERS.get(module, ()))
