@@ -30,17 +30,7 @@ def tiny_dir(tmp_path_factory) -> Path:
         return Path(reuse)
     from h3_core import tiny
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return tiny.build(tmp_path_factory.mktemp("tiny"), seed=0)
-    # Under pytest-xdist the workers share one build (a minute of CPU each otherwise): the first to take the lock
-    # builds it in the run's common temporary folder, beside the workers' own; a build is complete once renamed.
-    from filelock import FileLock
-
-    shared = tmp_path_factory.getbasetemp().parent
-    with FileLock(shared / "tiny.lock"):
-        if not (shared / "tiny" / "tiny.json").is_file():
-            tiny.build(shared / "tiny.partial", seed=0).rename(shared / "tiny")
-    return shared / "tiny"
+    return tiny.build(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
 @pytest.fixture(scope="session")
