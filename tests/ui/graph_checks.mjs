@@ -99,3 +99,21 @@ export function problemsOf({ alerts, toasts, page_errors, console_errors, failed
     ...failed_requests.filter((r) => !EXPECTED_404.some((re) => re.test(r))).map((r) => `request: ${r}`),
   ];
 }
+
+
+// A page init script (runs before the frontend): keeps the text of every toast and dialog that appears in
+// window.__h3Seen, since both vanish before a test could read them.
+export function recordToastsAndDialogs() {
+  window.__h3Seen = { toasts: [], dialogs: [] };
+  const record = (el) => {
+    if (!(el instanceof Element)) return;
+    for (const t of [el, ...el.querySelectorAll(".p-toast-message")]) {
+      if (t.classList?.contains("p-toast-message")) window.__h3Seen.toasts.push(t.innerText.slice(0, 400));
+    }
+    for (const d of [el, ...el.querySelectorAll(".p-dialog")]) {
+      if (d.classList?.contains("p-dialog")) window.__h3Seen.dialogs.push(d.innerText.slice(0, 600));
+    }
+  };
+  new MutationObserver((muts) => muts.forEach((m) => m.addedNodes.forEach(record)))
+    .observe(document, { childList: true, subtree: true });
+}

@@ -16,7 +16,7 @@
 import { readFileSync } from "node:fs";
 import { basename } from "node:path";
 import { chromium } from "playwright-core";
-import { fileLinkProblems, graphLayout, inspectGraph, problemsOf } from "./graph_checks.mjs";
+import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs } from "./graph_checks.mjs";
 
 const args = process.argv.slice(2);
 const templates = [], files = [];
@@ -56,20 +56,7 @@ async function main() {
     });
     page.on("pageerror", (e) => seen?.page_errors.push(String(e.message).slice(0, 300)));
     page.on("dialog", async (d) => { seen?.alerts.push(`${d.type()}: ${d.message().slice(0, 300)}`); await d.dismiss(); });
-    await page.addInitScript(() => {
-      window.__h3Seen = { toasts: [], dialogs: [] };
-      const record = (el) => {
-        if (!(el instanceof Element)) return;
-        for (const t of [el, ...el.querySelectorAll(".p-toast-message")]) {
-          if (t.classList?.contains("p-toast-message")) window.__h3Seen.toasts.push(t.innerText.slice(0, 400));
-        }
-        for (const d of [el, ...el.querySelectorAll(".p-dialog")]) {
-          if (d.classList?.contains("p-dialog")) window.__h3Seen.dialogs.push(d.innerText.slice(0, 600));
-        }
-      };
-      new MutationObserver((muts) => muts.forEach((m) => m.addedNodes.forEach(record)))
-        .observe(document, { childList: true, subtree: true });
-    });
+    await page.addInitScript(recordToastsAndDialogs);
     await page.goto(BASE + "/", { waitUntil: "domcontentloaded" });
     await page.waitForFunction(() => {
       const reg = window.LiteGraph?.registered_node_types;
