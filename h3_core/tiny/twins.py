@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..weights.headers import read_file_header
 from ..weights.quant import quantise_state_dict
 from ..weights.release_headers import DIT_BLOCK_LINEARS, DIT_FP32_PREFIXES, TE_AWQ, TE_LINEARS, VAE_DECODER_LINEARS
 from ..weights.safetensors_io import write_file
@@ -57,10 +58,10 @@ def twin_path(family: str, variant: str) -> str:
 
 
 def _read(path: Path) -> tuple[dict, dict]:
-    from safetensors import safe_open
+    """The tensors and metadata of one of the build's own files, read into memory (no file is memory-mapped)."""
+    from safetensors.torch import load
 
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}, dict(handle.metadata() or {})
+    return load(path.read_bytes()), dict(read_file_header(str(path))[1])
 
 
 def _dense_rest(tensors: dict, quantised: dict, dtype_of) -> dict:
