@@ -97,11 +97,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, step: float
 
 
 class PromptPaced:
-    """A stage that waits `S` seconds (cancellably) before encoding a prompt that starts with `[wait S]`.
+    """A stage that waits (cancellably) before encoding a prompt that starts with `[wait S]` (S seconds) or with
+    `[until PATH]` (until the file PATH exists, at most UNTIL_CAP_S: the test releases every held request at once).
 
     For servers that load their own stage in another process (Ray Serve replicas, `RaySettings.stage_wrapper =
     "h3_core.testing:PromptPaced"`): makes queueing, deadlines and backpressure deterministic in tests.
     """
+
+    UNTIL_CAP_S = 300.0
 
     def __init__(self, stage):
         self.stage = stage
@@ -111,11 +114,13 @@ class PromptPaced:
     def encode(self, request, metadata=None, cancel=None, progress=None):
         import re
         import time
+        from pathlib import Path
 
-        match = re.match(r"\[wait ([0-9.]+)\]", request.prompt)
-        if match:
-            end = time.monotonic() + float(match.group(1))
-            while time.monotonic() < end:
+        wait = re.match(r"\[wait ([0-9.]+)\]", request.prompt)
+        until = re.match(r"\[until (\S+)\]", request.prompt)
+        if wait or until:
+            end = time.monotonic() + (float(wait.group(1)) if wait else self.UNTIL_CAP_S)
+            while time.monotonic() < end and not (until and Path(until.group(1)).exists()):
                 if cancel is not None and cancel.is_set():
                     from .progress import Cancelled
 

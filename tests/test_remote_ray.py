@@ -290,14 +290,22 @@ def test_16_clients_x_20_requests_with_a_replica_killed(stage, ray_url):
     print(f"\n[ray 16x20] {wall:.1f} s wall with one of 2 replicas killed after 60 answers; 320/320 correct")
 
 
-def test_backpressure_is_a_429_with_retry_after(ray_url):
+def test_backpressure_is_a_429_with_retry_after(ray_url, tmp_path):
+    release = tmp_path / "release"
+
     def raw_encode(index):
-        # Each accepted request holds its slot 1.6 s, longer than 28 requests take to arrive on a busy 2-core machine.
-        content_type, body = wire(EncodeRequest(prompt=f"[wait 1.6] Backpressure {index}.", width=64, height=64))
-        return raw(ray_url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type, **AUTH}, timeout=60)
+        # Every accepted request holds its slot until the test releases them all, however slowly the 28 arrive on a
+        # busy machine: the refusals depend on the queue's size, never on timing.
+        content_type, body = wire(EncodeRequest(prompt=f"[until {release}] Backpressure {index}.", width=64,
+                                                height=64))
+        return raw(ray_url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type, **AUTH}, timeout=300)
 
     with concurrent.futures.ThreadPoolExecutor(28) as pool:  # 2 replicas x 2 slots + 16 queued = 20 accepted
-        replies = list(pool.map(raw_encode, range(28)))
+        futures = [pool.submit(raw_encode, i) for i in range(28)]
+        # Nothing accepted can finish before the release, so what finishes first are the refusals (8 expected).
+        wait_until(lambda: sum(f.done() for f in futures) >= 8, timeout=120)
+        release.touch()
+        replies = [f.result() for f in futures]
     statuses = sorted(status for status, _, _ in replies)
     refused = [(headers, data) for status, headers, data in replies if status == 429]
     assert set(statuses) == {200, 429} and len(refused) >= 4, statuses
