@@ -294,16 +294,17 @@ def test_backpressure_is_a_429_with_retry_after(ray_url, tmp_path):
     release = tmp_path / "release"
 
     def raw_encode(index):
-        # Every accepted request holds its slot until the test releases them all, however slowly the 28 arrive on a
-        # busy machine: the refusals depend on the queue's size, never on timing.
+        # Every accepted request holds its slot until the test releases them all (not a fixed 1.6 s), so 28 requests
+        # arriving slowly on a busy machine still find the queue full.
         content_type, body = wire(EncodeRequest(prompt=f"[until {release}] Backpressure {index}.", width=64,
                                                 height=64))
         return raw(ray_url, "POST", protocol.ENCODE_PATH, body, {"Content-Type": content_type, **AUTH}, timeout=300)
 
     with concurrent.futures.ThreadPoolExecutor(28) as pool:  # 2 replicas x 2 slots + 16 queued = 20 accepted
         futures = [pool.submit(raw_encode, i) for i in range(28)]
-        # Nothing accepted can finish before the release, so what finishes first are the refusals (8 expected).
-        wait_until(lambda: sum(f.done() for f in futures) >= 8, timeout=120)
+        # Nothing accepted can finish before the release, so what finishes first are the refusals (8 expected): wait
+        # for them, 10 s at most, well inside the server's 30 s deadline that the held requests run under.
+        wait_until(lambda: sum(f.done() for f in futures) >= 8, timeout=10)
         release.touch()
         replies = [f.result() for f in futures]
     statuses = sorted(status for status, _, _ in replies)
