@@ -117,3 +117,18 @@ export function recordToastsAndDialogs() {
   new MutationObserver((muts) => muts.forEach((m) => m.addedNodes.forEach(record)))
     .observe(document, { childList: true, subtree: true });
 }
+
+
+// Run a script's main() and print its JSON report (exit 3 and the stack on a crash). The process exits once the
+// whole report is written: a pipe takes it in chunks, and an immediate process.exit would cut a long report.
+export async function runAndReport(main, report) {
+  let code = 3;
+  try {
+    code = await main();
+  } catch (e) {
+    report.error = String(e?.stack || e).slice(0, 4000);
+    code = 3;
+  }
+  report.exit_code = code;
+  process.stdout.write(JSON.stringify(report) + "\n", () => process.exit(code));
+}

@@ -16,7 +16,7 @@
 import { readFileSync } from "node:fs";
 import { basename } from "node:path";
 import { chromium } from "playwright-core";
-import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs } from "./graph_checks.mjs";
+import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs, runAndReport } from "./graph_checks.mjs";
 
 const args = process.argv.slice(2);
 const templates = [], files = [];
@@ -119,13 +119,4 @@ async function main() {
   }
 }
 
-let code = 3;
-try {
-  code = await main();
-} catch (e) {
-  report.error = String(e?.stack || e).slice(0, 4000);
-  code = 3;
-}
-report.exit_code = code;
-// Exit once the whole report is written: a pipe takes it in chunks, and process.exit would cut it.
-process.stdout.write(JSON.stringify(report) + "\n", () => process.exit(code));
+await runAndReport(main, report);

@@ -24,7 +24,7 @@ import { readFileSync } from "node:fs";
 import { basename } from "node:path";
 import { randomUUID } from "node:crypto";
 import { chromium } from "playwright-core";
-import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs } from "./graph_checks.mjs";
+import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs, runAndReport } from "./graph_checks.mjs";
 
 const args = process.argv.slice(2);
 const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null,
@@ -251,13 +251,4 @@ async function runPrompt(prompt) {
   return { prompt_id: id, status_str: "timeout" };
 }
 
-let code = 3;
-try {
-  code = await main();
-} catch (e) {
-  report.error = String(e?.stack || e).slice(0, 4000);
-  code = 3;
-}
-report.exit_code = code;
-process.stdout.write(JSON.stringify(report) + "\n");
-process.exit(code);
+await runAndReport(main, report);
