@@ -4,6 +4,8 @@
 // inspectGraph and graphLayout run in the page (page.evaluate): they use nothing but their arguments and window.
 
 // Console noise of an offline machine, excepted by name; anything else a load prints as an error is a problem.
+import { chromium } from "playwright-core";
+
 export const OFFLINE_NOISE = [
   /^Connecting to 'https:\/\/api\.comfy\.org\/[^']*' violates the following Content Security Policy/, // registry look-ups
   /^Connecting to 'https:\/\/huggingface\.co\/[^']*' violates the following Content Security Policy/, // the
@@ -131,4 +133,16 @@ export async function runAndReport(main, report) {
   }
   report.exit_code = code;
   process.stdout.write(JSON.stringify(report) + "\n", () => process.exit(code));
+}
+
+
+// Headless Chromium as every frontend script here runs it: Debian's binary (CHROMIUM_PATH overrides), no sandbox
+// (tests run as root in containers), nothing that reaches the network.
+export function launchChromium() {
+  return chromium.launch({
+    executablePath: process.env.CHROMIUM_PATH || "chromium",
+    headless: true,
+    args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+      "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"],
+  });
 }

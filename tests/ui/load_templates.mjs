@@ -15,8 +15,7 @@
 // Every request that is not for COMFY_URL is aborted (the page stays on loopback).
 import { readFileSync } from "node:fs";
 import { basename } from "node:path";
-import { chromium } from "playwright-core";
-import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs, runAndReport } from "./graph_checks.mjs";
+import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs, runAndReport, launchChromium } from "./graph_checks.mjs";
 
 const args = process.argv.slice(2);
 const templates = [], files = [];
@@ -36,12 +35,7 @@ const since = () => (Date.now() - t0) / 1000;
 const report = { loads: {}, timings: {}, boot_console_errors: [], boot_failed_requests: [] };
 
 async function main() {
-  const browser = await chromium.launch({
-    executablePath: process.env.CHROMIUM_PATH || "chromium",
-    headless: true,
-    args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-      "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"],
-  });
+  const browser = await launchChromium();
   try {
     const page = await browser.newPage({ viewport: { width: 1400, height: 900 } });
     await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());

@@ -23,8 +23,7 @@
 import { readFileSync } from "node:fs";
 import { basename } from "node:path";
 import { randomUUID } from "node:crypto";
-import { chromium } from "playwright-core";
-import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs, runAndReport } from "./graph_checks.mjs";
+import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs, runAndReport, launchChromium } from "./graph_checks.mjs";
 
 const args = process.argv.slice(2);
 const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null,
@@ -53,12 +52,7 @@ const report = { ok: false, workflow: opt.workflow, timings: {}, console_errors:
 
 async function main() {
   if (opt.workflow) workflow = JSON.parse(readFileSync(opt.workflow, "utf8"));
-  const browser = await chromium.launch({
-    executablePath: process.env.CHROMIUM_PATH || "chromium",
-    headless: true,
-    args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-      "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"],
-  });
+  const browser = await launchChromium();
   try {
     const page = await browser.newPage({ viewport: opt.screenshot ? { width: 1600, height: 1000 } : { width: 1400, height: 900 } });
     await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());

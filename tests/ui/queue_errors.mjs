@@ -13,7 +13,7 @@
 //   report: <the report's text> | null}.
 import { readFileSync } from "node:fs";
 import { basename } from "node:path";
-import { chromium } from "playwright-core";
+import { launchChromium } from "./graph_checks.mjs";
 
 const args = process.argv.slice(2);
 const runErrorS = args.includes("--run-error") ? Number(args[args.indexOf("--run-error") + 1]) : 0;
@@ -25,11 +25,7 @@ if (!BASE || !file) {
   process.exit(3);
 }
 const workflow = JSON.parse(readFileSync(file, "utf8"));
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM_PATH || "chromium",
-  headless: true,
-  args: ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking", "--disable-dev-shm-usage"],
-});
+const browser = await launchChromium();
 try {
   const page = await browser.newPage({ viewport: { width: 1400, height: 900 } });
   await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());
