@@ -309,7 +309,9 @@ def test_backpressure_is_a_429_with_retry_after(ray_url, tmp_path):
         replies = [f.result() for f in futures]
     statuses = sorted(status for status, _, _ in replies)
     refused = [(headers, data) for status, headers, data in replies if status == 429]
-    assert set(statuses) == {200, 429} and len(refused) >= 4, statuses
+    # Exactly the capacity is accepted, however the 28 arrive: the ingress counts its misses in flight itself (Ray's
+    # router alone let a burst through whole: all 28 were queued on a CI machine).
+    assert statuses == [200] * 20 + [429] * 8, statuses
     for headers, data in refused:
         assert int(headers["Retry-After"]) >= 1 and json.loads(data)["error"]["code"] == "queue_full"
     # The client backs off (honouring Retry-After) and gets through.

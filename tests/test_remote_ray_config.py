@@ -37,7 +37,11 @@ def test_the_example_config_is_a_valid_serve_config_that_builds(tiny_dir):
     assert names == {ray_engine.INGRESS, ray_engine.ENCODER}
     assert {d.name for d in application.deployments} <= names  # the YAML's overrides name real deployments
     encoder = next(d for d in built.deployments if d.name == ray_engine.ENCODER)
-    assert encoder.ray_actor_options["num_gpus"] == 1 and encoder.max_queued_requests == 64
+    assert encoder.ray_actor_options["num_gpus"] == 1
+    # The ingress bounds the queue (4 replicas x 2 slots + 64 waiting); Ray's own queue in front of them is unbounded.
+    assert encoder.max_queued_requests == -1 and encoder._deployment_config.autoscaling_config.max_replicas == 4
+    ingress = next(d for d in built.deployments if d.name == ray_engine.INGRESS)
+    assert ingress.init_args[1].capacity() == 4 * 2 + 64
     with pytest.raises(ValueError, match="models"):
         builder({})
 

@@ -11,9 +11,14 @@ Same HTTP protocol, same bytes as the aiohttp server: both call `handler.Handler
   answers repeats from ONE cache for all encoder replicas (and joins identical requests in flight), so a repeat is
   a hit whichever replica computed it first. Only misses travel on, as the raw JSON request and the media parts
   (plain bytes); the replica parses the JSON again, decodes the media in its sandbox and encodes.
-* Backpressure: each replica takes `max_ongoing_requests` at a time; beyond that Ray queues up to
-  `max_queued_requests` per caller, then the ingress answers 429 `queue_full` with Retry-After. The ingress's own
-  queue, if it overflows, is answered 503 with Retry-After by Ray's proxy (`backpressure_config`).
+* Backpressure: each replica takes `max_ongoing_requests` at a time and up to `max_queued_requests` more wait in
+  front of them; beyond that (`RaySettings.capacity()` misses in flight) the ingress answers 429 `queue_full` with
+  Retry-After. The ingress counts its own misses in flight for this, and Ray's queue in front of the replicas is
+  unbounded: Ray's router checks its count before a request is counted in it, so a burst that arrives at once
+  was all queued, and a request it retries counts twice, so others were refused early (Ray 2.60,
+  `Router.wrap_request_assignment`). The replica count is the settings' (`replicas`, or `autoscale`'s most):
+  autoscaling is one of the settings, not a deployment override, so the ingress knows it. The ingress's own queue, if it overflows, is
+  answered 503 with Retry-After by Ray's proxy (`backpressure_config`).
 * A replica that dies is restarted by Ray; its in-flight requests are answered 503 `replica_unavailable` with
   Retry-After, which the client retries.
 * The ingress holds no model; the replicas hold one each (`--gpus-per-replica G`: G GPUs, the text encoder's
@@ -235,6 +240,8 @@ class RayHandler(Handler):
         service = self.service
         flight = self.flights.get(key)
         joined = flight is not None
+        if flight is None and len(self.flights) >= self.settings.capacity():  # every slot and queue place is taken
+            return self._queue_full(rid)
         if flight is None:
             wire = [(part.name, part.content_type, part.data, part.sha256) for part in parts.values()]
             flight = _Flight(asyncio.ensure_future(self._remote(key, raw, wire, deadline, seconds, rid, client)))
@@ -283,6 +290,16 @@ class RayHandler(Handler):
             self.service.cache.put(key, reply.body, reply.headers[protocol.H_CHECKSUM])
             self.service.counters["computed"] += 1
 
+    def _queue_full(self, rid: str) -> Reply:
+        self.service.counters["rejected_queue_full"] += 1
+        after = max(1, self.service.retry_after())
+        return handler.error_reply(429, "queue_full", f"every encoder replica is busy and the queue in front of them "
+                                                      f"is full ({self.settings.capacity()} requests in flight: "
+                                                      f"max_ongoing_requests={self.settings.max_ongoing_requests} "
+                                                      f"per replica, max_queued_requests="
+                                                      f"{self.settings.max_queued_requests}); retry after {after} s",
+                                   None, rid, {"Retry-After": str(after)})
+
     async def _remote(self, key: str, raw: bytes, wire: list, deadline: float, seconds: float, rid: str,
                       client: str) -> Reply:
         """One call to an encoder replica, its failures mapped onto the protocol's answers."""
@@ -295,12 +312,7 @@ class RayHandler(Handler):
             response.cancel()
             raise
         except BackPressureError:
-            self.service.counters["rejected_queue_full"] += 1
-            after = max(1, self.service.retry_after())
-            return handler.error_reply(429, "queue_full", f"every encoder replica is busy and the queue in front "
-                                                          f"of them is full (max_queued_requests="
-                                                          f"{self.settings.max_queued_requests}); retry after "
-                                                          f"{after} s", None, rid, {"Retry-After": str(after)})
+            return self._queue_full(rid)
         except RayTaskError as error:  # the replica's code raised: a server fault, as on the single server
             log.error("request %s: encoder replica failed: %s", rid, str(error)[:500])
             self.service.counters["status_500"] += 1
@@ -402,7 +414,9 @@ def application(settings: RaySettings):
         actor["num_gpus"] = settings.gpus_per_replica
     encoder_options: dict[str, Any] = {"ray_actor_options": actor,
                                        "max_ongoing_requests": settings.max_ongoing_requests,
-                                       "max_queued_requests": settings.max_queued_requests,
+                                       # The ingress, the only caller, bounds the queue itself (RayHandler.compute):
+                                       # Ray's check lets a burst through whole, or refuses early.
+                                       "max_queued_requests": -1,
                                        "health_check_period_s": 5, "graceful_shutdown_timeout_s": 30}
     if settings.autoscale:
         low, high = settings.autoscale
