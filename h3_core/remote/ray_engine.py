@@ -17,8 +17,8 @@ Same HTTP protocol, same bytes as the aiohttp server: both call `handler.Handler
   unbounded: Ray's router checks its count before a request is counted in it, so a burst that arrives at once
   was all queued, and a request it retries counts twice, so others were refused early (Ray 2.60,
   `Router.wrap_request_assignment`). The replica count is the settings' (`replicas`, or `autoscale`'s most):
-  autoscaling is one of the settings, not a deployment override, so the ingress knows it. The ingress's own queue, if it overflows, is
-  answered 503 with Retry-After by Ray's proxy (`backpressure_config`).
+  autoscaling is one of the settings, not a deployment override, so the ingress knows it. The ingress's own
+  queue, if it overflows, is answered 503 with Retry-After by Ray's proxy (`backpressure_config`).
 * A replica that dies is restarted by Ray; its in-flight requests are answered 503 `replica_unavailable` with
   Retry-After, which the client retries.
 * The ingress holds no model; the replicas hold one each (`--gpus-per-replica G`: G GPUs, the text encoder's
