@@ -24,4 +24,5 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} H3_THREADS=${H3_THREADS:-2}
 if [[ $FAST == 1 ]]; then
   exec "$VENV/bin/python" -m pytest -q --fast "$@"  # = -m "not slow and not comfyui and not ray and not process"
 fi
-exec "$VENV/bin/python" -m pytest -q "$@"
+# The 25 slowest tests at the end: where the suite's time goes, in every CI log.
+exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"
