@@ -26,7 +26,7 @@ import pytest
 
 from h3_core import __version__
 from h3_core.contract import wire
-from h3_core.remote import ingest, protocol
+from h3_core.remote import ingest, protocol, request_schema
 from h3_core.remote.config import ServerConfig
 from h3_core.remote.server import ServerThread
 from h3_core.testing import SERVER_THREADS
@@ -175,9 +175,10 @@ def test_the_unit_stops_the_server_alone_and_outwaits_the_longest_deadline():
     assert int(unit["TimeoutStopSec"][0]) > drain
     # ... and a client cannot ask for more than that deadline (a 1500 s request used to be accepted).
     base = {"protocol": protocol.PROTOCOL_VERSION, "prompt": "A fox."}
-    assert protocol.parse_request(dict(base, deadline_s=300), max_deadline_s=config.max_deadline_s).deadline_s == 300
+    accepted = request_schema.parse_request(dict(base, deadline_s=300), max_deadline_s=config.max_deadline_s)
+    assert accepted.deadline_s == 300
     with pytest.raises(protocol.ProtocolError, match=r"deadline_s must be in \(0, 300\]") as refused:
-        protocol.parse_request(dict(base, deadline_s=1500), max_deadline_s=config.max_deadline_s)
+        request_schema.parse_request(dict(base, deadline_s=1500), max_deadline_s=config.max_deadline_s)
     assert refused.value.status == 422
 
 

@@ -20,7 +20,7 @@ from support.service_support import run_service
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
-from h3_core.remote import protocol
+from h3_core.remote import protocol, request_schema
 from h3_core.remote.clock import ManualClock
 from h3_core.remote.config import ServerConfig, ServerConfigError
 from h3_core.remote.fair_queue import FairQueue
@@ -188,9 +188,9 @@ def _prompt(i: int) -> str:
 
 
 def _submit(service: EncoderService, client: str, i: int):
-    spec = protocol.parse_request({"protocol": protocol.PROTOCOL_VERSION, "prompt": _prompt(i), "width": 64,
+    spec = request_schema.parse_request({"protocol": protocol.PROTOCOL_VERSION, "prompt": _prompt(i), "width": 64,
                                    "height": 64, "num_frames": 124})
-    job, _ = service.submit(protocol.cache_key(spec, {}, service.fingerprint), spec, {}, client=client)
+    job, _ = service.submit(request_schema.cache_key(spec, {}, service.fingerprint), spec, {}, client=client)
     return job
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from h3_core import assembly, configs, encoder, testing
 from h3_core.facts import AUDIO_SAMPLE_RATE
-from h3_core.remote import packing, protocol
+from h3_core.remote import packing, request_schema
 from h3_core.request import AudioInput, EncodeRequest, needed_encoders
 
 SILENT_VIDEO = EncodeRequest(prompt="<Video 1> moves.", ref_videos=[testing.video(2.0, audio=False)], num_frames=124)
@@ -27,7 +27,7 @@ def test_every_reader_agrees(name):
     assert request.needed_encoders() == expected
     # the server's reading of the JSON the client sends, before any media is decoded
     body_json, _ = packing.request_to_wire(request)
-    assert protocol.parse_request(body_json).needed_components() == expected
+    assert request_schema.parse_request(body_json).needed_components() == expected
     # after diffusers' media normalisation, and what the encode nodes' parts still miss
     prepared = encoder.prepare(request, configs.get("pipeline", tiny=True))
     assert prepared.encoders == expected
@@ -43,7 +43,7 @@ def test_a_soundtrack_only_decoding_can_tell_counts_as_needed():
     body_json, _ = packing.request_to_wire(SILENT_VIDEO)
     assert body_json["ref_videos"][0]["soundtrack"] is False
     maybe = dict(body_json, ref_videos=[dict(body_json["ref_videos"][0], soundtrack=None)])
-    assert protocol.parse_request(maybe).needed_components() == ("text", "video", "audio")
+    assert request_schema.parse_request(maybe).needed_components() == ("text", "video", "audio")
 
 
 def test_the_rule():

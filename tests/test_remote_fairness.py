@@ -16,7 +16,7 @@ from support.service_support import run_service
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
-from h3_core.remote import protocol
+from h3_core.remote import protocol, request_schema
 from h3_core.remote.config import ServerConfig
 from h3_core.remote.fair_queue import FairQueue
 from h3_core.remote.protocol import ProtocolError
@@ -40,13 +40,13 @@ def _prompt(client: str, i: int, words: str = "A red fox trots through fresh sno
 
 
 def _spec(prompt: str):
-    return protocol.parse_request({"protocol": protocol.PROTOCOL_VERSION, "prompt": prompt, "width": 64,
+    return request_schema.parse_request({"protocol": protocol.PROTOCOL_VERSION, "prompt": prompt, "width": 64,
                                    "height": 64, "num_frames": 124})
 
 
 def _submit(service: EncoderService, client: str, prompt: str):
     spec = _spec(prompt)
-    job, _ = service.submit(protocol.cache_key(spec, {}, service.fingerprint), spec, {}, client=client)
+    job, _ = service.submit(request_schema.cache_key(spec, {}, service.fingerprint), spec, {}, client=client)
     return job
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from h3_core import facts, media, rules
-from h3_core.remote import ingest, packing, protocol
+from h3_core.remote import ingest, packing, protocol, request_schema
 from h3_core.remote.config import ServerConfigError, check_bind
 from h3_core.remote.ingest import Part
 from h3_core.remote.protocol import Limits, ProtocolError, is_loopback
@@ -25,7 +25,7 @@ def _tone(seconds, rate=32000, freq=440.0, channels=2):
 
 def _parse(**fields):
     body = {"protocol": 2, "prompt": "a fox", **fields}
-    return protocol.parse_request(body, Limits(), max_deadline_s=600)
+    return request_schema.parse_request(body, Limits(), max_deadline_s=600)
 
 
 def _error(**fields) -> ProtocolError:
@@ -116,21 +116,21 @@ def test_too_many_parts_is_checked_after_their_names():
     limits = Limits(max_parts=2)
     body = {"protocol": 2, "prompt": "a fox", "ref_images": [{"part": "a"}, {"part": "b"}, {"part": "a"}]}
     with pytest.raises(ProtocolError) as info:
-        protocol.parse_request(body, limits)
+        request_schema.parse_request(body, limits)
     assert (info.value.status, info.value.field) == (400, "ref_images[2].part")
     body["ref_images"][2]["part"] = "c"
     with pytest.raises(ProtocolError) as info:
-        protocol.parse_request(body, limits)
+        request_schema.parse_request(body, limits)
     assert (info.value.status, info.value.field) == (413, "request")
 
 
 def test_strict_json():
     for raw in (b'{"protocol": 2, "prompt": NaN}', b'{"a": 1, "a": 2}', b"[" * 5000, b"\xff\xfe", b'{"x": 1e999}'):
         with pytest.raises(ProtocolError) as info:
-            protocol.parse_request_json(raw)
+            request_schema.parse_request_json(raw)
         assert info.value.status == 400
     with pytest.raises(ProtocolError) as info:
-        protocol.parse_request_json(b" " * (Limits().max_json_bytes + 1))
+        request_schema.parse_request_json(b" " * (Limits().max_json_bytes + 1))
     assert info.value.status == 413
 
 
@@ -185,8 +185,8 @@ def _wire_round_trip(request: EncodeRequest) -> EncodeRequest:
     content_type, buffers = packing.encode_multipart(body, raw_parts)
     payload = b"".join(buffers)
     assert content_type.startswith("multipart/form-data; boundary=") and payload.startswith(b"--")
-    body = protocol.parse_request_json(json.dumps(body).encode())
-    spec = protocol.parse_request(body)
+    body = request_schema.parse_request_json(json.dumps(body).encode())
+    spec = request_schema.parse_request(body)
     parts = {name: Part(name, ct, data, "") for name, ct, _, data in raw_parts}
     for name, (kind, where) in spec.part_kinds().items():
         ingest.check_part(parts[name], kind, where)
@@ -227,14 +227,14 @@ def test_wire_round_trip_is_lossless():
 def test_cache_key_covers_what_changes_the_output():
     digests = {"k": "a" * 64}
     base = _parse(first_frame={"part": "k"})
-    key = protocol.cache_key(base, digests, "m1")
-    assert key == protocol.cache_key(_parse(first_frame={"part": "k"}, deadline_s=5), digests, "m1")
-    assert key == protocol.cache_key(_parse(first_frame={"part": "k"}, task="fl2va"), digests, "m1")
-    assert key != protocol.cache_key(base, digests, "m2")
-    assert key != protocol.cache_key(base, {"k": "b" * 64}, "m1")
-    assert key != protocol.cache_key(_parse(first_frame={"part": "k"}, num_frames=141), digests, "m1")
-    assert key != protocol.cache_key(_parse(first_frame={"part": "k"}, prompt="a fox."), digests, "m1")
-    assert key != protocol.cache_key(_parse(last_frame={"part": "k"}), digests, "m1")
+    key = request_schema.cache_key(base, digests, "m1")
+    assert key == request_schema.cache_key(_parse(first_frame={"part": "k"}, deadline_s=5), digests, "m1")
+    assert key == request_schema.cache_key(_parse(first_frame={"part": "k"}, task="fl2va"), digests, "m1")
+    assert key != request_schema.cache_key(base, digests, "m2")
+    assert key != request_schema.cache_key(base, {"k": "b" * 64}, "m1")
+    assert key != request_schema.cache_key(_parse(first_frame={"part": "k"}, num_frames=141), digests, "m1")
+    assert key != request_schema.cache_key(_parse(first_frame={"part": "k"}, prompt="a fox."), digests, "m1")
+    assert key != request_schema.cache_key(_parse(last_frame={"part": "k"}), digests, "m1")
 
 
 def test_bind_rules():

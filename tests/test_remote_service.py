@@ -12,7 +12,7 @@ import gc
 import pytest
 from support.service_support import run_service
 
-from h3_core.remote import protocol
+from h3_core.remote import protocol, request_schema
 from h3_core.remote.config import ServerConfig
 from h3_core.remote.protocol import ProtocolError
 from h3_core.remote.service import EncoderService
@@ -26,7 +26,7 @@ def stage(encoder_stage):
 def _spec(**fields):
     body = {"protocol": protocol.PROTOCOL_VERSION, "prompt": "A red fox in the snow.", "width": 64, "height": 64,
             "num_frames": 124, **fields}
-    return protocol.parse_request(body)
+    return request_schema.parse_request(body)
 
 
 
@@ -35,7 +35,7 @@ def test_service_encodes_joins_and_caches_without_http(stage, one_thread):
 
     async def body(service: EncoderService):
         spec = _spec()
-        key = protocol.cache_key(spec, {}, service.fingerprint)
+        key = request_schema.cache_key(spec, {}, service.fingerprint)
         async with service.admit(0, client="a") as slot:
             assert service.active_requests == 1
             slot.budget.take(10)
@@ -116,7 +116,7 @@ def test_failed_job_keeps_no_traceback(stage):
 
     async def body(service: EncoderService):
         spec = _spec()
-        job, _ = service.submit(protocol.cache_key(spec, {}, service.fingerprint), spec, {})
+        job, _ = service.submit(request_schema.cache_key(spec, {}, service.fingerprint), spec, {})
         await asyncio.wait({job.future})
         error = job.future.exception()
         assert isinstance(error, ProtocolError) and error.__traceback__ is None
@@ -144,7 +144,7 @@ def test_jobs_record_the_encoders_fine_phases(stage, one_thread):
 
     async def body(service: EncoderService):
         spec = _spec()
-        job, _ = service.submit(protocol.cache_key(spec, {}, service.fingerprint), spec, {})
+        job, _ = service.submit(request_schema.cache_key(spec, {}, service.fingerprint), spec, {})
         await job.future
         return job.phases.entries
 

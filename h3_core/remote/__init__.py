@@ -1,6 +1,7 @@
 """The disaggregated encoder endpoint: run H3's encoders on another machine, shared by several ComfyUIs.
 
-    protocol.py  the versioned schema: constants, limits, error model, RequestSpec and its parser, cache key
+    protocol.py  what both sides share: the version, paths, headers, limits, error model, the loopback rule
+    request_schema.py  the request JSON: RequestSpec, its strict reader (one reader per field), the cache key
     ingest.py    server side: received parts -> EncodeRequest (content types, header caps, the decoding seam)
     packing.py   client side: EncodeRequest -> multipart body (lossless media, no pickle)
     service.py   the service without HTTP: admission, bounded queue, one model thread, cache (pure asyncio)

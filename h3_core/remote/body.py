@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from aiohttp import MultipartReader
 from aiohttp.http_exceptions import HttpProcessingError
 
-from . import ingest, protocol
+from . import ingest, protocol, request_schema
 from .admission import Admission
 from .ingest import Part
 from .protocol import Limits, ProtocolError
@@ -66,17 +66,18 @@ async def _read_part_bytes(read, cap: int, where: str, slot: Admission) -> bytes
     return b"".join(chunks)
 
 
-def parse_spec(raw: bytes, service: EncoderService) -> protocol.RequestSpec:
+def parse_spec(raw: bytes, service: EncoderService) -> request_schema.RequestSpec:
     """The JSON request, validated; refused here (before any media is read) if an encoder it needs is missing."""
     limits = service.limits
-    spec = protocol.parse_request(protocol.parse_request_json(raw, limits), limits, service.config.max_deadline_s)
+    spec = request_schema.parse_request(request_schema.parse_request_json(raw, limits), limits,
+                                        service.config.max_deadline_s)
     service.check_components(spec)
     return spec
 
 
 async def read_body(headers: Mapping[str, str], content: Any, service: EncoderService, slot: Admission, *,
                     max_field_size: int = 8190, max_headers: int = 128, passthrough: tuple = ()
-                    ) -> tuple[protocol.RequestSpec, bytes, dict[str, Part]]:
+                    ) -> tuple[request_schema.RequestSpec, bytes, dict[str, Part]]:
     """(spec, the raw JSON request, parts). `passthrough`: the engine's own body errors, re-raised as they are."""
     limits = service.limits
     content_type = content_type_of(headers)

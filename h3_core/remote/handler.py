@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from .. import __version__, rules
 from ..progress import Cancelled
-from . import body, ingest, metrics, protocol, tracking
+from . import body, ingest, metrics, protocol, request_schema, tracking
 from .clock import Clock
 from .ingest import Part
 from .protocol import ProtocolError
@@ -329,7 +329,7 @@ class Handler:
                 return error_reply(409, "model_mismatch", f"the request expects model {spec.model!r}; this server "
                                                           f"has {service.fingerprint!r}", "model", rid)
             digests = {name: part.sha256 for name, part in parts.items()}
-            key = protocol.cache_key(spec, digests, service.fingerprint)
+            key = request_schema.cache_key(spec, digests, service.fingerprint)
             hit = service.cache.get(key)
             if hit is not None:
                 service.counters["cache_hits"] += 1
@@ -346,7 +346,7 @@ class Handler:
                 tracker.own.enter("sending")
             return reply
 
-    async def compute(self, key: str, spec: protocol.RequestSpec, raw: bytes, parts: dict[str, Part],
+    async def compute(self, key: str, spec: request_schema.RequestSpec, raw: bytes, parts: dict[str, Part],
                       deadline: float, seconds: float, rid: str, gone: Callable[[], bool] = lambda: False,
                       tracker: tracking.Tracker | None = None, client: str = "") -> Reply:
         """The conditioning for a cache miss, from this process's queue and model thread, as a `Reply`.

@@ -31,7 +31,8 @@ from .. import media, rules
 from ..media import sandbox as media_sandbox
 from ..progress import check_cancel
 from ..request import AudioInput, EncodeRequest, VideoInput
-from .protocol import Limits, MediaRef, ProtocolError, RequestSpec, bad, invalid, too_large
+from .protocol import Limits, ProtocolError, bad, invalid, too_large
+from .request_schema import MediaRef, RequestSpec
 
 __all__ = ["Part", "sniff", "check_filename", "content_type_family", "check_part", "max_part_bytes",
            "allowed_content_types", "decode_media", "DecodeSettings", "build_request"]

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator
 
 from .. import component_cache
 from .. import progress as progress_phases
-from . import ingest, protocol
+from . import ingest, protocol, request_schema
 from .admission import Admission
 from .cache import ComponentTiers, ConditioningCache
 from .config import ServerConfig
@@ -52,7 +52,7 @@ MAX_CLIENT_KEY_CHARS = 64
 @dataclass(eq=False)
 class Job:
     key: str
-    spec: protocol.RequestSpec
+    spec: request_schema.RequestSpec
     parts: dict[str, Part] | None
     future: asyncio.Future
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -235,7 +235,7 @@ class EncoderService:
             if self.active_requests == 0:
                 self._idle.set()
 
-    def check_components(self, spec: protocol.RequestSpec) -> None:
+    def check_components(self, spec: request_schema.RequestSpec) -> None:
         """422 before the job is queued (or its media read) when this server lacks an encoder the request needs."""
         missing = [name for name in spec.needed_components() if name not in self.components]
         if missing:
@@ -409,7 +409,7 @@ class EncoderService:
         if self._inflight.get(job.key) is job:
             del self._inflight[job.key]
 
-    def submit(self, key: str, spec: protocol.RequestSpec, parts: dict[str, Part], client: str = ""
+    def submit(self, key: str, spec: request_schema.RequestSpec, parts: dict[str, Part], client: str = ""
                ) -> tuple[Job, bool]:
         """The job for `key`: joined if one is in flight, else queued in `client`'s turn.
 
