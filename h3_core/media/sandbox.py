@@ -19,8 +19,8 @@ so it works however the parent imported the package (as ``h3_core`` or inside a 
 
 Nothing is pickled in either direction: the call goes to the host as JSON (plus the pipe's file descriptor),
 the media bytes and results go through files in a private directory (tmpfs where there is one), arrays as
-safetensors and everything else as JSON. Calls may run concurrently from threads. This isolates failures, not
-privileges: the worker runs as the same user with the same filesystem access.
+safetensors and everything else as JSON (`sandbox_files.py`). Calls may run concurrently from threads. This
+isolates failures, not privileges: the worker runs as the same user with the same filesystem access.
 
 Usage::
 
@@ -30,7 +30,6 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import resource
@@ -47,7 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import media, safetensors_header
+from .. import media
+from . import sandbox_files
 
 __all__ = ["decode_isolated", "DECODERS", "DecoderStopped", "default_memory_cap", "BASE_BYTES"]
 
@@ -124,7 +124,7 @@ def decode_isolated(
         raise TypeError(f"decode_isolated takes the media's bytes, got {type(data).__name__}")
     if memory_cap is None:
         memory_cap = default_memory_cap(fn_name, len(data), kwargs)
-    request = {"fn": fn_name, "kwargs": _encode_kwargs(kwargs), "memory_cap": int(memory_cap)}
+    request = {"fn": fn_name, "kwargs": sandbox_files.encode_kwargs(kwargs), "memory_cap": int(memory_cap)}
     what = f"({fn_name}, {len(data)} bytes)"
     workdir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=_scratch_root())
     try:
@@ -182,24 +182,6 @@ def clean_stale_scratch(root: str | None = None, dead: tuple[int, ...] = ()) -> 
     return removed
 
 
-def _encode_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    encoded = {}
-    for key, value in kwargs.items():
-        if isinstance(value, media.VideoTarget):
-            value = {"VideoTarget": dataclasses.asdict(value)}
-        elif not (value is None or isinstance(value, (bool, int, float, str))):
-            raise TypeError(f"decode_isolated: argument {key}={value!r} is not a number, string, None or VideoTarget")
-        encoded[key] = value
-    return encoded
-
-
-def _decode_kwargs(encoded: dict[str, Any]) -> dict[str, Any]:
-    return {
-        key: media.VideoTarget(**value["VideoTarget"]) if isinstance(value, dict) else value
-        for key, value in encoded.items()
-    }
-
-
 class DecoderStopped(RuntimeError):
     """The decode was stopped from outside, not by its media: the worker got a service manager's stop signal (a
     `systemctl stop` that signals the whole control group) or the decoder host died. Not the request's fault: the
@@ -240,8 +222,8 @@ def _collect(workdir: str, exitcode: int, memory_cap: int, what: str) -> Any:
         raise media.MediaError(f"the media decoder failed (exit code {exitcode}) {what}")
     tensors = {}
     if meta.get("tensors"):
-        tensors = _read_safetensors(os.path.join(workdir, "result.safetensors"))
-    return _rebuild(meta, tensors)
+        tensors = sandbox_files.read_arrays(os.path.join(workdir, "result.safetensors"))
+    return sandbox_files.rebuild(meta, tensors)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -453,7 +435,8 @@ def _wait_for_worker(request: dict[str, Any], fd: int) -> int:
             code = 1
             try:
                 _become(PROCESS_NAMES[2], me)
-                _worker(request["fn"], request["workdir"], _decode_kwargs(request["kwargs"]), request["memory_cap"])
+                _worker(request["fn"], request["workdir"], sandbox_files.decode_kwargs(request["kwargs"]),
+                        request["memory_cap"])
                 code = 0
             finally:
                 os._exit(code)
@@ -511,11 +494,11 @@ def _worker(fn_name: str, workdir: str, kwargs: dict[str, Any], memory_cap: int)
         _limit_memory(memory_cap)
         result = _run(fn_name, data, kwargs)
         del data
-        meta, tensors = _flatten(fn_name, result)
+        meta, tensors = sandbox_files.flatten(fn_name, result)
         del result
         meta["tensors"] = sorted(tensors)
         if tensors:
-            _write_safetensors(os.path.join(workdir, "result.safetensors"), tensors)
+            sandbox_files.write_arrays(os.path.join(workdir, "result.safetensors"), tensors)
     except media.MediaError as error:
         memory = isinstance(error.__cause__, MemoryError)  # FFmpeg's ENOMEM under the cap
         name = type(error).__name__ if type(error) in _MEDIA_ERRORS.values() else "MediaError"
@@ -526,90 +509,3 @@ def _worker(fn_name: str, workdir: str, kwargs: dict[str, Any], memory_cap: int)
         meta = {"error": type(error).__name__, "message": str(error)[:500]}
     with open(os.path.join(workdir, "result.json"), "w", encoding="utf-8") as file:
         json.dump(meta, file)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# results as safetensors + JSON
-
-
-def _flatten(fn_name: str, result: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    if fn_name in ("read_image", "selftest_allocate"):
-        return {"kind": "image"}, {"image": result}
-    if fn_name == "read_audio":
-        waveform, rate = result
-        return {"kind": "audio", "sample_rate": int(rate)}, {"waveform": waveform}
-    if fn_name == "read_video":
-        tensors = {"frames": result.frames}
-        if result.audio is not None:
-            tensors["audio"] = result.audio
-        meta = {
-            "kind": "video",
-            "fps": result.fps,
-            "sample_rate": result.sample_rate,
-            "source_frames": result.source_frames,
-            "source_fps": result.source_fps,
-        }
-        return meta, tensors
-    return {"kind": "json", "value": result}, {}
-
-
-_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32"}
-
-
-def _write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-    """The safetensors layout, written straight from the arrays (``safetensors.numpy.save_file`` first copies each
-    array into a bytes object, which would double the worker's peak for a large clip). Read back by the library."""
-    header, offset = {}, 0
-    arrays = {name: np.ascontiguousarray(tensors[name]) for name in sorted(tensors)}
-    for name, array in arrays.items():
-        header[name] = {"dtype": _DTYPES[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    encoded += b" " * (-len(encoded) % 8)  # the format pads its header to 8 bytes
-    with open(path, "wb") as file:
-        file.write(len(encoded).to_bytes(8, "little"))
-        file.write(encoded)
-        for array in arrays.values():
-            file.write(memoryview(array.reshape(-1)))
-
-
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Arrays of a safetensors file, each read from the file straight into its own array (the library's
-    ``load_file`` reads the whole file into a bytes object first: twice the clip at the peak). The header is
-    checked: known dtypes, offsets that tile the data exactly, shapes that match their byte counts."""
-    names = {code: dtype for dtype, code in _DTYPES.items()}
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        try:  # the pack's one header parser: bounded length, bounded JSON, every span matching its shape
-            parsed = safetensors_header.read_header(file, max_bytes=1 << 20, size=size)
-        except safetensors_header.HeaderError as error:
-            raise media.MediaError(f"the media decoder returned a malformed result ({error})") from None
-        tensors, expected = {}, 0
-        for entry in sorted(parsed.tensors.values(), key=lambda entry: entry.begin):
-            dtype = names.get(entry.dtype)
-            if dtype is None or entry.begin != expected or parsed.data_start + entry.end > size:
-                raise media.MediaError(f"the media decoder returned a malformed result (tensor {entry.name!r})")
-            file.seek(parsed.data_start + entry.begin)
-            count = entry.nbytes // dtype.itemsize
-            tensors[entry.name] = np.fromfile(file, dtype=dtype, count=count).reshape(entry.shape)
-            expected = entry.end
-    return tensors
-
-
-def _rebuild(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> Any:
-    kind = meta["kind"]
-    if kind == "image":
-        return tensors["image"]
-    if kind == "audio":
-        return tensors["waveform"], meta["sample_rate"]
-    if kind == "video":
-        return media.VideoClip(
-            frames=tensors["frames"],
-            fps=meta["fps"],
-            audio=tensors.get("audio"),
-            sample_rate=meta["sample_rate"],
-            source_frames=meta["source_frames"],
-            source_fps=meta["source_fps"],
-        )
-    return meta["value"]
