@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite. Extra arguments go to pytest.
-#   bash scripts/test.sh           everything (what CI runs)
+#   bash scripts/test.sh           everything (what CI runs), on two pytest-xdist workers (H3_TEST_WORKERS=0: one
+#                                  process); whole modules per worker (tests/conftest.py, "pytest-xdist workers")
 #   bash scripts/test.sh --fast    the fast tier: no tiny-model runs, ComfyUI, Ray or server processes (tiers:
 #                                  tests/conftest.py TIERS); about a minute, for the inner loop
 set -euo pipefail
@@ -21,8 +22,17 @@ cd "$REPO"
 "$VENV/bin/ruff" check .
 # Fixed thread count: bitwise stage-split parity assumes it (docs/ARCHITECTURE.md §2.1, trap 5).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} H3_THREADS=${H3_THREADS:-2}
+# OpenMP threads that finish a parallel region sleep instead of spinning. The tests run several torch processes at
+# once (a server and its client, ComfyUI and an encoder, two workers): with spinning threads two tiny-H3 generates
+# side by side took 14.8-17.1 s on 2 cores, with sleeping ones 8.0-8.4 s, as long as one alone (7.3-7.9 s). It
+# changes no result (same bytes); only how idle threads wait.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 if [[ $FAST == 1 ]]; then
   exec "$VENV/bin/python" -m pytest -q --fast "$@"  # = -m "not slow and not comfyui and not ray and not process"
 fi
 # The 25 slowest tests at the end: where the suite's time goes, in every CI log.
-exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"
+WORKERS=${H3_TEST_WORKERS:-2}
+if [[ $WORKERS == 0 ]]; then
+  exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"
+fi
+exec "$VENV/bin/python" -m pytest -q --durations=25 -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"

@@ -193,7 +193,44 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# --- pytest-xdist workers (scripts/test.sh: -n 2 --dist loadgroup --no-loadscope-reorder) -----------------------
+
+#: Modules that share a machine-wide resource run on one worker, one after the other: Ray (one local instance per
+#: machine) and the README's fixed port 8190. Every other module is a group of its own.
+SHARED_RESOURCE: dict[str, str] = {
+    "test_remote_ray": "ray-and-port-8190",
+    "test_docs_commands": "ray-and-port-8190",
+}
+
+#: Seconds the longest modules took in a serial full run on 2 cores (2026-12-02). Workers take whole modules in this
+#: order, longest first, so the run does not end waiting on one long module. Only the order depends on it.
+MEASURED_S: dict[str, int] = {
+    "test_nodes_comfyui": 308, "test_hostile_process": 180, "test_docs_commands": 168, "test_stage_split": 167,
+    "test_core_conditioning_comfyui": 165, "test_bench_quick": 139, "test_workflow_fixtures": 118,
+    "test_remote_ray": 115, "test_sequence_parallel": 109, "test_gpu_check": 83, "test_gguf_comfyui": 62,
+    "test_gguf": 60, "test_sequence_parallel_workers": 58, "test_encode_ahead_comfyui": 51, "test_remote_faults": 44,
+    "test_quant_pipeline": 42, "test_component_cache_server": 38, "test_remote_server": 35,
+    "test_sequence_parallel_comfyui": 34, "test_comfyui_server": 33, "test_stress_script": 32,
+    "test_hostile_server": 31, "test_gguf_llamacpp": 29, "test_low_vram_comfyui": 29, "test_tiny": 27,
+}
+
+
+def _xdist_group(module: str) -> str:
+    return SHARED_RESOURCE.get(module, module)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the xdist_group marks into scheduling scopes
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # on a pytest-xdist worker
+        # Whole modules (a module's fixtures are built once, on one worker), longest first; a stable sort keeps each
+        # module's own order, which some modules rely on (docs_commands' later blocks use the first block's files).
+        seconds: dict[str, int] = {}
+        for module in {item.path.stem for item in items}:
+            group = _xdist_group(module)
+            seconds[group] = seconds.get(group, 0) + MEASURED_S.get(module, 0)
+        items.sort(key=lambda item: (-seconds[_xdist_group(item.path.stem)], _xdist_group(item.path.stem)))
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item.path.stem)))
     for item in items:
         module = item.path.stem
         markers = set(TIERS.get(module, ()))
