@@ -35,4 +35,4 @@ WORKERS=${H3_TEST_WORKERS:-2}
 if [[ $WORKERS == 0 ]]; then
   exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"
 fi
-exec "$VENV/bin/python" -m pytest -q --durations=25 -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
+exec "$VENV/bin/python" -m pytest -q --durations=25 -n "$WORKERS" --dist loadscope --no-loadscope-reorder "$@"

@@ -193,10 +193,10 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-# --- pytest-xdist workers (scripts/test.sh: -n 2 --dist loadgroup --no-loadscope-reorder) -----------------------
+# --- pytest-xdist workers (scripts/test.sh: -n 2 --dist loadscope --no-loadscope-reorder) -----------------------
 
 #: Modules that share a machine-wide resource run on one worker, one after the other: Ray (one local instance per
-#: machine) and the README's fixed port 8190. Every other module is a group of its own.
+#: machine) and the README's fixed port 8190. Every other module is a scheduling unit of its own.
 SHARED_RESOURCE: dict[str, str] = {
     "test_remote_ray": "ray-and-port-8190",
     "test_docs_commands": "ray-and-port-8190",
@@ -215,22 +215,34 @@ MEASURED_S: dict[str, int] = {
 }
 
 
-def _xdist_group(module: str) -> str:
+def _unit(module: str) -> str:
+    """The scheduling unit of a test module: the module, or the shared resource it needs."""
     return SHARED_RESOURCE.get(module, module)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the xdist_group marks into scheduling scopes
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown (and unused) when xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """Whole modules per worker, so a module's fixtures (servers, Ray, loaded models) are built once, on one worker.
+
+    xdist's own `loadgroup` would do this with `xdist_group` marks, but it renames node ids through `Item._nodeid`,
+    which pytest 9's items no longer read, so the marks are silently ignored; the scope is decided here instead."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(Path(nodeid.split("::", 1)[0]).stem)
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    if hasattr(config, "workerinput"):  # on a pytest-xdist worker
-        # Whole modules (a module's fixtures are built once, on one worker), longest first; a stable sort keeps each
-        # module's own order, which some modules rely on (docs_commands' later blocks use the first block's files).
+    if hasattr(config, "workerinput"):  # on a pytest-xdist worker: the order the scheduler hands modules out
+        # Longest first; a stable sort keeps each module's own order, which some modules rely on (docs_commands'
+        # later blocks use the first block's files).
         seconds: dict[str, int] = {}
         for module in {item.path.stem for item in items}:
-            group = _xdist_group(module)
-            seconds[group] = seconds.get(group, 0) + MEASURED_S.get(module, 0)
-        items.sort(key=lambda item: (-seconds[_xdist_group(item.path.stem)], _xdist_group(item.path.stem)))
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item.path.stem)))
+            seconds[_unit(module)] = seconds.get(_unit(module), 0) + MEASURED_S.get(module, 0)
+        items.sort(key=lambda item: (-seconds[_unit(item.path.stem)], _unit(item.path.stem)))
     for item in items:
         module = item.path.stem
         markers = set(TIERS.get(module, ()))
