@@ -17,8 +17,17 @@ from typing import Any, Mapping
 
 from .. import facts, rules
 from ..request import needed_encoders
-from . import protocol
-from .protocol import PROTOCOL_NAME, PROTOCOL_VERSION, REQUEST_PART, Limits, ProtocolError, bad, invalid, too_large
+from .protocol import (
+    CONVERSION_ID,
+    PROTOCOL_NAME,
+    PROTOCOL_VERSION,
+    REQUEST_PART,
+    Limits,
+    ProtocolError,
+    bad,
+    invalid,
+    too_large,
+)
 
 __all__ = ["MediaRef", "RequestSpec", "parse_request_json", "parse_request", "cache_key"]
 
@@ -435,7 +444,7 @@ def cache_key(spec: RequestSpec, digests: Mapping[str, str], model_fingerprint: 
     """Content address of a request: protocol, model, media conversion, numbers, prompt and media digests."""
     canonical = {
         "protocol": PROTOCOL_VERSION,
-        "conversion": protocol.CONVERSION_ID,
+        "conversion": CONVERSION_ID,
         "model": model_fingerprint,
         "request": spec.canonical(digests),
     }
