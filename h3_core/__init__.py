@@ -23,4 +23,4 @@ all call the same functions.
 docs/ARCHITECTURE.md is the map.
 """
 
-__version__ = "0.5.1"
+__version__ = "0.5.2"

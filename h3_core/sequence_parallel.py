@@ -163,17 +163,30 @@ def parallelize(transformer: torch.nn.Module, layout: Layout) -> torch.nn.Module
 # --- starting the ranks of a headless run --------------------------------------------------------------------------
 
 
-def launch(worker, layout: Layout, *args) -> None:
-    """Run `worker(rank, layout, port, *args)` in `layout.degree` fresh processes (torch.multiprocessing, spawn) and
-    wait for all; a rank that raises or dies ends the others and raises here with its last line.
+# What a rank imports before it runs: loaded once in the fork server, so N ranks do not each spend the seconds of CPU
+# that importing torch, diffusers and the pack costs (the pack's lazy imports of diffusers, named here).
+RANK_PRELOAD = ("__main__", "h3_core.cli", "h3_core.diffusion", "diffusers.modular_pipelines.minimax_h3",
+                "diffusers.models.transformers.transformer_minimax_h3", "diffusers.models.autoencoders")
 
+
+def launch(worker, layout: Layout, *args) -> None:
+    """Run `worker(rank, layout, port, *args)` in `layout.degree` fresh processes and wait for all; a rank that
+    raises or dies ends the others and raises here with its last line.
+
+    The ranks are forked from a fork server (torch.multiprocessing, `forkserver`): a clean process started for this
+    run that imports `RANK_PRELOAD` (and the worker's module) once and touches no device, so every rank starts
+    with the libraries loaded and CUDA uninitialised, as a spawned one would, without importing them again.
     Only the parsed command-line values in `args` cross to the workers; tensors never travel between processes
     except through the process group's collectives."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    multiprocessing.set_forkserver_preload(list(dict.fromkeys([*RANK_PRELOAD, worker.__module__])))
     port = free_port()
     try:
-        mp.spawn(worker, args=(layout, port, *args), nprocs=layout.degree, join=True)
+        mp.start_processes(worker, args=(layout, port, *args), nprocs=layout.degree, join=True,
+                           start_method="forkserver")
     except mp.ProcessRaisedException as error:
         lines = [line for line in str(error).strip().splitlines() if line.strip()]
         raise RuntimeError(f"sequence-parallel rank {error.error_index} failed: {lines[-1]}") from None

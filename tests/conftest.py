@@ -1,4 +1,4 @@
-"""Shared fixtures (the embedded tiny H3 is built once per test session) and the test tiers.
+"""Shared fixtures (the embedded tiny H3, built once per test run and shared by the xdist workers) and the tiers.
 
 Set H3_TINY_DIR to reuse an existing build while iterating locally (CI always builds fresh).
 
@@ -30,7 +30,18 @@ def tiny_dir(tmp_path_factory) -> Path:
         return Path(reuse)
     from h3_core import tiny
 
-    return tiny.build(tmp_path_factory.mktemp("tiny"), seed=0)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: its own build
+        return tiny.build(tmp_path_factory.mktemp("tiny"), seed=0)
+    # pytest-xdist workers share one build (a minute of CPU each on 2 busy cores): the first to take the lock builds
+    # it in the run's common temporary folder, the others wait for it and read it. Tests only read the build.
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent
+    with open(shared / "tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "tiny" / "tiny.json").is_file():
+            tiny.build(shared / "tiny", seed=0)
+    return shared / "tiny"
 
 
 @pytest.fixture(scope="session")

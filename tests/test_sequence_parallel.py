@@ -1,7 +1,7 @@
 """The DiT sequence-parallel over N ranks (h3_core/sequence_parallel.py): `generate --sp 2` on two gloo ranks gives
 the latents of the single-process run within 1e-6 relative, for t2va, fl2va and ref2va (whose packed sequence is
 odd), with the dense DiT, block streaming, and the pruned int8 + ConvRot twin; and what cannot run is refused with
-the constraint named, before any rank starts. The ranks are real processes (torch.multiprocessing, spawn) on the
+the constraint named, before any rank starts. The ranks are real processes (torch.multiprocessing, forkserver) on the
 CPU, running the code path NCCL runs on CUDA."""
 
 import dataclasses

@@ -115,20 +115,29 @@ async function main() {
           (found) => found.map((c) => c.getAttribute("data-testid").replace("template-workflow-", "")));
         await page.locator('[data-testid^="template-workflow-"]').first().waitFor(); // the full list, before a search
         await page.waitForTimeout(1000);
-        let shown = await cards();
-        for (const query of opt.searchTemplates) {
+        // Each query starts from an empty grid (a search that matches nothing), so its own result always shows as a
+        // change: compared with the previous query's cards instead, a query that shows the same cards (all of them,
+        // or "MiniMax" after "H3") could only be told apart from a search not yet applied by a 15 s wait.
+        const typed = async (text) => {
           await box.click(); // typed as a user types: a programmatic fill does not reach the debounced search
           await page.keyboard.press("Control+A");
           await page.keyboard.press("Backspace");
-          await page.keyboard.type(query, { delay: 60 });
-          // The search is debounced and the grid re-renders later: wait until the cards change, then hold still.
-          const before = JSON.stringify(shown), deadline = Date.now() + 15000;
-          let last = before, stableSince = Date.now();
+          await page.keyboard.type(text, { delay: 60 });
+        };
+        let shown = [];
+        for (const query of opt.searchTemplates) {
+          await typed("zqxjkvzqxjkv"); // letters no template title holds
+          await page.waitForFunction(() => !document.querySelector('[data-testid^="template-workflow-"]'), null,
+            { timeout: 15000, polling: 100 });
+          await typed(query);
+          // The search is debounced and the grid re-renders later: wait until cards show, then hold still.
+          const deadline = Date.now() + 15000;
+          let last = "[]", stableSince = Date.now();
           while (Date.now() < deadline) {
             await page.waitForTimeout(300);
             const now = JSON.stringify(await cards());
             if (now !== last) { last = now; stableSince = Date.now(); }
-            if (last !== before && Date.now() - stableSince > 3000) break;
+            if (last !== "[]" && Date.now() - stableSince > 3000) break;
           }
           shown = JSON.parse(last);
           report.template_search[query] = shown;
