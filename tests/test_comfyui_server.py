@@ -131,11 +131,17 @@ def test_bad_prompts_are_rejected_and_server_keeps_serving(comfy: ComfyServer):
 
 
 def test_interrupt_stops_the_running_prompt(comfy: ComfyServer):
+    # ComfyUI checks the interrupt flag as each node starts. The interrupt is sent when node 2 starts; the two blurs
+    # after it leave about a second (1024 px on 2 cores) for it to arrive before the last node starts, however busy
+    # the machine. At 256 px (a few hundredths of a second a blur) a client descheduled for a moment in a CI run let
+    # the whole graph finish.
     graph = {
-        "1": {"class_type": "EmptyImage", "inputs": {"width": 256, "height": 256, "batch_size": 1, "color": 0xFFFFFF}},
+        "1": {"class_type": "EmptyImage",
+              "inputs": {"width": 1024, "height": 1024, "batch_size": 1, "color": 0xFFFFFF}},
         "2": {"class_type": "ImageBlur", "inputs": {"image": ["1", 0], "blur_radius": 9, "sigma": 2.5}},
         "3": {"class_type": "ImageBlur", "inputs": {"image": ["2", 0], "blur_radius": 9, "sigma": 1.5}},
-        "4": {"class_type": "PreviewImage", "inputs": {"images": ["3", 0]}},
+        "5": {"class_type": "ImageBlur", "inputs": {"image": ["3", 0], "blur_radius": 9, "sigma": 1.0}},
+        "4": {"class_type": "PreviewImage", "inputs": {"images": ["5", 0]}},
     }
 
     def interrupt_at_first_blur(msg):
