@@ -32,7 +32,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: its own build
         return tiny.build(tmp_path_factory.mktemp("tiny"), seed=0)
-    # pytest-xdist workers share one build (a minute of CPU each on 2 busy cores): the first to take the lock builds
+    # pytest-xdist workers share one build (~25 CPU-s each on 2 busy cores): the first to take the lock builds
     # it in the run's common temporary folder, the others wait for it and read it. Tests only read the build.
     import fcntl
 

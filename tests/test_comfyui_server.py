@@ -132,9 +132,9 @@ def test_bad_prompts_are_rejected_and_server_keeps_serving(comfy: ComfyServer):
 
 def test_interrupt_stops_the_running_prompt(comfy: ComfyServer):
     # ComfyUI checks the interrupt flag as each node starts. The interrupt is sent when node 2 starts; the two blurs
-    # after it leave about a second (1024 px on 2 cores) for it to arrive before the last node starts, however busy
-    # the machine. At 256 px (a few hundredths of a second a blur) a client descheduled for a moment in a CI run let
-    # the whole graph finish.
+    # after it (about 0.3 s each at 1024 px on 2 cores) leave it ~0.6 s to arrive before the last node starts. At
+    # 256 px (a few hundredths of a second a blur) a client descheduled for a moment in a CI run let the whole graph
+    # finish.
     graph = {
         "1": {"class_type": "EmptyImage",
               "inputs": {"width": 1024, "height": 1024, "batch_size": 1, "color": 0xFFFFFF}},

@@ -124,7 +124,6 @@ async function main() {
           await page.keyboard.press("Backspace");
           await page.keyboard.type(text, { delay: 60 });
         };
-        let shown = [];
         for (const query of opt.searchTemplates) {
           await typed("zqxjkvzqxjkv"); // letters no template title holds
           await page.waitForFunction(() => !document.querySelector('[data-testid^="template-workflow-"]'), null,
@@ -139,8 +138,7 @@ async function main() {
             if (now !== last) { last = now; stableSince = Date.now(); }
             if (last !== "[]" && Date.now() - stableSince > 3000) break;
           }
-          shown = JSON.parse(last);
-          report.template_search[query] = shown;
+          report.template_search[query] = JSON.parse(last);
         }
       }
       if (!opt.workflow && !opt.template) { report.ok = true; return 0; }
