@@ -153,7 +153,11 @@ def test_a_worker_stopped_from_outside_is_not_a_media_error(sig, default_stop_si
 
 def test_a_decode_stopped_mid_request_is_retried_by_the_client(tiny_dir, default_stop_signals):
     """A real server and client: the first sandbox worker of a ref2va request is stopped with SIGTERM; the server
-    answers 503 decoder_stopped with Retry-After, the client retries, and the answer is the normal one."""
+    answers 503 decoder_stopped with Retry-After, the client retries, and the answer is the normal one.
+
+    On a busy machine the watcher can miss: it may not look at /proc while a worker lives, or a worker may exit
+    between that look and the `kill` (a signal to a worker that has answered, or to its zombie, changes nothing).
+    A miss is not a failure: the request is sent again until one stop lands mid-decode (at most 5 attempts)."""
     from h3_core.encoder import EncoderStage
     from h3_core.models import ModelSource
     from h3_core.remote.client import EncoderClient
@@ -164,32 +168,39 @@ def test_a_decode_stopped_mid_request_is_retried_by_the_client(tiny_dir, default
     stage = EncoderStage(ModelSource.from_path(tiny_dir))
     request = EncodeRequest(prompt="<Video 1> plays.", width=64, height=64, num_frames=124,
                             ref_videos=[testing.video(4.0, 128, 128)])
-    stopped: list[int] = []
 
-    def stop_first_worker():
-        until = time.monotonic() + 60
-        while not stopped and time.monotonic() < until:
+    def stop_first_worker(done: threading.Event):
+        while not done.is_set():
             for worker in _workers():
                 try:
                     os.kill(worker, signal.SIGTERM)
                 except ProcessLookupError:
                     continue
-                stopped.append(worker)
                 return
             time.sleep(0.002)
 
+    def count(metrics: str, status: int) -> float:
+        line = f'h3_encoder_requests_total{{status="{status}",task="ref2va"}} '
+        return sum(float(row[len(line):]) for row in metrics.splitlines() if row.startswith(line))
+
+    answers, attempts = [], 0
     with ServerThread(stage, ServerConfig(threads=testing.SERVER_THREADS, cache_bytes=0)) as server:
-        watcher = threading.Thread(target=stop_first_worker, daemon=True)
-        watcher.start()
-        cond = EncoderClient(server.url, token="", read_timeout=120).encode(request)
-        watcher.join(5)
-        metrics = server.call(lambda: server.service.metrics.render()[0].decode())
-        again = EncoderClient(server.url, token="", read_timeout=120).encode(request)
-    assert stopped, "no sandbox worker was seen to stop"
-    assert 'h3_encoder_requests_total{status="503",task="ref2va"} 1.0' in metrics
-    assert 'h3_encoder_requests_total{status="200",task="ref2va"} 1.0' in metrics
+        while attempts < 5:
+            attempts += 1
+            done = threading.Event()
+            watcher = threading.Thread(target=stop_first_worker, args=(done,), daemon=True)
+            watcher.start()
+            answers.append(EncoderClient(server.url, token="", read_timeout=120).encode(request).to_bytes())
+            done.set()
+            watcher.join(10)
+            metrics = server.call(lambda: server.service.metrics.render()[0].decode())
+            if count(metrics, 503):
+                break
+        answers.append(EncoderClient(server.url, token="", read_timeout=120).encode(request).to_bytes())
+    assert count(metrics, 503) == 1, f"no stop landed mid-decode in {attempts} attempts"
+    assert count(metrics, 200) == attempts  # each attempt answered, the stopped one after its retry
     assert "422" not in metrics.split("h3_encoder_requests_total")[1].split("# HELP")[0]
-    assert cond.to_bytes() == again.to_bytes()
+    assert len(set(answers)) == 1
 
 
 def test_the_decoder_host_imports_no_torch():
