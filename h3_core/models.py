@@ -72,13 +72,15 @@ class ModelSource:
         bases = [root, *map(Path, partition_roots(str(root)))]
         # The most common layout names the folder (a ComfyUI folder may hold one diffusers-named file).
         layouts = Counter(det.layout for det in found.values())
+        tiny = all(_in_tiny_build(Path(det.path)) for det in found.values())
         return cls(
             root=root,
             layout=max(weights.LAYOUTS, key=lambda name: layouts[name]),
             paths={slot: Path(det.path) for slot, det in found.items()},
             tokenizer=next((b / "tokenizer" for b in bases if (b / "tokenizer").is_dir()), None),
             processor=next((b / "processor" for b in bases if (b / "processor").is_dir()), None),
-            pipeline_config=_pipeline_config(root),
+            pipeline_config=_pipeline_config(root, tiny),
+            tiny=tiny,
             problems=problems,
         )
 
@@ -86,10 +88,7 @@ class ModelSource:
     def _tiny(cls, root: Path, choice: str) -> "ModelSource":
         if choice not in weights.LAYOUTS:
             raise ModelSourceError(f"layout must be one of {', '.join(weights.LAYOUTS)}, got {choice!r}")
-        source = cls.from_path(root / choice)
-        source.tiny = True
-        if choice != "diffusers":  # the diffusers root records its own; single files carry none
-            source.pipeline_config = configs.get("pipeline", tiny=True)
+        source = cls.from_path(root / choice)  # tiny, at the tiny's settings: its files lie in this build
         if source.tokenizer is None and (root / "diffusers" / "tokenizer").is_dir():
             # The ComfyUI text-encoder file carries no tokenizer; the tiny build's is the real one.
             source.tokenizer = root / "diffusers" / "tokenizer"
@@ -112,7 +111,7 @@ class ModelSource:
             raise ModelSourceError(
                 f"{path.name} holds the H3 {COMPONENT_NAMES[kind]}, not the {COMPONENT_NAMES[component]}"
             )
-        tiny = any((parent / "tiny.json").is_file() for parent in list(path.parents)[:4])
+        tiny = _in_tiny_build(path)
         return cls(
             root=path.parent,
             layout=found.layout,
@@ -169,9 +168,16 @@ class ModelSource:
                                         {name: path for name, path in chosen.items() if path is not None})
 
 
-def _pipeline_config(root: Path) -> dict:
-    """The release pipeline settings, overridden by what a diffusers root's modular index states."""
-    config = configs.get("pipeline", tiny=False)
+def _in_tiny_build(path: Path) -> bool:
+    """Whether `path` lies in a `python -m h3_core tiny` build (its tiny.json at most four folders up), links
+    followed: a models folder of links into the build holds tiny weights, which run at the tiny's settings (canvas,
+    Qwen processor), not the release's 2048-px references and thousands of vision tokens."""
+    return any((parent / "tiny.json").is_file() for parent in list(Path(path).resolve().parents)[:4])
+
+
+def _pipeline_config(root: Path, tiny: bool) -> dict:
+    """The release (or tiny) pipeline settings, overridden by what a diffusers root's modular index states."""
+    config = configs.get("pipeline", tiny=tiny)
     index = root / "modular_model_index.json"
     if index.is_file():
         data = json.loads(index.read_text(encoding="utf-8"))

@@ -1,7 +1,6 @@
 """The quantised and re-typed twins in the pipeline: `encode` with every text-encoder twin gives a contract,
 `generate` with every DiT twin samples, and writes a valid mp4 with the quantised ones."""
 
-import dataclasses
 import os
 import shutil
 
@@ -36,16 +35,14 @@ def comfy(tiny_dir, tmp_path_factory):
 
 
 def _models(root, comfy, files) -> ModelSource:
-    """A ComfyUI models folder holding exactly `files` (links into the tiny build), run at the tiny's canvas rule.
-
-    A models folder gets the release's pipeline settings and Qwen processor (a 2048-px reference image, thousands of
-    vision tokens): right for real weights, but on the tiny ones it made one ref2va encode cost two CPU-minutes and
-    tested nothing the tiny settings do not."""
+    """A ComfyUI models folder holding exactly `files` (links into the tiny build): tiny weights, so the folder runs
+    at the tiny's canvas rule and Qwen processor (ModelSource follows the links to the build's tiny.json)."""
     for rel in [*files, AUDIO_VAE]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         os.symlink(comfy / rel, root / rel)
     source = ModelSource.from_path(root)
-    return dataclasses.replace(source, tiny=True, pipeline_config=configs.get("pipeline", tiny=True))
+    assert source.tiny and source.pipeline_config == configs.get("pipeline", tiny=True)
+    return source
 
 
 REQUESTS = {

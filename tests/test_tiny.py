@@ -121,3 +121,28 @@ def test_legacy_comfyui_folders_load_through_models(tiny_dir, tmp_path):
     for slot in ("transformer_ref", "text_encoder"):
         got, expected = source.load(slot).state_dict(), reference.load(slot).state_dict()
         assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected), slot
+
+
+def test_links_into_the_build_run_at_the_tiny_settings_and_a_copy_at_the_release(tiny_dir, tmp_path):
+    """Tiny weights reached through links (a ComfyUI models folder, a loader's pick) run at the tiny's pipeline
+    settings and Qwen processor, as the build itself does; a copy outside any build is taken as real weights."""
+    import os
+    import shutil
+
+    from h3_core import configs
+
+    models = tmp_path / "models"
+    for rel in tiny.COMFY_FILES.values():
+        (models / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(tiny_dir / "comfyui" / rel, models / rel)
+    tiny_rule, release_rule = configs.get("pipeline", tiny=True), configs.get("pipeline", tiny=False)
+    folder = ModelSource.from_path(models)
+    assert folder.tiny and folder.pipeline_config == tiny_rule
+    linked = models / tiny.COMFY_FILES["text_encoder"]
+    picked = ModelSource.for_file("text_encoder", linked)
+    assert picked.tiny and picked.pipeline_config == tiny_rule
+    copy = tmp_path / "elsewhere" / linked.name
+    copy.parent.mkdir()
+    shutil.copyfile(linked, copy)
+    alone = ModelSource.for_file("text_encoder", copy)
+    assert not alone.tiny and alone.pipeline_config == release_rule
