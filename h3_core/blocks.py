@@ -14,10 +14,36 @@ def pipeline_for(blocks: dict, components: dict, pipeline_config: dict):
     from diffusers.modular_pipelines import SequentialPipelineBlocks
 
     pipe = SequentialPipelineBlocks.from_blocks_dict(blocks).init_pipeline()
+    _allow_core_lengths(pipe)
     if components:
         pipe.update_components(**components)
     pipe.register_to_config(**pipeline_config)
     return pipe
+
+
+_WIDENED: dict[type, type] = {}
+
+
+def _allow_core_lengths(pipe) -> None:
+    """Let diffusers' blocks run the lengths ComfyUI core allows (facts.MIN_FRAMES..MAX_FRAMES: 5 frames to ~150 s).
+
+    diffusers' setup steps refuse a video outside its trained 5-15 s (`min_duration` / `max_duration`, read-only
+    properties of the pipeline); the pack's rules allow what core does and warn outside the trained range instead
+    (rules.trained_range_warning). Every other check of those steps stays diffusers' own. The pipeline's class is
+    swapped for a subclass whose two properties are the pack's bounds (one subclass per class, cached)."""
+    from . import facts
+
+    cls = type(pipe)
+    if not hasattr(cls, "min_duration"):
+        return
+    widened = _WIDENED.get(cls)
+    if widened is None:
+        widened = _WIDENED[cls] = type(cls.__name__, (cls,), {
+            "__module__": cls.__module__,
+            "min_duration": property(lambda self: facts.MIN_FRAMES / facts.FPS),
+            "max_duration": property(lambda self: facts.MAX_FRAMES / facts.FPS),
+        })
+    pipe.__class__ = widened
 
 
 def run_blocks(pipe, **inputs):

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import component_args, devices, facts, loadbar, progress
+from . import comfy_run, component_args, devices, facts, loadbar, progress
 from .planning import report as plan_report
 from .remote import engines
 
@@ -114,8 +114,18 @@ def _cmd_encode(args) -> int:
     return 0
 
 
+def _wants_image(args) -> bool:
+    """`generate --image`, or an --out ending in .png: write the first frame as a PNG (text to image)."""
+    return bool(getattr(args, "image", False)) or str(args.out).lower().endswith(".png")
+
+
 def _cmd_generate(args) -> int:
+    if _wants_image(args) and args.dump:
+        raise ValueError("--dump writes the whole video and its audio; leave it out with --image (a PNG)")
     if args.sp != 1:
+        from . import step_cache
+
+        step_cache.parse(args.cache)  # a bad --cache is refused here, not by each rank after the ranks started
         _generate_parallel(args)
     else:
         _generate(args)
@@ -128,7 +138,7 @@ def _generate(args, layout=None, rank: int = 0) -> None:
     from . import media
     from .contract import H3Conditioning
     from .diffusion import DiffusionStage, SamplingOptions
-    from .lora import LoRA
+    from .lora import stack_for_run
 
     cond = H3Conditioning.load(args.cond)
     placement = devices.stage_kwargs(args, "transformer")
@@ -143,7 +153,8 @@ def _generate(args, layout=None, rank: int = 0) -> None:
         video_shift=args.video_shift,
         audio_shift=args.audio_shift,
         progress=_progress("denoise") if lead else None,
-        lora=LoRA.load(args.lora) if args.lora else None,
+        lora=stack_for_run(args.lora or (), steps=args.steps, video_shift=args.video_shift,
+                           audio_shift=args.audio_shift, audio=not args.lora_skip_audio, log=_log if lead else None),
         lora_strength=args.lora_strength,
         cache=args.cache,
     )
@@ -153,7 +164,9 @@ def _generate(args, layout=None, rank: int = 0) -> None:
     with progress.reporting(loadbar.wrap(_phase_printer())):
         latents = stage.sample(cond, options)
         _log(f"cache: {latents.passes}")
-        if not args.dump:  # streamed: each decoded clip goes to the mp4 encoder, the video is never held whole
+        if _wants_image(args):  # text to image: the first frame, as a PNG
+            stage.decode_to_png(latents, args.out)
+        elif not args.dump:  # streamed: each decoded clip goes to the mp4 encoder, the video is never held whole
             stage.decode_to_mp4(latents, args.out)
         else:
             decoded = stage.decode(latents)
@@ -243,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument(
         "--frames",
         type=int,
-        default=facts.MIN_FRAMES,
-        help=f"17k+5 frames at {facts.FPS} fps, {facts.MIN_FRAMES}..{facts.MAX_FRAMES} (default %(default)s)",
+        default=facts.DEFAULT_FRAMES,
+        help=f"17k+5 frames at {facts.FPS} fps, {facts.MIN_FRAMES}..{facts.MAX_FRAMES}; H3 was trained on "
+        f"{facts.TRAINED_MIN_FRAMES}..{facts.TRAINED_MAX_FRAMES} (outside: a warning) (default %(default)s)",
     )
     encode.add_argument("--first-frame", help="image the video starts from (fl2va)")
     encode.add_argument("--last-frame", help="image the video ends on (fl2va)")
@@ -270,15 +284,26 @@ def build_parser() -> argparse.ArgumentParser:
     component_args.add_component_args(generate)
     devices.add_arguments(generate)
     generate.add_argument("--cond", required=True, help="conditioning file from `encode`")
-    generate.add_argument("--out", required=True, help="mp4 to write")
+    generate.add_argument("--out", required=True, help="mp4 to write (a PNG with --image, or when it ends in .png)")
+    generate.add_argument("--image", action="store_true",
+                          help="text to image: write the video's first frame to --out as a PNG, audio discarded "
+                          f"(make the conditioning with `encode --frames {facts.IMAGE_FRAMES}`, the shortest clip, "
+                          "as ComfyUI core's text to image does)")
     generate.add_argument("--seed", type=int, default=0, help="as diffusers' torch.Generator('cpu').manual_seed(S)")
     generate.add_argument("--steps", type=int, default=50, help="sigma points incl. the final 0 (default 50)")
     generate.add_argument("--video-shift", type=float, help="flow shift of the video stream (default 12)")
     generate.add_argument("--audio-shift", type=float, help="flow shift of the audio stream (default 3)")
     generate.add_argument(
-        "--lora", help="DiT LoRA (.safetensors), e.g. a Turbo LoRA with its own --steps/--video-shift"
+        "--lora", action="append", metavar="FILE[:STRENGTH]",
+        help="DiT LoRA (.safetensors) at STRENGTH (default 1); repeat to stack several. E.g. a Turbo or PDD LoRA "
+        "with its own --steps/--video-shift. Musubi-tuner, DiffSynth-Studio, ai-toolkit, Comfy-Org and diffusers "
+        "namings load; a tensor that cannot be placed is an error naming it",
     )
-    generate.add_argument("--lora-strength", type=float, default=1.0, help="multiplier on the LoRA (default 1)")
+    generate.add_argument("--lora-strength", type=float, default=1.0,
+                          help="multiplier on every --lora's strength (default 1)")
+    generate.add_argument("--lora-skip-audio", action="store_true",
+                          help="leave the LoRAs' audio-branch weights out (audio_proj_in/out, the AdaLN audio rows, "
+                          "a PDD audio head bank): the audio stays the base model's as far as the LoRA can reach")
     generate.add_argument("--dump", help="also write video/audio/latents tensors to this .safetensors")
     generate.add_argument(
         "--sp", type=int, default=1,
@@ -329,13 +354,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode media in the server process instead of the sandbox (debugging only: a decoder "
                        "crash then takes the server down)")
     engines.add_serve_arguments(serve)
-    from .remote.config import add_cache_args, add_scheduling_args
+    from .remote.config import add_cache_args, add_limit_args, add_scheduling_args
 
     add_scheduling_args(serve)
     add_cache_args(serve)
+    add_limit_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     plan_report.add_parser(sub)
+    comfy_run.add_parser(sub)
     return parser
 
 

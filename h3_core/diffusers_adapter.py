@@ -241,3 +241,110 @@ def hook_state_classes() -> tuple[type, type]:
 
 def group_offloading_hook_class() -> type:
     return _helper("group_offloading_hook")
+
+
+# --- private attributes of diffusers objects (hooks, group offloading, context parallelism) -------------------------
+# Step caching walks diffusers' hook chains and group-offloading prefetch links, and the sequence-parallel DiT reads
+# the parallel config enable_parallelism set. They are attributes, not importable helpers: they are read here only,
+# and tests/test_diffusers_adapter.py pins each on a real diffusers object (and that no other module names one).
+PRIVATE_HELPERS.update({
+    # A context-parallel split hook on the first block: step caching runs its pre_forward to see this rank's rows.
+    "context_parallel_split_hook": (
+        "diffusers.hooks.context_parallel", "ContextParallelSplitHook.pre_forward", ("self", "module"),
+    ),
+})
+#: attribute -> what carries it, in diffusers.
+PRIVATE_ATTRIBUTES = {
+    "_diffusers_hook": "an nn.Module once a hook is registered on it: its HookRegistry (diffusers.hooks.hooks)",
+    "next_group": "GroupOffloadingHook: the ModuleGroup it prefetches after its own",
+    "onload_leader": "ModuleGroup: the module whose forward onloads the group",
+    "onload_self": "ModuleGroup: whether the group onloads itself (False while a neighbour prefetches it)",
+    "_parallel_config": "ModelMixin: the ParallelConfig enable_parallelism set",
+    "_cp_plan": "a ModelMixin class: its context-parallel plan",
+}
+
+
+def hooks_of(module) -> list:
+    """The diffusers hooks registered on `module`, outermost last (registration order); [] when none."""
+    registry = getattr(module, "_diffusers_hook", None)
+    return [] if registry is None else list(registry.hooks.values())
+
+
+def context_parallel_split_hooks(block) -> list:
+    """The context-parallel input-split hooks on `block` (enable_parallelism's plan), outermost first."""
+    try:
+        split_cls = _context_parallel_split_class()
+    except (ImportError, AttributeError):  # a diffusers without context parallelism has none
+        return []
+    return [hook for hook in reversed(hooks_of(block)) if isinstance(hook, split_cls)]
+
+
+def _context_parallel_split_class() -> type:
+    import importlib
+
+    module, attribute, _ = PRIVATE_HELPERS["context_parallel_split_hook"]
+    return getattr(importlib.import_module(module), attribute.split(".")[0])
+
+
+def prefetched_group(hook):
+    """The group a group-offloading hook prefetches next (None: none, or not such a hook)."""
+    return getattr(hook, "next_group", None) if isinstance(hook, group_offloading_hook_class()) else None
+
+
+def group_leader(group):
+    """The module whose forward onloads `group`."""
+    return group.onload_leader
+
+
+def set_prefetch(hook, group, linked: bool) -> None:
+    """Cut (`linked=False`: the group onloads itself when its turn comes) or restore the prefetch link from `hook`'s
+    group to `group`."""
+    hook.next_group, group.onload_self = (group, False) if linked else (None, True)
+
+
+def parallel_config(model):
+    """The ParallelConfig `enable_parallelism` set on `model`, or None."""
+    return getattr(model, "_parallel_config", None)
+
+
+def has_context_parallel_plan(model) -> bool:
+    return getattr(type(model), "_cp_plan", None) is not None
+
+
+# A module the context-parallel plan splits (its input, or its output) or gathers runs inside diffusers' hooks: a
+# torch forward hook on it sees the call's whole input but the rank's shard of the output (or the reverse, after a
+# gather). A branch computed beside such a module (a LoRA's B(Ax)) goes through the same hooks to match its output.
+PRIVATE_HELPERS.update({
+    "context_parallel_gather_hook": (
+        "diffusers.hooks.context_parallel", "ContextParallelGatherHook.post_forward", ("self", "module", "output"),
+    ),
+})
+
+
+def context_parallel_hooks(module) -> list:
+    """The context-parallel split and gather hooks on `module`, outermost first ([] when it has none)."""
+    hooks = hooks_of(module)
+    if not hooks:
+        return []
+    try:
+        import importlib
+
+        found = importlib.import_module(PRIVATE_HELPERS["context_parallel_gather_hook"][0])
+        classes = (found.ContextParallelSplitHook, found.ContextParallelGatherHook)
+    except (ImportError, AttributeError):
+        return []
+    return [hook for hook in reversed(hooks) if isinstance(hook, classes)]
+
+
+def as_the_layer_sees(hooks: list, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The input `module`'s own forward gets, from the input its call got (its hooks' pre_forward, outermost first)."""
+    for hook in hooks:
+        args, kwargs = hook.pre_forward(module, *args, **kwargs)
+    return args, kwargs
+
+
+def as_the_layer_returns(hooks: list, module, output):
+    """What `module`'s call returns for its own forward's `output` (its hooks' post_forward, innermost first)."""
+    for hook in reversed(hooks):
+        output = hook.post_forward(module, output)
+    return output

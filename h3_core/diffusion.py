@@ -8,6 +8,7 @@ never lets an auto block pick a branch from inputs it does not have.
     H3Conditioning --sample()--> AVLatents (video [1,24,T,h,w], audio [2,32,Ta], diffusers layout)
                    --decode()--> Decoded  (video float32 [F,H,W,3] in 0..1, audio float32 [2,S] @ 32 kHz)
                    --decode_to_mp4()--> an mp4 file, the video streamed clip by clip (never held whole)
+                   --decode_to_png()--> a PNG of the first frame (text to image: a 5-frame job, audio discarded)
 
 Per-call choices (steps, seed, shifts, LoRA, progress, cancel) travel as one `SamplingOptions`, so a
 new sampling feature is a new field there, not a new argument of every caller. `seed` means exactly
@@ -18,6 +19,7 @@ one request generator drawing condition noise, then video noise, then audio nois
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -95,6 +97,34 @@ class SamplingOptions:
     def generator(self) -> torch.Generator:
         return torch.Generator("cpu").manual_seed(int(self.seed))
 
+    # --- across a process boundary (the sequence-parallel workers): the one place every field is decided ---------
+    #: Fields that travel as they are (JSON values).
+    WIRE_FIELDS = ("steps", "seed", "video_shift", "audio_shift", "cache", "lora_strength")
+    #: The host's callbacks: the wire says which are set, and the other side puts its own relays in their place.
+    CALLBACK_FIELDS = ("progress", "cancel", "preview", "on_cache")
+    #: `lora` travels as the files it was loaded from (`to_wire`'s `loras`), which the other side loads again.
+    LOADED_FIELDS = ("lora",)
+
+    def to_wire(self, loras=(), lora_audio: bool = True) -> dict:
+        """This call's options as JSON values; `loras` [(path, strength)] and `lora_audio` are what `lora` was built
+        from (an in-memory LoRA does not cross a process boundary: its file does)."""
+        return {"fields": {name: getattr(self, name) for name in self.WIRE_FIELDS},
+                "callbacks": [name for name in self.CALLBACK_FIELDS if getattr(self, name) is not None],
+                "loras": [[str(path), float(strength)] for path, strength in loras], "lora_audio": bool(lora_audio)}
+
+    @classmethod
+    def from_wire(cls, wire: dict, **callbacks) -> "SamplingOptions":
+        """The options `to_wire` described, with `callbacks` (name -> the relay of this side) for those the host set,
+        and its LoRAs loaded here from their files (as a stack carrying the run's schedule)."""
+        from .lora import stack_for_run
+
+        fields = dict(wire["fields"])
+        lora = stack_for_run([tuple(entry) for entry in wire["loras"]], steps=int(fields["steps"]),
+                             video_shift=fields["video_shift"], audio_shift=fields["audio_shift"],
+                             audio=bool(wire["lora_audio"]))
+        relays = {name: callbacks.get(name) for name in wire["callbacks"]}
+        return cls(**fields, lora=lora, **relays)
+
 
 class _StepReporter:
     """Hooks on the DiT: report progress, send previews and honour cancellation at every step.
@@ -157,7 +187,7 @@ class DiffusionStage:
         self.offload = offload  # DiT placement: none / block / auto (h3_core.offload)
         self.parallel = parallel if parallel is not None and parallel.degree > 1 else None
         self.streaming: dict[str, Streaming] = {}
-        self._job = {"width": 0, "height": 0, "frames": facts.MIN_FRAMES, "text_tokens": 0}
+        self._job = {"width": 0, "height": 0, "frames": facts.DEFAULT_FRAMES, "text_tokens": 0}
         self.pipeline_config = dict(pipeline_config if pipeline_config is not None else source.pipeline_config)
         modules = modules or {}
         self._transformers = {
@@ -215,6 +245,9 @@ class DiffusionStage:
         )
 
         # `cond` validated itself on construction / receipt; here only its fit to the loaded DiT is left.
+        untrained = rules.trained_range_warning(cond.num_frames)
+        if untrained:  # allowed (ComfyUI core allows it too), but said where every caller's log shows it
+            logging.getLogger("h3_core").warning("MiniMax H3: %s", untrained)
         self._job = {"width": cond.width, "height": cond.height, "frames": cond.num_frames,
                      "text_tokens": int(cond.prompt_embeds.shape[1])}  # sizes `--offload auto`
         transformer = self.transformer(cond.task)
@@ -292,6 +325,24 @@ class DiffusionStage:
                                 sample_rate=facts.AUDIO_SAMPLE_RATE, **mp4_options) as writer:
             self.decode_video(latents, vae_stream.WriterSink(writer.write), cancel)
             writer.finish(self.decode_audio(latents, geometry.frames))
+        return str(path)
+
+    def decode_to_png(self, latents: AVLatents, path, *, cancel: threading.Event | None = None) -> str:
+        """Text to image: the first decoded frame as a PNG (as ComfyUI core's text to image keeps the first frame of
+        its shortest, 5-frame, clip); the audio is not decoded. The pixels are the mp4 writer's uint8 rounding of
+        that frame."""
+        from pathlib import Path
+
+        from . import media
+
+        first: list = []
+
+        def keep_first(frames) -> None:  # each finished run of frames, uint8 [n, H, W, 3]
+            if not first:
+                first.append(frames[0].copy())
+
+        self.decode_video(latents, vae_stream.WriterSink(keep_first), cancel)
+        Path(path).write_bytes(media.encode_png_bytes(first[0]))
         return str(path)
 
     @torch.no_grad()

@@ -180,7 +180,7 @@ class EncoderStage:
             self.text_encoder = source.load("text_encoder", dtype=dtype)
             self.streaming = place(self.text_encoder, "text_encoder", self.device, offload,
                                    activation_bytes=activation_estimate("text_encoder", self.text_encoder, dtype,
-                                                                        width=0, height=0, frames=facts.MIN_FRAMES))
+                                                                        width=0, height=0, frames=facts.DEFAULT_FRAMES))
             self.tokenizer = source.load_tokenizer()
             self.processor = source.load_processor()
             self.load_seconds["text"] = time.perf_counter() - started

@@ -16,6 +16,7 @@ AUDIO_SAMPLE_RATE = 32000  # the audio VAE's waveform rate (Hz)
 AUDIO_LATENTS_PER_SECOND = 40  # the audio VAE's latent rate, per stereo channel
 AUDIO_CHANNELS = 2  # stereo; the two channels are packed channel-major
 AUDIO_LATENT_CHANNELS = 32  # audio VAE latent width (the release and the tiny H3 alike)
+VIDEO_LATENT_CHANNELS = 24  # video VAE latent channels, before the DiT's 2x2 patch (the release and the tiny H3 alike)
 
 # --- space --------------------------------------------------------------------------------------
 VAE_SPATIAL_FACTOR = 16  # video VAE spatial compression
@@ -40,11 +41,21 @@ MAX_CANVAS_EDGE = 2016
 FRAMES_PER_CLIP = 17
 LATENTS_PER_CLIP = 5
 
-# Output duration: diffusers checks 5-15 s on the frame count *after* snapping up to 17k + 5, so the
-# valid counts are 124 (5.17 s) .. 345 (14.375 s); 362 frames would be 15.08 s and is refused.
+# The trained range: diffusers checks 5-15 s on the frame count *after* snapping up to 17k + 5, so the counts
+# H3 was trained on are 124 (5.17 s) .. 345 (14.375 s); 362 frames would be 15.08 s. Outside it the pack warns
+# (node tooltip, log, the planner's report) but does not refuse: quality there is untested.
 MIN_DURATION_S, MAX_DURATION_S = 5.0, 15.0
-MIN_FRAMES = 124  # 17*7 + 5, the first grid point at or above 5 s
-MAX_FRAMES = 345  # 17*20 + 5, the last grid point within 15 s
+TRAINED_MIN_FRAMES = 124  # 17*7 + 5, the first grid point at or above 5 s
+TRAINED_MAX_FRAMES = 345  # 17*20 + 5, the last grid point within 15 s
+DEFAULT_FRAMES = TRAINED_MIN_FRAMES  # what a request without a length gets
+# The lengths ComfyUI core 0.33's `EmptyMiniMaxH3LatentAV` allows (its `length` 5..3600, snapped up to the grid), as
+# grid points: every entry point accepts them, memory bounded by the planner's estimate for the machine. Pinned
+# against core's node by tests/test_facts.py.
+CORE_MAX_LENGTH = 3600
+MIN_FRAMES = 5  # 17*0 + 5: the shortest clip (one head clip, 2 latent frames)
+MAX_FRAMES = 3592  # 17*211 + 5, the last grid point within core's 3600 (~149.7 s)
+# Text to image: core's text-to-image generates the shortest clip and keeps its first frame (audio discarded).
+IMAGE_FRAMES = MIN_FRAMES
 
 # --- references (ref2va) ------------------------------------------------------------------------
 MAX_KEYFRAMES = 2  # fl2va: first and/or last frame
@@ -72,6 +83,22 @@ VISION_MERGE = 2  # spatial merge (2 x 2 patches per token) and temporal patch (
 VISION_TOKEN_PX = VISION_PATCH_PX * VISION_MERGE  # 32: one vision token per 32 x 32 px
 REFERENCE_VIDEO_READ_FPS = 2.0
 VIDEO_BLOCKS_PER_FRAME = REFERENCE_VIDEO_READ_FPS / FPS / VISION_MERGE  # 1/24
+
+# --- the largest conditioning the encoder makes -------------------------------------------------------------------
+# What a conditioning file, a wire payload or a graph's CONDITIONING is held to before a sampler sizes its work by it.
+# An image reference: diffusers' reference step scales it to a `reference_image_short_edge` of 2048 px (the release
+# pipeline config; pinned by tests/test_hostile_bounds.py), rounding both axes to 32 px, and refuses aspects beyond
+# 1:4..4:1, so it is at most 2048 x 8192 px: a latent at most 128 a side on its short side, 512 on its long one.
+REFERENCE_IMAGE_SHORT_EDGE = 2048
+MAX_REFERENCE_IMAGE_EDGE = int(REFERENCE_IMAGE_SHORT_EDGE * MAX_ASPECT)  # 8192
+# The prompt: the request rules' limit (the encoder endpoint's `max_prompt_chars`). Qwen's byte-level BPE never makes
+# more tokens than UTF-8 bytes (at most 4 a character), and the presentation adds short labels ("<Picture i>: ",
+# "<Video k>: ", "<7.5 seconds>" per vision block: under 1,024 tokens for 12 references): the text rows' bound.
+MAX_PROMPT_CHARS = 16384
+MAX_TEXT_TOKENS = 4 * MAX_PROMPT_CHARS + 1024  # 66,560
+# Qwen3-VL's own longest sequence (`max_position_embeddings`): no presentation, text and vision blocks together, is
+# longer. 9 images at 16,384 vision tokens, 3 videos of 15 blocks and MAX_TEXT_TOKENS stay under it.
+TEXT_ENCODER_MAX_POSITIONS = 262144
 
 # --- sampling -----------------------------------------------------------------------------------
 VIDEO_SHIFT = 12.0  # flow-matching sigma shift of the video schedule

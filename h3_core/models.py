@@ -155,7 +155,8 @@ class ModelSource:
         return qwen_assets.build_processor(tiny=self.tiny)
 
     def fingerprint(self) -> str:
-        """Identity of the weights (and tokenizer) this source would load, cheap even for 66 GB files."""
+        """Identity of the weights (and tokenizer) this source would load: every byte counts (a large file is hashed
+        whole once per version and remembered per user, `weights/digest.py`)."""
         named = {**self.paths, "tokenizer": self.tokenizer, "processor": self.processor}
         return weights.sources.identity(self.layout, {name: path for name, path in named.items() if path is not None})
 

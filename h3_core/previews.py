@@ -29,8 +29,6 @@ import torch
 from . import facts, rules
 from .contract.layout import unpatchify_video_rows
 
-LATENT_CHANNELS = 24
-
 
 def generated_video_geometry(num_frames: int, height: int, width: int) -> tuple[int, int, int]:
     """(latent_t, latent_h, latent_w) of the video a request generates (frames snapped up like stage 1)."""
@@ -51,10 +49,10 @@ def denoised_video(
     count = (latent_t // pt) * (latent_h // ph) * (latent_w // pw)
     if x_rows.ndim != 2 or x_rows.shape != velocity_rows.shape or x_rows.shape[0] < count or count == 0:
         return None
-    if x_rows.shape[1] != LATENT_CHANNELS * pt * ph * pw:
+    if x_rows.shape[1] != facts.VIDEO_LATENT_CHANNELS * pt * ph * pw:
         return None
     x0 = x_rows[-count:].detach().float().cpu() + float(sigma) * velocity_rows[-count:].detach().float().cpu()
-    return unpatchify_video_rows(x0, latent_t, latent_h, latent_w, LATENT_CHANNELS)
+    return unpatchify_video_rows(x0, latent_t, latent_h, latent_w, facts.VIDEO_LATENT_CHANNELS)
 
 
 def latent_frame_to_rgb(latent: torch.Tensor, factors: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:

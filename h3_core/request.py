@@ -95,7 +95,7 @@ class EncodeRequest:
     task: str | None = None  # None: inferred from the media (h3_core.rules.infer_task)
     width: int | None = None  # None: H3's canvas rule picks it (16:9, or the first keyframe's aspect)
     height: int | None = None
-    num_frames: int = facts.MIN_FRAMES
+    num_frames: int = facts.DEFAULT_FRAMES
     first_frame: np.ndarray | None = None  # uint8 [H, W, 3]
     last_frame: np.ndarray | None = None
     ref_images: list[np.ndarray] = field(default_factory=list)
@@ -110,7 +110,7 @@ class EncodeRequest:
         task: str | None = None,
         width: int | None = None,
         height: int | None = None,
-        num_frames: int = facts.MIN_FRAMES,
+        num_frames: int = facts.DEFAULT_FRAMES,
         first_frame: Any = None,
         last_frame: Any = None,
         ref_images: Iterable[Any] = (),

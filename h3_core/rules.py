@@ -3,7 +3,9 @@
 Every entry point (CLI, ComfyUI nodes, encoder server) validates through these functions before
 any heavy work, so a bad request fails the same way, with the same message, wherever it enters.
 The rules are vLLM-Omni's serving rules and diffusers' modular pipeline's checks; diffusers wins where
-the two disagree (the 5 s floor, checked after snapping to 17k+5). The numbers live in `facts`.
+the two disagree. The output length is ComfyUI core's (5..3592 frames on the 17k+5 grid): diffusers' 5-15 s, checked
+after snapping, is H3's trained range, a warning (`trained_range_warning`), not a refusal. The numbers live in
+`facts`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def snap_frames_down(num_frames: int) -> int:
 
 
 def check_output_frames(num_frames: int) -> int:
-    """Validate an output length: on the 17k+5 grid and 5-15 s long. Returns it unchanged."""
+    """Validate an output length: on the 17k+5 grid and within the lengths ComfyUI core allows (5..3592 frames).
+    Returns it unchanged. Outside H3's trained 124-345 frames it is valid: `trained_range_warning` says so."""
     if not isinstance(num_frames, int) or isinstance(num_frames, bool):
         raise H3InputError(f"frame count must be an integer, got {num_frames!r}")
     if not facts.is_on_frame_grid(num_frames):
@@ -48,11 +51,21 @@ def check_output_frames(num_frames: int) -> int:
         )
     if not facts.MIN_FRAMES <= num_frames <= facts.MAX_FRAMES:
         raise H3InputError(
-            f"H3 generates {facts.MIN_DURATION_S:g}-{facts.MAX_DURATION_S:g} s at {facts.FPS} fps, "
-            f"i.e. {facts.MIN_FRAMES}-{facts.MAX_FRAMES} frames "
-            f"on the 17k+5 grid, got {num_frames} frames ({num_frames / facts.FPS:.2f} s)"
+            f"frame count must be within {facts.MIN_FRAMES}-{facts.MAX_FRAMES} frames on the 17k+5 grid "
+            f"({facts.MAX_FRAMES / facts.FPS:.1f} s at {facts.FPS} fps, ComfyUI core's longest), "
+            f"got {num_frames} frames ({num_frames / facts.FPS:.2f} s)"
         )
     return num_frames
+
+
+def trained_range_warning(num_frames: int) -> str | None:
+    """Why a valid length is outside what H3 was trained on (5-15 s: 124-345 frames), or None. A warning, not a
+    refusal: the job runs, its quality is untested (ComfyUI core says the same of its longer lengths)."""
+    if facts.TRAINED_MIN_FRAMES <= num_frames <= facts.TRAINED_MAX_FRAMES:
+        return None
+    return (f"{num_frames} frames ({num_frames / facts.FPS:.2f} s) is outside H3's trained range of "
+            f"{facts.MIN_DURATION_S:g}-{facts.MAX_DURATION_S:g} s ({facts.TRAINED_MIN_FRAMES}-"
+            f"{facts.TRAINED_MAX_FRAMES} frames): it runs, but its quality is untested")
 
 
 # --- canvas --------------------------------------------------------------------------------------
@@ -181,7 +194,13 @@ def check_reference_durations(summary: MediaSummary, num_frames: int) -> None:
         if seconds is None:
             continue
         encoded = min(seconds, output_s)
-        if not facts.MIN_AUDIO_CLIP_S <= seconds <= facts.MAX_AUDIO_CLIP_S or encoded < facts.MIN_AUDIO_CLIP_S:
+        if facts.MIN_AUDIO_CLIP_S <= seconds <= facts.MAX_AUDIO_CLIP_S and encoded < facts.MIN_AUDIO_CLIP_S:
+            raise H3InputError(
+                f"the soundtrack of reference video {index} is cut to the output's {output_s:.2f} s, under the "
+                f"{facts.MIN_AUDIO_CLIP_S:g} s a reference clip needs: make the output at least "
+                f"{snap_frames_up(math.ceil(facts.MIN_AUDIO_CLIP_S * facts.FPS))} frames, or mute the video"
+            )
+        if not facts.MIN_AUDIO_CLIP_S <= seconds <= facts.MAX_AUDIO_CLIP_S:
             raise H3InputError(
                 f"the soundtrack of reference video {index} must be "
                 f"{facts.MIN_AUDIO_CLIP_S:g}-{facts.MAX_AUDIO_CLIP_S:g} s long, "

@@ -13,7 +13,9 @@ inside), and starts the ranks of a headless run.
   is rarely a multiple of N, so Ulysses always runs in diffusers' `ulysses_anything` mode (shards of unequal length).
 * **Process group.** NCCL for CUDA tensors, gloo for CPU ones (`cpu:gloo,cuda:nccl` on CUDA: diffusers gathers the
   shard lengths on the CPU). On a CPU machine N gloo ranks run the very code path NCCL takes on CUDA; the two
-  places diffusers' CPU path fails are shimmed in `diffusers_adapter.py`.
+  places diffusers' CPU path fails are shimmed in `diffusers_adapter.py`. Every socket the group opens listens on
+  loopback: rank 0's rendezvous store on a socket bound here (torch's tcp:// rendezvous would listen on every
+  interface, unauthenticated), gloo's and NCCL's on the loopback interface unless `H3_SP_INTERFACE` names another.
 * **Ring attention** needs an attention backend that returns the log-sum-exp (cuDNN / flash), so it is CUDA only.
 * **Devices.** Rank r runs on `cuda:(k + r)` for `--device cuda:k` (so the text encoder can keep `cuda:0` and the
   DiT take the GPUs after it); on the CPU every rank computes on the CPU.
@@ -93,15 +95,57 @@ def dit_heads(path) -> int:
 # --- inside a rank -------------------------------------------------------------------------------------------------
 
 
+LOOPBACK = "127.0.0.1"
+#: The network interface the ranks' gloo and NCCL sockets use: loopback unless the operator names one here. Every
+#: rank of this pack runs on one machine, so nothing needs another interface; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
+#: inherited from the environment (often set machine-wide in images) are replaced, not taken as that choice.
+INTERFACE_ENV = "H3_SP_INTERFACE"
+
+
 def free_port() -> int:
     """A loopback TCP port free right now, for the ranks' rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
 
 
+def loopback_interface() -> str:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), "lo")
+
+
+def interface_env(environ) -> dict[str, str]:
+    """The variables that bind gloo's and NCCL's own listening sockets (one per rank, for the pairs / bootstrap) to
+    the interface of `INTERFACE_ENV`, loopback by default."""
+    chosen = environ.get(INTERFACE_ENV, "").strip()
+    name = chosen or loopback_interface()
+    # NCCL matches interface names by prefix unless told "=": "lo" must not also match some "lo..." interface.
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": chosen or f"={name}"}
+
+
+def rendezvous_store(rank: int, world_size: int, port: int, timeout):
+    """The ranks' TCPStore on loopback `port`. torch's own rendezvous (init_method tcp://) makes rank 0's store
+    listen on every interface, unauthenticated, for the process group's life; here rank 0 binds the listening socket
+    to loopback itself and hands it to the store (`master_listen_fd`)."""
+    from torch.distributed import TCPStore
+
+    if rank != 0:
+        return TCPStore(LOOPBACK, port, world_size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((LOOPBACK, port))
+        listener.listen(max(64, world_size))
+    except OSError:
+        listener.close()
+        raise
+    # The store owns the descriptor from here on (the Python object must not close it when collected).
+    return TCPStore(LOOPBACK, port, world_size, True, timeout=timeout,
+                    master_listen_fd=listener.detach())
+
+
 def init_rank(layout: Layout, rank: int, port: int, timeout_s: float = 600.0) -> torch.device:
-    """Join the process group of `layout` as `rank` (rendezvous on loopback `port`); returns the rank's device."""
+    """Join the process group of `layout` as `rank` (rendezvous on loopback `port`); returns the rank's device.
+    Every socket the group opens listens on loopback (`rendezvous_store`, `interface_env`)."""
     import datetime
 
     import torch.distributed as dist
@@ -109,10 +153,10 @@ def init_rank(layout: Layout, rank: int, port: int, timeout_s: float = 600.0) ->
     device = layout.device_of(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        layout.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=layout.degree,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    os.environ.update(interface_env(os.environ))  # read by gloo and NCCL when the group creates their devices
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = rendezvous_store(rank, layout.degree, port, timeout)
+    dist.init_process_group(layout.backend, store=store, rank=rank, world_size=layout.degree, timeout=timeout)
     return device
 
 
@@ -139,7 +183,7 @@ def parallelize(transformer: torch.nn.Module, layout: Layout) -> torch.nn.Module
 
     from . import diffusers_adapter
 
-    current = getattr(transformer, "_parallel_config", None)
+    current = diffusers_adapter.parallel_config(transformer)
     if current is not None:
         cp = current.context_parallel_config
         if cp is None or cp.ulysses_degree * cp.ring_degree != layout.degree:
@@ -147,7 +191,7 @@ def parallelize(transformer: torch.nn.Module, layout: Layout) -> torch.nn.Module
         return transformer
     heads = getattr(getattr(transformer, "config", None), "num_attention_heads", None)
     check(layout.degree, layout.mode, layout.base_device, heads)
-    if getattr(type(transformer), "_cp_plan", None) is None:
+    if not diffusers_adapter.has_context_parallel_plan(transformer):
         raise SequenceParallelError(f"{type(transformer).__name__} has no context-parallel plan")
     if layout.mode == "ring":
         transformer.set_attention_backend("_native_cudnn")  # returns the log-sum-exp the ring merge needs

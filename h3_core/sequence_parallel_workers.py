@@ -12,6 +12,11 @@ Each job runs the very `DiffusionStage.sample` a single process runs, on every r
 * **Messages.** JSON headers and safetensors bytes over a token-checked loopback socket (sequence_parallel_channel):
   the conditioning goes out as its wire bytes, progress / preview / cache counts and the latents come back from
   rank 0. Nothing is unpickled.
+* **Start.** The host's port is on every worker's command line, so any local process can connect while the pool
+  starts: connections are read side by side (`sequence_parallel_channel.accept_hellos`), token first, each within one
+  hello deadline, with nothing allocated before the token matched; the cancel flag and the start limit are checked
+  at every poll. The ranks' own rendezvous store and gloo / NCCL sockets listen on loopback
+  (`sequence_parallel.init_rank`).
 * **Interrupt.** The host sends `stop`; rank 0 reads it before each step and broadcasts the flag, so every rank
   stops before the same step (a rank leaving a collective alone would hang the others). The pool stays warm.
 * **A dead worker** (its process gone, its socket closed) or a rank error ends the job with a `WorkerError` naming
@@ -34,25 +39,26 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from . import sequence_parallel, step_cache
 from .sequence_parallel_channel import (
+    POLL_S,
+    TOKEN_BYTES,
     TOKEN_ENV,
     Channel,
     ChannelClosed,
+    accept_hellos,
     tensors_from_bytes,
     tensors_to_bytes,
-    token_matches,
 )
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the folder that holds h3_core/: the workers' import root
 TASK_OF_COMPONENT = {"transformer": "t2va", "transformer_ref": "ref2va"}
 START_TIMEOUT_S = 1800.0  # connecting and loading a 33B DiT per rank from disk
-POLL_S = 0.2  # how often the host looks at its workers' processes and its own cancel flag while it waits
 
 
 class WorkerError(RuntimeError):
@@ -108,7 +114,7 @@ def _layout_from(data: dict) -> sequence_parallel.Layout:
 class WorkerPool:
     """N warm worker processes holding one DiT, sequence-parallel over them. Not thread-safe: one job at a time."""
 
-    def __init__(self, recipe: DiTRecipe, layout: sequence_parallel.Layout):
+    def __init__(self, recipe: DiTRecipe, layout: sequence_parallel.Layout, clock=time.monotonic):
         if layout.degree < 2:
             raise ValueError("a worker pool runs 2 or more ranks; one rank samples in the host process")
         self.recipe, self.layout = recipe, layout
@@ -116,6 +122,7 @@ class WorkerPool:
         self.channels: dict[int, Channel] = {}
         self._jobs = 0
         self.closed = False
+        self.clock = clock  # the start deadline's clock (tests inject one)
 
     @property
     def key(self) -> tuple:
@@ -139,55 +146,45 @@ class WorkerPool:
             for channel in self.channels.values():
                 channel.send(setup)
             self._gather(lambda rank, header, payload: header["kind"] == "ready", cancel,
-                         time.monotonic() + timeout_s, "loading the DiT")
+                         self.clock() + timeout_s, "loading the DiT")
         except BaseException:
             self.close()
             raise
         return self
 
     def _spawn_and_connect(self, cancel, timeout_s: float) -> None:
-        token = secrets.token_hex(32)
+        token = secrets.token_hex(TOKEN_BYTES)
         listener = socket.create_server(("127.0.0.1", 0))
-        listener.settimeout(POLL_S)
         env = {**os.environ, TOKEN_ENV: token,
                "PYTHONPATH": os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)}
         port = listener.getsockname()[1]
-        deadline = time.monotonic() + timeout_s
+        deadline = self.clock() + timeout_s
+
+        def admit(hello: dict):  # the token was checked before this JSON was read; the pid ties it to our process
+            rank = hello.get("rank")
+            if (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < self.layout.degree
+                    and hello.get("pid") == self.procs[rank].pid):
+                return rank
+            return None
+
         try:
             for rank in range(self.layout.degree):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "h3_core.sequence_parallel_workers", "--host", f"127.0.0.1:{port}",
                      "--rank", str(rank)], env=env, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL))
-            while len(self.channels) < self.layout.degree:
-                self._check_running(cancel, deadline, "starting")
-                try:
-                    sock, _ = listener.accept()
-                except socket.timeout:
-                    continue
-                channel = Channel(sock)
-                sock.settimeout(10.0)  # a hello is one small frame; a silent connection is not a worker of ours
-                try:
-                    hello, _ = channel.recv()
-                except (OSError, ChannelClosed, ValueError):
-                    channel.close()
-                    continue
-                sock.settimeout(None)
-                rank = hello.get("rank")
-                if (hello["kind"] != "hello" or not token_matches(token, hello.get("token"))
-                        or not isinstance(rank, int) or not 0 <= rank < self.layout.degree
-                        or hello.get("pid") != self.procs[rank].pid or rank in self.channels):
-                    channel.close()
-                    continue
-                self.channels[rank] = channel
+            # Connections are read side by side, each with one deadline for its whole hello, while this loop keeps
+            # checking the workers, the cancel flag and the start deadline: no peer can hold the start.
+            self.channels = accept_hellos(listener, token, self.layout.degree, admit,
+                                          lambda: self._check_running(cancel, deadline, "starting"), clock=self.clock)
         finally:
             listener.close()
 
     # jobs -------------------------------------------------------------------------------------------------------
 
-    def sample(self, cond, options, lora_path: str | None = None):
+    def sample(self, cond, options, loras=(), lora_audio: bool = True):
         """`DiffusionStage.sample(cond, options)` on the workers: the same latents, with `options`' progress,
-        preview, cache counts and cancel flag served from here. `options.lora` must be `lora_path`'s LoRA (the
-        workers load it from the file)."""
+        preview, cache counts and cancel flag served from here. The LoRAs are `loras` [(path, strength)] (each
+        rank loads them from their files, with `lora_audio`); `options.lora` is not sent."""
         from .diffusion import AVLatents
         from .progress import Cancelled
 
@@ -195,11 +192,7 @@ class WorkerPool:
             raise WorkerError("this sequence-parallel worker pool was stopped; start a new one")
         self._jobs += 1
         job = self._jobs
-        header = {"kind": "sample", "job": job, "steps": options.steps, "seed": int(options.seed),
-                  "video_shift": options.video_shift, "audio_shift": options.audio_shift, "cache": options.cache,
-                  "lora": None if lora_path is None else str(lora_path), "lora_strength": options.lora_strength,
-                  "progress": options.progress is not None, "preview": options.preview is not None,
-                  "on_cache": options.on_cache is not None}
+        header = {"kind": "sample", "job": job, "options": options.to_wire(loras, lora_audio)}
         payload = cond.to_bytes()
         try:
             for channel in self.channels.values():
@@ -285,7 +278,7 @@ class WorkerPool:
 
             self.close()
             raise Cancelled(f"cancelled while {doing} {self.layout.degree} sequence-parallel workers")
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and self.clock() > deadline:
             self.close()
             raise WorkerError(f"{self.layout.degree} sequence-parallel workers were not done {doing} in time")
 
@@ -347,9 +340,9 @@ def warm_pool(recipe: DiTRecipe, layout: sequence_parallel.Layout, cancel=None) 
         return _POOL
 
 
-def sample(recipe: DiTRecipe, layout: sequence_parallel.Layout, cond, options, lora_path: str | None = None):
+def sample(recipe: DiTRecipe, layout: sequence_parallel.Layout, cond, options, loras=(), lora_audio: bool = True):
     """Sample on the warm pool for (recipe, layout): `DiffusionStage.sample`'s latents, from N ranks."""
-    return warm_pool(recipe, layout, options.cancel).sample(cond, options, lora_path)
+    return warm_pool(recipe, layout, options.cancel).sample(cond, options, loras, lora_audio)
 
 
 def close_pool() -> None:
@@ -388,7 +381,6 @@ class _CollectiveStop:
 def _run_job(channel: Channel, stage, rank: int, job: dict, payload: bytes) -> None:
     from .contract import H3Conditioning
     from .diffusion import SamplingOptions
-    from .lora import LoRA
     from .progress import Cancelled
 
     lead = rank == 0  # rank 0 speaks for all: every rank ends the loop with the same latents
@@ -403,15 +395,10 @@ def _run_job(channel: Channel, stage, rank: int, job: dict, payload: bytes) -> N
     def on_cache(passes) -> None:
         channel.send({"kind": "cache", "passes": asdict(passes)})
 
-    options = SamplingOptions(
-        steps=int(job["steps"]), seed=int(job["seed"]), video_shift=job["video_shift"],
-        audio_shift=job["audio_shift"], cache=job["cache"],
-        lora=LoRA.load(job["lora"]) if job["lora"] else None, lora_strength=float(job["lora_strength"]),
-        progress=progress if lead and job["progress"] else None,
-        preview=preview if lead and job["preview"] else None,
-        on_cache=on_cache if lead and job["on_cache"] else None,
-        cancel=_CollectiveStop(channel if lead else None, int(job["job"])),
-    )
+    relays = {"progress": progress, "preview": preview, "on_cache": on_cache} if lead else {}
+    # Every rank stops together, whether or not the host can cancel (the lead relays the host's flag).
+    options = replace(SamplingOptions.from_wire(job["options"], **relays),
+                      cancel=_CollectiveStop(channel if lead else None, int(job["job"])))
     try:
         latents = stage.sample(cond, options)
     except Cancelled as error:
@@ -450,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     address, port = args.host.rsplit(":", 1)
     channel = Channel(socket.create_connection((address, int(port))))
-    channel.send({"kind": "hello", "rank": args.rank, "pid": os.getpid(), "token": os.environ.pop(TOKEN_ENV, "")})
+    channel.send_hello(os.environ.pop(TOKEN_ENV, ""), {"kind": "hello", "rank": args.rank, "pid": os.getpid()})
     try:
         code = _serve(channel, args.rank)
     except ChannelClosed:

@@ -194,15 +194,27 @@ def _hook_classes():
             return module
 
     class EveryKHead(EveryKBlock):
-        """The first block decides for the whole stack (and so for the whole packed sequence)."""
+        """The first block decides for the whole stack (and so for the whole packed sequence). The decision is the
+        forward's number alone, so under sequence parallelism every rank takes the same one."""
 
-        def __init__(self, state_manager, metadata, is_tail: bool, k: int):
+        def __init__(self, state_manager, metadata, is_tail: bool, k: int, splits: list):
             super().__init__(state_manager, metadata, is_tail)
-            self.k = k
+            self.k, self.splits = k, splits
+
+        def rank_rows(self, module, args, kwargs) -> torch.Tensor:
+            """The stack's input rows this rank computes. Under sequence parallelism the context-parallel plan's
+            split hooks on the first block sit inside this one (registered when the DiT was parallelised): they see
+            the whole packed sequence and hand the block this rank's shard, which every later block and the tail's
+            output keep. The residual is cached per shard, so the input is split here the same way (a local
+            `tensor_split`, no collective); with no split hooks it is the whole sequence."""
+            kwargs = dict(kwargs)
+            for split in self.splits:  # outermost first, as the chain runs them
+                args, kwargs = split.pre_forward(module, *args, **kwargs)
+            return self.metadata._get_parameter_from_args_kwargs("hidden_states", args, kwargs)
 
         def new_forward(self, module, *args, **kwargs):
             state = self.state_manager.get_state()
-            hidden = self.metadata._get_parameter_from_args_kwargs("hidden_states", args, kwargs)
+            hidden = self.rank_rows(module, args, kwargs)
             state.compute = state.forward % self.k == 0 or state.residual is None
             state.forward += 1
             if not state.compute:
@@ -232,10 +244,11 @@ def _every_k(transformer: torch.nn.Module, k: int) -> Iterator[None]:
     metadata = diffusers_adapter.register_h3_block()
     blocks = list(transformer.transformer_blocks)
     states = state_manager_cls(state_cls)
+    splits = diffusers_adapter.context_parallel_split_hooks(blocks[0])
     with contextlib.ExitStack() as stack:
         for index, block in enumerate(blocks):
             tail = index == len(blocks) - 1
-            hook = head_cls(states, metadata, tail, k) if index == 0 else block_cls(states, metadata, tail)
+            hook = head_cls(states, metadata, tail, k, splits) if index == 0 else block_cls(states, metadata, tail)
             stack.enter_context(_registered(block, hook, _EVERY_HEAD_HOOK if index == 0 else _EVERY_BLOCK_HOOK))
         from diffusers.hooks import HookRegistry
 
@@ -298,20 +311,18 @@ def _skippable(plan: Plan, blocks: list[torch.nn.Module]) -> list[torch.nn.Modul
 def _prefetch_cut(transformer: torch.nn.Module, skippable: list[torch.nn.Module]) -> Iterator[None]:
     """Cut group offloading's prefetch links from a module that always runs into a block a step may skip (CUDA
     streams only: the links are made after the first forward), and restore them at the end."""
-    hook_cls = diffusers_adapter.group_offloading_hook_class()
     skippable_ids = {id(block) for block in skippable}
     cut: list[tuple[object, object]] = []
 
     def cut_links():
         for module in transformer.modules():
-            registry = getattr(module, "_diffusers_hook", None)
-            if registry is None or id(module) in skippable_ids:
+            if id(module) in skippable_ids:
                 continue
-            for hook in list(registry.hooks.values()):
-                group = getattr(hook, "next_group", None) if isinstance(hook, hook_cls) else None
-                if group is not None and id(group.onload_leader) in skippable_ids:
+            for hook in diffusers_adapter.hooks_of(module):
+                group = diffusers_adapter.prefetched_group(hook)
+                if group is not None and id(diffusers_adapter.group_leader(group)) in skippable_ids:
                     cut.append((hook, group))
-                    hook.next_group, group.onload_self = None, True
+                    diffusers_adapter.set_prefetch(hook, group, linked=False)
 
     handles = [transformer.register_forward_pre_hook(lambda *_: cut_links()),
                transformer.register_forward_hook(lambda *_: cut_links())]
@@ -321,7 +332,7 @@ def _prefetch_cut(transformer: torch.nn.Module, skippable: list[torch.nn.Module]
         for handle in handles:
             handle.remove()
         for hook, group in reversed(cut):
-            hook.next_group, group.onload_self = group, False
+            diffusers_adapter.set_prefetch(hook, group, linked=True)
 
 
 @contextlib.contextmanager

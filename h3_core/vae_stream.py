@@ -97,7 +97,11 @@ def plan(vae, latent_shape) -> DecodePlan:
     pad = (-num_tokens) % chunk
     chunks = (num_tokens + pad) // chunk - int(drop > 0)
     if chunks < 1:
-        raise VaeStreamError(f"a video latent of {tokens} frames is shorter than one decode chunk")
+        # Too few latent frames for one chunk (T = 2: the 5-frame clip text to image makes). diffusers' decode has no
+        # chunk for it; ComfyUI core's decode (comfy/ldm/minimax/vae.py `_decode_temporal_chunks`) pads one more
+        # chunk of the last latent frame and cuts its frames off again: the same here.
+        pad += chunk
+        chunks += 1
     clip_tokens = chunk + int(vae.token_overlap) if drop else chunk
     chunk_frames = chunk * t_ratio
     kept = chunk_frames - pre

@@ -8,6 +8,7 @@
     sample.py           MiniMax H3 Sampler
     decode.py           MiniMax H3 VAE Decode
     conditioning_io.py  H3 Save / Load Conditioning
+    core_latent.py      MiniMax H3 Empty Latent from Conditioning (the pack's conditioning into core's own H3 sampler)
     comfy_bridge.py     the one module touching ComfyUI internals (model management, progress, types)
     comfy_queue_seam.py the queue / executor internals encode-ahead reads, feature-detected (off when missing)
     low_vram.py         DiT / text-encoder layers streamed by ComfyUI's low-VRAM loading (cast-weights protocol)
@@ -21,9 +22,9 @@ Node ids start with `H3Split` and never change; new widgets are appended, never 
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import conditioning_io, decode, encode, error_names, loaders, media, sample, validation_errors
+from . import conditioning_io, core_latent, decode, encode, error_names, loaders, media, sample, validation_errors
 
-NODE_MODULES = [loaders, media, encode, sample, decode, conditioning_io]
+NODE_MODULES = [loaders, media, encode, sample, decode, conditioning_io, core_latent]
 try:  # the remote node needs only h3_core.remote; keep the pack usable if it fails to import
     from . import encode_ahead, remote
 

@@ -4,7 +4,10 @@ tensors plus a versioned JSON header, validated again when loaded."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import folder_paths
@@ -14,26 +17,101 @@ from ..h3_core import assembly, safe_paths
 from ..h3_core.contract import H3Conditioning
 from .types import CONDITIONING_CATEGORY
 
+log = logging.getLogger(__name__)
+
 OUTPUT_FOLDER = "h3"  # output/h3/: where MiniMax H3 Save Conditioning writes by default; listed read-only
 OUTPUT_MARK = " [output]"  # core's annotation of a file in output/ (folder_paths.annotated_filepath)
 EMPTY_CHOICE = ("(no conditioning file yet: MiniMax H3 Save Conditioning writes them to output/h3/, or upload a "
                 ".safetensors conditioning into input/)")
 
+# input/ is writable by anyone who can reach ComfyUI (core's /upload/image takes a `subfolder`), and the choices are
+# listed in the server's event loop on every /object_info: the walk is bounded in depth and in entries so that
+# thousands of uploaded files or folders nested hundreds deep cost milliseconds, never seconds or a RecursionError.
+MAX_LIST_DEPTH = 3  # folders below the root: input/a/b/c/x.safetensors is listed, input/a/b/c/d/x.safetensors not
+MAX_LIST_ENTRIES = 10_000  # directory entries examined per root before the walk stops (files and folders alike)
+MAX_LIST_FILES = 1_000  # choices per root: a combo of more is no use to anyone and bloats /object_info
+LIST_CACHE_MAX_AGE_S = 60.0  # a cached listing is also redone after this long, whatever the mtimes say
+
+
+class _Listing:
+    """One root's listing and the mtimes of the folders it walked: valid while none of them changed (an upload or a
+    save changes its folder's mtime), so repeated /object_info calls only stat those folders."""
+
+    def __init__(self, names: list[str], folders: list[tuple[str, int]], made: float):
+        self.names, self.folders, self.made = names, folders, made
+
+    def fresh(self) -> bool:
+        if time.monotonic() - self.made > LIST_CACHE_MAX_AGE_S:
+            return False
+        for folder, mtime in self.folders:
+            try:
+                if os.stat(folder).st_mtime_ns != mtime:
+                    return False
+            except OSError:
+                return False
+        return True
+
+
+_cache: dict[str, _Listing] = {}
+_cache_lock = threading.Lock()
+
+
+def _walk(root: str) -> _Listing:
+    """Regular .safetensors files whose real path is inside `root`, relative to it, at most `MAX_LIST_DEPTH` folders
+    down, after at most `MAX_LIST_ENTRIES` entries (a symlink out of it, a FIFO or a device named *.safetensors is
+    not listed; symlinked folders are not entered, as pathlib's rglob does not). Iterative: no recursion to
+    exhaust."""
+    names: list[str] = []
+    folders: list[tuple[str, int]] = []
+    examined, stopped = 0, None
+    pending = [(root, "", 0)]  # (folder, its name relative to root with a trailing "/", its depth)
+    while pending and stopped is None:
+        folder, prefix, depth = pending.pop()
+        try:
+            folders.append((folder, os.stat(folder).st_mtime_ns))
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    examined += 1
+                    if examined > MAX_LIST_ENTRIES:
+                        stopped = f"after {MAX_LIST_ENTRIES} entries"
+                        break
+                    name = prefix + entry.name
+                    if entry.is_dir(follow_symlinks=False):
+                        if depth < MAX_LIST_DEPTH:
+                            pending.append((entry.path, name + "/", depth + 1))
+                        continue
+                    if not entry.name.lower().endswith(".safetensors"):
+                        continue
+                    try:
+                        safe_paths.resolve_file(root, name)
+                    except safe_paths.UnsafePathError:
+                        continue
+                    names.append(name)
+                    if len(names) >= MAX_LIST_FILES:
+                        stopped = f"at {MAX_LIST_FILES} files"
+                        break
+        except OSError:
+            continue  # a folder removed or unreadable mid-walk: list the rest
+    if stopped:
+        log.warning("MiniMax H3 Load Conditioning: listing of %s stopped %s (limits: %d folder levels, %d entries, "
+                    "%d files); name a file deeper or later in a workflow directly, it is still checked and loaded",
+                    root, stopped, MAX_LIST_DEPTH, MAX_LIST_ENTRIES, MAX_LIST_FILES)
+    return _Listing(sorted(names), folders, time.monotonic())
+
 
 def _listed(root: Path) -> list[str]:
-    """Regular .safetensors files whose real path is inside `root`, relative to it (a symlink out of it, a FIFO or
-    a device named *.safetensors is not listed)."""
-    if not root.is_dir():
+    """The listing of `root` (see `_walk`), from the cache while the folders it walked are unchanged."""
+    key = os.path.realpath(root)
+    if not os.path.isdir(key):
         return []
-    names = []
-    for path in root.rglob("*.safetensors"):
-        name = path.relative_to(root).as_posix()
-        try:
-            safe_paths.resolve_file(root, name)
-        except safe_paths.UnsafePathError:
-            continue
-        names.append(name)
-    return sorted(names)
+    with _cache_lock:
+        cached = _cache.get(key)
+        if cached is not None and cached.fresh():
+            return list(cached.names)
+    listing = _walk(key)
+    with _cache_lock:
+        _cache[key] = listing
+    return list(listing.names)
 
 
 def _output_root() -> Path:
@@ -51,25 +129,38 @@ def _choices() -> list[str]:
     return _conditioning_files() or [EMPTY_CHOICE]
 
 
+def _not_a_choice(name: object, why: str) -> safe_paths.UnsafePathError:
+    shown = name if isinstance(name, str) and len(name) <= 200 else f"{str(name)[:200]}..."
+    return safe_paths.UnsafePathError(
+        f"conditioning_file {shown!r} is not one of the .safetensors files in ComfyUI's input folder or in "
+        f"output/{OUTPUT_FOLDER}/ ({why}; names are relative to input/, or 'h3/NAME [output]'; absolute paths, '..', "
+        "symlinks out of those folders, FIFOs and devices are refused)")
+
+
 def resolve_conditioning(name: str) -> Path:
-    """A workflow's file name -> its real path, only if it is one of the node's own choices.
+    """A workflow's file name -> its real path, only if it names a file the node could list.
 
     ComfyUI 0.3.75 does not hold V3 combo values to their options, so a workflow can name anything
-    (`/etc/passwd`, `../../x`, a FIFO, `/dev/zero`). Only `stat` runs before this returns: nothing is opened.
+    (`/etc/passwd`, `../../x`, a FIFO, `/dev/zero`). The name alone is checked (never a listing of the folder: that
+    would cost every prompt a walk of input/): relative, no '..', at most `MAX_LIST_DEPTH` folders deep, a regular
+    .safetensors file whose real path is inside input/ or output/h3/. Only `stat` runs before this returns: nothing
+    is opened.
     """
     if name == EMPTY_CHOICE:
         raise safe_paths.UnsafePathError(f"conditioning_file: no file chosen {EMPTY_CHOICE}")
-    if not isinstance(name, str) or name not in _conditioning_files():
-        shown = name if isinstance(name, str) and len(name) <= 200 else f"{str(name)[:200]}..."
-        raise safe_paths.UnsafePathError(
-            f"conditioning_file {shown!r} is not one of the .safetensors files in ComfyUI's input folder or in "
-            f"output/{OUTPUT_FOLDER}/ (names are relative to input/, or 'h3/NAME [output]'; absolute paths, '..', "
-            "symlinks out of those folders, FIFOs and devices are refused)")
-    if name.endswith(OUTPUT_MARK):
-        return safe_paths.resolve_file(_output_root(), name[len(OUTPUT_FOLDER) + 1:-len(OUTPUT_MARK)],
-                                       what="conditioning_file", folder_label=f"ComfyUI's output/{OUTPUT_FOLDER}")
-    return safe_paths.resolve_file(folder_paths.get_input_directory(), name, what="conditioning_file",
-                                   folder_label="ComfyUI's input folder")
+    if not isinstance(name, str):
+        raise _not_a_choice(name, f"a {type(name).__name__}, not a file name")
+    if name.endswith(OUTPUT_MARK) and name.startswith(f"{OUTPUT_FOLDER}/"):
+        root, inner, label = _output_root(), name[len(OUTPUT_FOLDER) + 1:-len(OUTPUT_MARK)], \
+            f"ComfyUI's output/{OUTPUT_FOLDER}"
+    else:
+        root, inner, label = Path(folder_paths.get_input_directory()), name, "ComfyUI's input folder"
+    if inner.replace("\\", "/").count("/") > MAX_LIST_DEPTH:
+        raise _not_a_choice(name, f"more than {MAX_LIST_DEPTH} folders deep, which the node does not list")
+    try:
+        return safe_paths.resolve_file(root, inner, what="conditioning_file", folder_label=label)
+    except safe_paths.UnsafePathError as error:
+        raise _not_a_choice(name, str(error).removeprefix("conditioning_file: ")) from None
 
 
 def listed_name(path: Path) -> str | None:

@@ -1,4 +1,4 @@
-"""MiniMax H3 VAE Decode: AV latent -> core VIDEO (with audio), IMAGE frames and AUDIO."""
+"""MiniMax H3 VAE Decode: AV latent -> core VIDEO (with audio), IMAGE frames, AUDIO and the first frame (IMAGE)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class Decode(io.ComfyNode):
             category=LATENT_CATEGORY,
             description="Turns the Sampler's latent into the video (24 fps) and its stereo soundtrack (32 kHz, as long "
             "as the video), decoded tile by tile so memory holds the video once. Connect `video` to Save Video; "
-            "`frames` and `audio` feed any image or audio node.",
+            "`frames` and `audio` feed any image or audio node; `image` is the first frame (text to image).",
             inputs=[
                 io.Latent.Input("latent", tooltip="From MiniMax H3 Sampler."),
                 VideoVAE.Input("vae", tooltip=f"From {loaders.VideoVAELoader.DISPLAY_NAME}."),
@@ -30,6 +30,10 @@ class Decode(io.ComfyNode):
                 io.Video.Output(display_name="video"),
                 io.Image.Output(display_name="frames"),
                 io.Audio.Output(display_name="audio"),
+                # appended (saved workflows link outputs by index): text to image, as core's text to image
+                io.Image.Output(display_name="image", tooltip="The first frame alone (one IMAGE): text to image. Make "
+                                f"a {facts.IMAGE_FRAMES}-frame video (Text Encode's length), the shortest clip, and "
+                                "connect this to Save Image; the audio is discarded."),
             ],
         )
 
@@ -44,7 +48,8 @@ class Decode(io.ComfyNode):
         # VIDEO's frames, shared, not copied): the node holds the video once plus one tile's work.
         with progress_text.phases():  # decode tiles, then the audio decode
             decoded = bridge.run_interruptible(stage.decode, latents, cancel=bridge.InterruptFlag())
-        return io.NodeOutput(*bridge.to_video(decoded.video, decoded.audio, decoded.sample_rate, facts.FPS))
+        video_out, frames, audio_out = bridge.to_video(decoded.video, decoded.audio, decoded.sample_rate, facts.FPS)
+        return io.NodeOutput(video_out, frames, audio_out, frames[:1])  # image: a view of the first frame
 
 
 NODES = [Decode]

@@ -11,12 +11,14 @@ Once the last part is added, the CONDITIONING is the contract in core's form onl
 
 from __future__ import annotations
 
+import logging
+
 from comfy_api.latest import io
 
 from ..h3_core import assembly, component_cache, facts, rules
 from ..h3_core.encoder import EncoderStage
 from . import comfy_bridge as bridge
-from . import loaders, memory, progress_text
+from . import graph_checks, loaders, memory, progress_text
 from .input_checks import Problem, declared_problems, report
 from .media import MediaBundle
 from .types import CONDITIONING_CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
@@ -77,12 +79,26 @@ def encode_problems(node_cls, values: dict, more: list[Problem] = ()) -> bool | 
     """validate_inputs of Text Encode / Remote Encode: each input's declared type and bounds first, then the rules
     (and `more`, the node's own) on the inputs that passed them; one problem per input."""
     declared = declared_problems(node_cls, values)
-    # an integer length gets the rules' message (the 124-345 range and the 17k+5 grid, with the nearest valid)
+    # an integer length gets the rules' message (the 5-3592 range and the 17k+5 grid, with the nearest valid)
     declared = [problem for problem in declared if problem[0] != "length" or not _is_int(values.get("length"))]
     blamed = {name for name, _ in declared}
     passed = {name: (None if name in blamed else values.get(name)) for name in ("width", "height", "length")}
     problems = declared + prompt_problems(values.get("prompt")) + numbers_problems(**passed)
+    if "task" not in blamed:
+        problems += media_problems(node_cls, values.get("task", "auto"))
     return report(problems + [problem for problem in more if problem[0] not in blamed])
+
+
+@graph_checks.guarded
+def media_problems(node_cls, task) -> list[Problem]:
+    """`task` against the media the graph connects to this node (graph_checks): fl2va with no keyframes, t2va with
+    media, references with keyframes... On `task` when it is set, on `media` when it is auto."""
+    node_id = getattr(getattr(node_cls, "hidden", None), "unique_id", None)
+    graph_ = graph_checks.graph()
+    if graph_ is None or node_id is None:
+        return []
+    problem = graph_checks.task_problem(task, graph_checks.media_of(graph_, node_id))
+    return [("media" if task == "auto" else "task", problem)] if problem else []
 
 
 def check_numbers(width: int, height: int, length: int) -> bool | str:
@@ -109,20 +125,27 @@ def numbers_inputs() -> list:
             "(set both or neither).",
         ),
         io.Int.Input(
-            # min 124 + step 17 keeps the arrows on the 17k+5 grid (124, 141, ..., 345); validate_inputs refuses a
-            # typed value off the grid. Saved workflows store a value, so the bounds change no saved graph.
+            # min 5 + step 17 keeps the arrows on the 17k+5 grid (5, 22, ..., 124, ..., 3592); validate_inputs refuses
+            # a typed value off the grid. Saved workflows store a value, so the bounds change no saved graph.
             "length",
-            default=facts.MIN_FRAMES,
+            default=facts.DEFAULT_FRAMES,
             min=facts.MIN_FRAMES,
             max=facts.MAX_FRAMES,
             step=facts.FRAMES_PER_CLIP,
-            tooltip=f"Video length in frames at {facts.FPS} fps: {facts.MIN_FRAMES} (5.2 s) to {facts.MAX_FRAMES} "
-            f"(14.4 s) in steps of {facts.FRAMES_PER_CLIP} frames (the video VAE's clip grid, 17k+5).",
+            tooltip=f"Video length in frames at {facts.FPS} fps, in steps of {facts.FRAMES_PER_CLIP} frames (the "
+            f"video VAE's clip grid, 17k+5): {facts.MIN_FRAMES} to {facts.MAX_FRAMES} "
+            f"({facts.MAX_FRAMES / facts.FPS:.0f} s), as ComfyUI core allows. H3 was trained on "
+            f"{facts.TRAINED_MIN_FRAMES} (5.2 s) to {facts.TRAINED_MAX_FRAMES} (14.4 s): outside that range it runs "
+            "with a warning, quality untested; memory grows with the length (python -m h3_core plan). "
+            f"{facts.IMAGE_FRAMES} = text to image (the Decode node's `image` output is the first frame).",
         ),
     ]
 
 
 def request_from(media, prompt, task, width, height, length):
+    untrained = rules.trained_range_warning(length) if _is_int(length) else None
+    if untrained:  # valid, as in ComfyUI core; said in the log, as the tooltip says it
+        logging.getLogger("h3_core").warning("MiniMax H3: length %s", untrained)
     bundle = media if media is not None else MediaBundle()
     return bundle.to_request(
         prompt=prompt,

@@ -6,14 +6,24 @@ in the name token, which detect reads too); no tensor is read and no model is bu
 (path, size, mtime), so listing a folder of 60 GB files costs one header read per file once, and a file
 replaced in place is read again.
 
+ComfyUI builds the loaders' lists (`/object_info`) and validates prompts on its event loop, so headers are read on
+a small worker pool and a list waits for them `LIST_WAIT_S` at most, whatever the folder holds: a file not read by
+then is left out of this list (and listed by the next one once read), never a stalled server. A file that cannot be
+read or recognised is left out by name, its reason logged once, and never costs its neighbours their place.
+
 Loaders list the user's files of their component first, then the model folders of models/minimax_h3, then the
 embedded tiny H3's entries (the tiny's own files, filtered by their fixed names: listing never builds it).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat as stat_module
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +42,7 @@ class Identity:
     component: str | None  # weights handler name: transformer, vae, audio_vae, text_encoder (None: unreadable)
     partition: str | None = None  # fl2va / ref2va for a DiT file that says which (its name token)
     problem: str | None = None  # why the header could not be read or recognised
+    pending: bool = False  # still being read when the caller stopped waiting (not cached)
 
     @property
     def label(self) -> str:
@@ -42,25 +53,55 @@ class Identity:
 
 _CACHE: dict[tuple[str, int, int], Identity] = {}
 _CACHE_LIMIT = 4096
+# Header reads run here, off ComfyUI's event loop; two workers, so one read stuck on a dead network share leaves
+# the other files readable.
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="h3-headers")
+_PENDING: dict[tuple[str, int, int], Future] = {}
+_LOCK = threading.Lock()
+# How long one list (or one queue-time check) waits for header reads, all its files together. A bounded GGUF header
+# reads in well under 0.1 s and a safetensors header in milliseconds; a 60 GB file's header on a spinning disk or
+# a network share may take a second or so.
+LIST_WAIT_S = 3.0
+EXECUTE_WAIT_S = 60.0  # execute time runs on ComfyUI's executor thread, not its event loop: it may wait longer
+_log = logging.getLogger(__name__)
 
 
-def identify(path: Path) -> Identity:
-    """The component a single file holds, from its header (cached by path, size and mtime)."""
-    stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    found = _CACHE.get(key)
-    if found is None and not stat_module.S_ISREG(stat.st_mode):
-        return Identity(None, problem="not a regular file")  # a FIFO or device would block the header read
-    if found is None:
-        try:
-            detection = weights.detect(str(path))
-            found = Identity(detection.component, detection.partition)
-        except Exception as error:  # noqa: BLE001 - any file a user drops in must list (or refuse), never crash
-            found = Identity(None, problem=str(error).replace(str(path.parent) + os.sep, ""))
+def _read(path: Path, key: tuple[str, int, int]) -> Identity:
+    """Detect one file (a pool thread): cached, and when unreadable its reason logged once (the cache entry)."""
+    try:
+        detection = weights.detect(str(path))
+        found = Identity(detection.component, detection.partition)
+    except Exception as error:  # noqa: BLE001 - any file a user drops in must list (or refuse), never crash
+        found = Identity(None, problem=str(error).replace(str(path.parent) + os.sep, ""))
+        level = logging.INFO if isinstance(error, weights.UnrecognisedCheckpointError) else logging.WARNING
+        _log.log(level, "MiniMax H3: %s is left out of the loader lists: %s", path, found.problem)
+    with _LOCK:
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
         _CACHE[key] = found
+        _PENDING.pop(key, None)
     return found
+
+
+def identify(path: Path, wait: float = LIST_WAIT_S) -> Identity:
+    """The component a single file holds, from its header (cached by path, size and mtime); a read that takes more
+    than `wait` seconds goes on in the background and answers `pending` now."""
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    with _LOCK:
+        found = _CACHE.get(key)
+        if found is not None:
+            return found
+        if not stat_module.S_ISREG(stat.st_mode):
+            return Identity(None, problem="not a regular file")  # a FIFO or device would block the header read
+        future = _PENDING.get(key)
+        if future is None:
+            future = _PENDING[key] = _POOL.submit(_read, path, key)
+    try:
+        return future.result(timeout=max(wait, 0.0))
+    except FutureTimeout:
+        return Identity(None, problem="its header is still being read, past this list's wait (a slow disk or share, "
+                        "or a file built to stall readers)", pending=True)
 
 
 def is_tiny(choice: str) -> bool:
@@ -86,6 +127,7 @@ def choices(folder: str, component: str) -> list[str]:
     """The loader's list: the user's files of `component`, then model folders, then the embedded tiny H3."""
     listed = bridge.model_choices(folder)
     files, folders, tiny = [], [], []
+    deadline = time.monotonic() + LIST_WAIT_S  # one bound for the whole list, however many files it reads
     for choice in listed:
         if is_tiny(choice):
             name = choice.removeprefix(bridge.TINY_FILE_PREFIX)
@@ -96,7 +138,7 @@ def choices(folder: str, component: str) -> list[str]:
         else:
             try:
                 path, _ = bridge.resolve_model_path(folder, choice)
-                if identify(path).component == component:
+                if identify(path, deadline - time.monotonic()).component == component:
                     files.append(choice)
             except (OSError, ValueError):
                 continue  # vanished since listing, or not a file a loader takes
@@ -118,6 +160,8 @@ def problems(folder: str, component: str, choice: str, loader_of: dict[str, str]
     if whole_folder:
         return None
     found = identify(path)
+    if found.pending:
+        return f"{choice}: {found.problem}; queue the prompt again in a moment"
     if found.component is None:
         return f"{choice} is not an H3 model file this loader reads: {found.problem}"
     if found.component != component:
@@ -131,4 +175,4 @@ def file_partition(folder: str, choice: str) -> str | None:
     """fl2va / ref2va when `choice` is a DiT file that says its partition; None for a model folder (or a file
     that does not say). Resolving the tiny H3's files may build it, so this runs at execute time only."""
     path, whole_folder = bridge.resolve_model_path(folder, choice)
-    return None if whole_folder else identify(path).partition
+    return None if whole_folder else identify(path, wait=EXECUTE_WAIT_S).partition

@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 from comfy_api.latest import io
 
 from ..h3_core.remote import credentials, protocol, transport
-from ..h3_core.remote.client import (
-    EncoderClient,
+from ..h3_core.remote.client import EncoderClient
+from ..h3_core.remote.transport import (
     ModelMismatchError,
     ProtocolMismatchError,
     RemoteAuthError,

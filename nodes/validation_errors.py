@@ -15,6 +15,7 @@ import logging
 
 from aiohttp import web
 
+from . import comfy_queue_seam, graph_checks
 from .input_checks import parse_report
 
 PACK_PREFIX = "H3Split"
@@ -77,7 +78,10 @@ async def middleware(request: web.Request, handler):
 
 def install() -> None:
     """Adds the middleware to ComfyUI's server (idempotent). Runs while custom nodes load, before the server
-    starts and aiohttp freezes its middleware list; a later call (or no server) changes nothing."""
+    starts and aiohttp freezes its middleware list; a later call (or no server) changes nothing. Also registers
+    the on-prompt handler that shows the validators the whole graph (graph_checks: the rules across nodes)."""
+    if not getattr(install, "graph_hook", False):
+        install.graph_hook = comfy_queue_seam.add_on_prompt_handler(graph_checks.remember)
     try:
         from server import PromptServer
     except ImportError:  # pragma: no cover - no ComfyUI server in this process

@@ -16,8 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import cpu_report
 
 from h3_core.testing import SERVER_THREADS
+
+# The per-user weight digests (h3_core/weights/digest.py) go to a folder of this run, inherited by every process the
+# tests start, never the user's ~/.cache (tests that check the cache itself set their own).
+if "H3_WEIGHT_DIGEST_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["H3_WEIGHT_DIGEST_CACHE"] = tempfile.mkdtemp(prefix="h3-digests-")
 
 # Bitwise parity between stages assumes one thread count in every process (docs/ARCHITECTURE.md §2.1, trap 5).
 torch.set_num_threads(int(os.environ.get("H3_THREADS", "2")))
@@ -84,10 +92,12 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_bench_quick": (SLOW,),
     "test_cli_components": (SLOW,),
     "test_clock": (),
+    "test_comfy_run": (),
     "test_comfyui_server": (COMFYUI,),
     "test_community_formats": (SLOW,),
     "test_component_cache": (SLOW,),
     "test_component_cache_server": (SLOW, PROCESS),
+    "test_conditioning_listing": (),
     "test_contract_comfy": (),
     "test_contract_comfy_edits": (),
     "test_contract_conditioning": (),
@@ -97,7 +107,9 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_contract_wire": (),
     "test_contract_wire_hostile": (),
     "test_contract_wire_zero_copy": (),
+    "test_core033_comfyui": (COMFYUI,),
     "test_core_conditioning_comfyui": (COMFYUI,),
+    "test_core_fidelity": (SLOW, PROCESS),
     "test_credentials": (),
     "test_deploy_docs": (PROCESS,),
     "test_deploy_install": (PROCESS,),
@@ -113,15 +125,25 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_gguf_comfyui": (COMFYUI,),
     "test_gguf_llamacpp": (SLOW,),
     "test_gpu_check": (SLOW,),
+    "test_headless_api_comfyui": (COMFYUI,),
+    "test_hostile_bounds": (),
+    "test_hostile_cache": (),
     "test_hostile_client": (),
     "test_hostile_files": (),
     "test_hostile_files_comfyui": (COMFYUI,),
+    "test_hostile_gguf": (),
+    "test_hostile_gguf_comfyui": (COMFYUI,),
+    "test_hostile_gguf_models": (SLOW,),
     "test_hostile_media": (PROCESS,),
     "test_hostile_process": (SLOW, PROCESS),
     "test_hostile_sandbox_lifetime": (SLOW, PROCESS),
     "test_hostile_server": (SLOW,),
+    "test_hostile_sp_channel": (PROCESS,),
     "test_layout": (),
+    "test_lengths": (SLOW,),
+    "test_lock": (),
     "test_lora": (SLOW,),
+    "test_lora_formats": (SLOW,),
     "test_low_vram_comfyui": (COMFYUI,),
     "test_media": (),
     "test_needed_encoders": (),
@@ -139,6 +161,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_quant_release": (SLOW,),
     "test_quant_twins": (SLOW,),
     "test_queue_time_errors_comfyui": (COMFYUI,),
+    "test_queue_time_rules": (),
     "test_qwen_assets": (SLOW,),
     "test_readme_assets": (PROCESS,),
     "test_remote_errors": (),
@@ -152,9 +175,11 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_remote_server": (SLOW,),
     "test_remote_service": (SLOW,),
     "test_remote_sharding": (SLOW,),
+    "test_request_fuzz": (SLOW,),
     "test_rules": (),
     "test_safe_paths": (),
     "test_safetensors_header": (),
+    "test_sampling_options": (),
     "test_sequence_parallel": (SLOW, PROCESS),
     "test_sequence_parallel_comfyui": (COMFYUI, PROCESS),
     "test_sequence_parallel_workers": (SLOW, PROCESS),
@@ -165,6 +190,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_tiny": (SLOW,),
     "test_vae_encode": (SLOW,),
     "test_vae_stream": (SLOW,),
+    "test_weight_identity": (),
     "test_weights_detect_check": (SLOW,),
     "test_weights_registry": (SLOW,),
     "test_weights_release_meta": (SLOW,),
@@ -180,6 +206,7 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
     "test_hostile_files::test_cli_refuses_a_canvas_beyond_the_trained_range": (SLOW, PROCESS),
     "test_hostile_files::test_a_file_truncated_after_load_does_not_kill_the_reader": (SLOW, PROCESS),
     "test_quant_formats::test_lora_on_quant_linear_is_a_branch_beside_the_codes": (SLOW,),
+    "test_lora_formats::test_formats_core_loads_change_what_core_changes": (SLOW, PROCESS),
 }
 
 
@@ -223,6 +250,7 @@ MEASURED_S: dict[str, int] = {
     "test_quant_pipeline": 42, "test_component_cache_server": 38, "test_remote_server": 35,
     "test_sequence_parallel_comfyui": 34, "test_comfyui_server": 33, "test_stress_script": 32,
     "test_hostile_server": 31, "test_gguf_llamacpp": 29, "test_low_vram_comfyui": 29, "test_tiny": 27,
+    "test_core033_comfyui": 330, "test_core_fidelity": 180,
 }
 
 
@@ -262,3 +290,33 @@ def pytest_collection_modifyitems(config, items):
             markers.add(SLOW)
         for name in sorted(markers):
             item.add_marker(name)
+
+
+# --- CPU per tier (tests/support/cpu_report.py): printed at the end of every run, summed over xdist workers ------
+
+_CPU = cpu_report.CpuByTier()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = cpu_report.cpu_seconds()
+    yield
+    _CPU.add(cpu_report.tier_of({mark.name for mark in item.iter_markers()}), cpu_report.cpu_seconds() - before)
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints the sum
+        session.config.workeroutput["h3_cpu_by_tier"] = _CPU.as_dict()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _CPU.merge(getattr(node, "workeroutput", {}).get("h3_cpu_by_tier", {}))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput") or not _CPU.seconds:
+        return
+    terminalreporter.write_sep("-", "CPU-minutes per tier (tests' processes and the children they reaped)")
+    for line in _CPU.lines():
+        terminalreporter.write_line(line)

@@ -142,14 +142,14 @@ def test_a_corrupt_entry_is_recomputed_never_served(damage, tmp_path, stage, unc
 def test_a_full_disk_leaves_the_answer_right(tmp_path, stage, uncached, monkeypatch):
     root = tmp_path / "cache"
     tier = DiskTier(root, 1 << 30)
-    real_open = open
+    real_write = os.write
 
-    def full_disk_open(path, mode="r", *args, **kwargs):  # the write path only: what a full volume fails
-        if str(path).endswith(".part"):
-            raise OSError(28, "No space left on device", str(path))
-        return real_open(path, mode, *args, **kwargs)
+    def full_disk_write(fd, data):  # the entry's temporary file only: what a full volume fails
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".part"):
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
 
-    monkeypatch.setattr("builtins.open", full_disk_open)
+    monkeypatch.setattr(os, "write", full_disk_write)
     out, record = _encode(stage, CASES["ref2va"], tier)
     monkeypatch.undo()
     assert out == uncached["ref2va"] and set(record.outcomes.values()) == {"miss"}

@@ -33,7 +33,10 @@ def test_derived_properties():
     for frames, lat, aud in ((209, 62, 348), (345, 102, 575), (141, 42, 235)):
         c = make("t2va", num_frames=frames)
         assert (c.latent_t, c.audio_t) == (lat, aud)
-    assert (facts.MIN_FRAMES, facts.MAX_FRAMES) == (124, 345)
+    assert (facts.MIN_FRAMES, facts.MAX_FRAMES) == (5, 3592)  # ComfyUI core's lengths; H3 was trained on 124-345
+    for frames, lat, aud in ((5, 2, 8), (481, 142, 802), (3592, 1057, 5987)):  # outside the trained range: valid
+        c = make("t2va", num_frames=frames)
+        assert (c.latent_t, c.audio_t) == (lat, aud)
 
 
 def test_prompt_dtype_kept_not_cast():
@@ -109,8 +112,8 @@ VIOLATIONS = [
     ("height_type", "t2va", dict(height=64.0), "height", "positive int"),
     ("height_bool", "t2va", dict(height=True), "height", "positive int"),
     ("num_frames_form", "t2va", dict(num_frames=125), "num_frames", "17n+5"),
-    ("num_frames_too_short", "t2va", dict(num_frames=107), "num_frames", "[124, 345]"),
-    ("num_frames_too_long", "t2va", dict(num_frames=362), "num_frames", "[124, 345]"),
+    ("num_frames_off_grid", "t2va", dict(num_frames=107 + 1), "num_frames", "17n+5"),
+    ("num_frames_too_long", "t2va", dict(num_frames=3609), "num_frames", "[5, 3592]"),
     ("prompt_type", "t2va", dict(prompt_embeds=[[0.0]]), "prompt_embeds", "torch.Tensor"),
     ("prompt_rank", "t2va", dict(prompt_embeds=_randn(24, D)), "prompt_embeds", "[1, L, D]"),
     ("prompt_batch", "t2va", dict(prompt_embeds=_randn(2, 24, D)), "prompt_embeds", "[1, L, D]"),

@@ -167,3 +167,15 @@ def test_deeply_nested_contract_header():
 def test_brackets_inside_strings_do_not_count_as_nesting():
     c = make("t2va", metadata={"note": "[" * 1000 + "{" * 1000})
     assert H3Conditioning.from_bytes(c.to_bytes()) == c
+
+
+def test_a_model_file_picked_as_a_conditioning_is_named_as_such(tmp_path):
+    # What users pick by mistake in Load Conditioning (a LoRA or a model): a well-formed safetensors file whose header
+    # alone is larger than any conditioning's. The message says what it is, not only the header's size.
+    from safetensors.torch import save_file
+
+    path = tmp_path / "some_lora.safetensors"
+    save_file({f"lora_unet_block_{i}.lora_down.weight": torch.zeros(1) for i in range(2000)}, str(path))
+    with pytest.raises(ContractError, match="is not an H3 conditioning file: its safetensors header alone is") as info:
+        H3Conditioning.load(path)
+    assert "a model, LoRA or other weights file?" in str(info.value) and "Save Conditioning" in str(info.value)

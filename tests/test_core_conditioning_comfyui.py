@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import urllib.request
 import uuid
 
@@ -275,3 +276,31 @@ def test_graph_memory_bench_runs(tiny_dir):
     for figures in result["results"].values():
         assert figures["rss_after_run"] > 0 and figures["rss_after_free"] > 0
     assert result["normalised_media_bytes"] == 124 * 256 * 128 * 3 + 2 * 96000 * 4
+
+
+def test_a_saved_file_is_listed_by_load_nodes_at_once_and_its_message_shows_whole(server, tmp_path):
+    """In the frontend: Save Conditioning's whole message shows in a box on the node (a one-line widget cut it), and
+    Load Conditioning nodes list the new file as soon as Save wrote it, the one already on the canvas and one added
+    after, without Refresh Node Definitions (tests/ui/save_load.mjs)."""
+    import subprocess
+
+    from support.comfy_harness import UI_DIR, chromium_path, ui_available
+
+    ok, why = ui_available()
+    if not ok:
+        pytest.skip(why)
+    prefix = f"ui_{uuid.uuid4().hex[:8]}"
+    graph = {"1": base()["1"], "10": base()["10"]}
+    save(graph, "30", "10", prefix)
+    (tmp_path / "graph.json").write_text(json.dumps(graph))
+    done = subprocess.run(["node", str(UI_DIR / "save_load.mjs"), str(tmp_path / "graph.json")], cwd=UI_DIR,
+                          env={**os.environ, "COMFY_URL": server.url, "CHROMIUM_PATH": chromium_path()},
+                          capture_output=True, text=True, timeout=600)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["exit_code"] == 0 and report["status"] == "success", (report, done.stderr[-2000:])
+    listed = f"h3/test_core/{prefix}_00001_.safetensors [output]"
+    assert listed not in report["before"]
+    assert listed in report["existing"] and listed in report["added"], report
+    assert report["saved_widget"] == "TEXTAREA", report
+    text = report["saved_text"]
+    assert text.startswith(f"saved h3/test_core/{prefix}_00001_.safetensors") and text.endswith(f"{listed!r}"), text

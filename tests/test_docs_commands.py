@@ -86,6 +86,9 @@ README_SECOND_LINES = {  # the README's blocks that start with `. .venv/bin/acti
     "are the two blocks below it",
     "python -m h3_core tiny --out models/tiny": RUN,
     "pip install '.[ray]'": RUN,
+    'python -m h3_core comfy-run workflows/api/t2va.json --server "${COMFY_URL:-http://127.0.0.1:8188}" --out '
+    "output/headless": "needs a running ComfyUI: tests/test_headless_api_comfyui.py runs this block as written against "
+    "the suite's ComfyUI (COMFY_URL)",
 }
 
 

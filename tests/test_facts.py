@@ -27,6 +27,7 @@ def test_fps_and_audio_rates(pipe):
     assert facts.AUDIO_SAMPLE_RATE == pipe.audio_sampling_rate == 32000
     assert facts.AUDIO_CHANNELS == mp.MINIMAX_H3_AUDIO_CHANNELS == pipe.audio_channels == 2
     assert facts.AUDIO_LATENT_CHANNELS == pipe.audio_latent_channels == 32
+    assert facts.VIDEO_LATENT_CHANNELS == pipe.vae_latent_channels == 24
 
 
 def test_canvas_and_patch(pipe):
@@ -75,13 +76,34 @@ def test_single_image_and_off_grid_latent_frames():
 
 def test_frame_range_is_diffusers_duration_after_snapping(pipe):
     """diffusers checks 5-15 s on the frame count *after* snapping up to 17k+5 (so 346..361 -> 362 = 15.08 s
-    is refused): the valid range is 124..345, the value the contract and the rules both use."""
+    is refused): the trained range is 124..345, where the rules stop warning."""
     assert (facts.MIN_DURATION_S, facts.MAX_DURATION_S) == (pipe.min_duration, pipe.max_duration)
     accepted = [n for n in range(1, 400)
                 if pipe.min_duration <= mp.align_num_frames(n, 17, 5) / pipe.fps <= pipe.max_duration]
     snapped = sorted({mp.align_num_frames(n, 17, 5) for n in accepted})
-    assert (facts.MIN_FRAMES, facts.MAX_FRAMES) == (snapped[0], snapped[-1]) == (124, 345)
-    assert facts.MIN_FRAMES == mp.align_num_frames(math.ceil(pipe.min_duration * pipe.fps), 17, 5)
+    assert (facts.TRAINED_MIN_FRAMES, facts.TRAINED_MAX_FRAMES) == (snapped[0], snapped[-1]) == (124, 345)
+    assert facts.TRAINED_MIN_FRAMES == mp.align_num_frames(math.ceil(pipe.min_duration * pipe.fps), 17, 5)
+    assert facts.DEFAULT_FRAMES == facts.TRAINED_MIN_FRAMES
+
+
+def test_allowed_lengths_are_comfyui_cores():
+    """The lengths every entry point accepts are those ComfyUI core 0.33's EmptyMiniMaxH3LatentAV allows (its
+    `length` widget 5..3600, snapped up to 17k+5 by its `align_frame_count`), as grid points: 5..3592 frames. Read
+    from core's source (.comfyui-0.33/, scripts/setup_comfyui.sh), so a change there fails here."""
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parents[1] / ".comfyui-0.33" / "comfy_extras" / "nodes_minimax_h3.py"
+    if not source.exists():
+        pytest.skip("ComfyUI core 0.33 is not set up (scripts/setup_comfyui.sh)")
+    text = source.read_text(encoding="utf-8")
+    widgets = re.findall(r'io\.Int\.Input\("length", default=(\d+), min=(\d+), max=(\d+), step=(\d+)', text)
+    assert widgets and set(widgets) == {("124", "5", "3600", "17")}, widgets  # every core H3 node alike
+    assert "frame_count = align_frame_count(max(5, length))" in text  # at least 5, snapped up
+    core_max = int(widgets[0][2])
+    assert facts.CORE_MAX_LENGTH == core_max
+    grid = [n for n in range(1, core_max + 1) if facts.is_on_frame_grid(n)]
+    assert (facts.MIN_FRAMES, facts.MAX_FRAMES) == (grid[0], grid[-1]) == (5, 3592)
+    assert facts.IMAGE_FRAMES == facts.MIN_FRAMES == rules.snap_frames_up(1)  # core's text to image: 1 -> 5 frames
 
 
 def test_reference_limits():

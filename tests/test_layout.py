@@ -4,6 +4,7 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
 import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,14 +147,24 @@ def test_no_module_imports_another_modules_private_names():
     assert offenders == []
 
 
-def test_h3_core_module_imports_have_no_cycle():
-    """h3_core's modules form layers: no cycle among the imports that run at import time. (A cycle hidden by
-    function-local imports is a layering error too, but a lazy import of torch-heavy code is not: this checks the
-    module-level graph.) A package's `from . import x` counts as an import of the submodule `x`."""
+def _runtime_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Every import that can run, at any depth (inside functions too), but not those under `if TYPE_CHECKING:`."""
+    guarded = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and "TYPE_CHECKING" in ast.unparse(node.test) for inner in ast.walk(node)}
+    return [node for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in guarded]
+
+
+@pytest.mark.parametrize("depth", ["module level", "anywhere"])
+def test_h3_core_module_imports_have_no_cycle(depth):
+    """h3_core's modules form layers: no cycle among the imports that run at import time, nor among all imports,
+    those inside functions included (a lazy import keeps torch-heavy code off a light path; it must not hide a cycle
+    between two of the pack's modules). A package's `from . import x` counts as an import of the submodule `x`."""
     paths = {_module_name(p): p for p in sorted((REPO / "h3_core").rglob("*.py"))}
     graph = {name: set() for name in paths}
+    imports = _module_level_imports if depth == "module level" else _runtime_imports
     for name, path in paths.items():
-        for node in _module_level_imports(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in imports(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -179,6 +190,44 @@ def test_h3_core_module_imports_have_no_cycle():
 
     cycles = [cycle for cycle in map(cycle_from, sorted(graph)) if cycle]
     assert cycles == []
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    """Names a module defines itself: functions, classes, assignments at top level, and the names its module-level
+    `__getattr__` serves (a lazily built table, e.g. safetensors_header.DTYPES)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            if node.name == "__getattr__":
+                strings = (c.value for c in ast.walk(node) if isinstance(c, ast.Constant))
+                names.update(value for value in strings if isinstance(value, str))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    """A module imports a name from the module that defines it, not from one that imported it in turn (a re-export
+    hides where the name lives, and moves with that module's imports). Packages' `__init__` re-exports are their
+    declared API and are allowed."""
+    paths = {_module_name(p): p for p in sorted([*(REPO / "h3_core").rglob("*.py"), *(REPO / "nodes").rglob("*.py")])}
+    trees = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in paths.items()}
+    defined = {name: _defined_names(tree) for name, tree in trees.items()}
+    offenders = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _absolute(name, paths[name].name == "__init__.py", node)
+            if base not in paths or paths[base].name == "__init__.py":
+                continue
+            offenders += [f"{paths[name].relative_to(REPO)}:{node.lineno} imports {alias.name} from {base}"
+                          for alias in node.names
+                          if alias.name != "*" and f"{base}.{alias.name}" not in paths
+                          and alias.name not in defined[base]]
+    assert offenders == []
 
 
 def test_no_test_module_imports_another():

@@ -28,7 +28,8 @@ TEMPLATES = REPO / "example_workflows"
 sys.path.insert(0, str(WORKFLOWS))
 import build_workflows  # noqa: E402
 
-NAMES = ["t2va", "fl2va", "ref2va", "ref2va_remote", "t2va_pruned_int8", "fl2va_pruned_fp8_nvfp4"]
+NAMES = ["t2va", "t2i", "fl2va", "ref2va", "ref2va_remote", "t2va_pruned_int8", "fl2va_pruned_fp8_nvfp4"]
+VIDEO_NAMES = [name for name in NAMES if name != "t2i"]  # t2i saves a PNG (its first frame), not an mp4
 # Each template's file name (its title in the template browser) by the API workflow's name.
 TITLES = {graph.key: graph.title for graph in build_workflows.build_graphs()}
 SCREENSHOTS = REPO / "docs" / "images"  # H3_UPDATE_SCREENSHOTS=1 rewrites the templates' screenshots there
@@ -36,11 +37,12 @@ SCREENSHOTS = REPO / "docs" / "images"  # H3_UPDATE_SCREENSHOTS=1 rewrites the t
 
 def template(name: str) -> dict:
     return json.loads((TEMPLATES / f"{TITLES[name]}.json").read_text())
-EXPECTED_CANVAS = {"t2va": (128, 64), "fl2va": (96, 64), "ref2va": (128, 64), "ref2va_remote": (128, 64),
-                   "t2va_pruned_int8": (128, 64), "fl2va_pruned_fp8_nvfp4": (96, 64)}
+EXPECTED_CANVAS = {"t2va": (128, 64), "t2i": (128, 64), "fl2va": (96, 64), "ref2va": (128, 64),
+                   "ref2va_remote": (128, 64), "t2va_pruned_int8": (128, 64), "fl2va_pruned_fp8_nvfp4": (96, 64)}
 # The real DiT and text encoder each template stands for (None: no text encoder, the endpoint encodes).
 EXPECTED_FILES = {
     "t2va": ("minimax_h3_fl2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
+    "t2i": ("minimax_h3_fl2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
     "fl2va": ("minimax_h3_fl2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
     "ref2va": ("minimax_h3_ref2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
     "ref2va_remote": ("minimax_h3_ref2va_bf16.safetensors", None),
@@ -62,9 +64,10 @@ PACK_NODES = {
     "H3SplitAudioVAEEncode": (["conditioning", "audio_vae"], ["CONDITIONING"], "conditioning"),
     "H3SplitRemoteEncode": (["prompt", "width", "height", "length", "endpoint"], ["CONDITIONING"], "conditioning"),
     "H3SplitSampler": (["dit", "conditioning", "seed", "steps", "video_shift", "audio_shift"], ["LATENT"], "sampling"),
-    "H3SplitDecode": (["latent", "vae", "audio_vae"], ["VIDEO", "IMAGE", "AUDIO"], "latent"),
+    "H3SplitDecode": (["latent", "vae", "audio_vae"], ["VIDEO", "IMAGE", "AUDIO", "IMAGE"], "latent"),
     "H3SplitSaveConditioning": (["conditioning", "filename_prefix"], [], "conditioning"),
     "H3SplitLoadConditioning": (["conditioning_file"], ["CONDITIONING"], "conditioning"),
+    "H3SplitEmptyLatentFromConditioning": (["conditioning"], ["LATENT", "INT", "INT", "INT"], "latent"),
 }
 
 
@@ -192,7 +195,7 @@ def test_shipped_workflows_hold_no_secrets(server):
 # --- running the shipped workflows ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", VIDEO_NAMES)
 def test_api_workflow_runs_to_an_mp4(server, encoder_url, name):
     result = server.run_prompt(api(name, encoder_url), timeout=600)
     assert result.status == "success" and "execution_success" in result.types()
@@ -204,6 +207,49 @@ def test_api_workflow_runs_to_an_mp4(server, encoder_url, name):
     assert (info["frames"] - 5) % 17 == 0 and info["frames"] == 124
     assert info["fps"] == 24.0 and (info["width"], info["height"]) == (width, height)
     assert info["sample_rate"] == 32000 and info["channels"] == 2
+
+
+def test_t2i_workflow_saves_one_image(server):
+    """Text to image, as ComfyUI core's: a 5-frame job (the shortest clip), Decode's `image` output (its first
+    frame) to Save Image: one PNG on the canvas H3's rule picks, the first frame of the decoded clip."""
+    graph = api("t2i")
+    assert node_of(graph, "H3SplitTextEncode")["inputs"]["length"] == 5
+    assert node_of(graph, "SaveImage")["inputs"]["images"] == [id_of(graph, "H3SplitDecode"), 3]
+    result = server.run_prompt(graph, timeout=600)
+    assert result.status == "success"
+    pngs = [path for path in result.files if path.suffix == ".png"]
+    assert len(pngs) == 1 and not [path for path in result.files if path.suffix == ".mp4"], result.files
+    image = media.read_image(pngs[0])
+    assert image.shape == (64, 128, 3) and image.std() > 0  # the tiny's noise, one 128x64 frame
+    # ... the first of the clip's frames: the same graph saving Decode's `frames` gives it as its first image
+    frames = api("t2i")
+    node_of(frames, "SaveImage")["inputs"].update(images=[id_of(frames, "H3SplitDecode"), 1],
+                                                 filename_prefix="h3/t2i_frames")
+    saved = sorted(path for path in server.run_prompt(frames, timeout=600).files if path.suffix == ".png")
+    assert len(saved) == 5 and np.array_equal(media.read_image(saved[0]), image)
+
+
+def test_lengths_core_allows_run_with_a_warning(server):
+    """Outside H3's trained 124-345 frames, as ComfyUI core allows (5..3592 on the 17k+5 grid): a 20 s (481-frame)
+    and a 5-frame graph run, each with a warning in the log, not a refusal; beyond core's lengths: refused at queue
+    time naming the bound."""
+    for frames, seed in ((481, 4810), (5, 50)):
+        graph = api("t2va")
+        node_of(graph, "H3SplitTextEncode")["inputs"]["length"] = frames
+        node_of(graph, "H3SplitSampler")["inputs"].update(seed=seed, steps=2)
+        result = server.run_prompt(graph, timeout=900)
+        assert result.status == "success"
+        info = media.probe(next(path for path in result.files if path.suffix == ".mp4"))
+        assert info["frames"] == frames and info["sample_rate"] == 32000
+        warning = f"{frames} frames ({frames / 24:.2f} s) is outside H3's trained range of 5-15 s (124-345 frames)"
+        assert warning in server.log_text()
+    info = server.object_info()["H3SplitTextEncode"]["input"]["required"]["length"][1]
+    assert (info["min"], info["max"], info["step"], info["default"]) == (5, 3592, 17, 124)
+    assert "trained on 124" in info["tooltip"] and "warning" in info["tooltip"]
+    bad = api("t2va")
+    node_of(bad, "H3SplitTextEncode")["inputs"]["length"] = 3609
+    status, body = server.post_prompt_expect_error(bad)
+    assert status == 400 and "3592" in json.dumps(body)
 
 
 def missing_models_dialog(report: dict) -> list[str]:
@@ -539,8 +585,8 @@ def test_bad_inputs_fail_before_heavy_work(server, tmp_path):
         "inputs": {"media": [refs, 0], **{f"ref_image_{i}": [image, 0] for i in range(1, 10)}},
     }
     node_of(bad, "H3SplitTextEncode")["inputs"]["media"] = ["95", 0]
-    result = server.run_prompt(bad, timeout=600, check=False)
-    assert result.status == "error" and "at most 9 image references, got 10" in _error_text(result)
+    status, body = server.post_prompt_expect_error(bad)  # the graph fixes the count: refused when queued
+    assert status == 400 and "at most 9 image references, got 10" in json.dumps(body), body
 
     # a ref2va graph without its video VAE encoder: the sampler names the missing node
     bad = api("ref2va")

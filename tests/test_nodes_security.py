@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from support.comfy_harness import comfy_factory, free_port  # noqa: F401  (session fixture)
 from support.contract_cases import make
+from support.nested_dirs import remove_nested
 
 TOKEN = "sekrit-" + "t" * 33
 LEAK = "INTERNAL-ONLY-BODY-4f1e"
@@ -164,6 +165,45 @@ def test_load_conditioning_errors_never_quote_file_bytes(server):
     assert "not a safetensors file" in text, text[:2000]
     assert str(int.from_bytes(payload[:8], "little")) not in text and "SECRETBYTES" not in text
     assert "ZYXWVUTS" not in text
+
+
+def _upload(server, name: str, data: bytes, subfolder: str) -> dict:
+    import urllib.request
+    import uuid
+
+    boundary = uuid.uuid4().hex
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"{name}\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode() + data + (
+        f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"subfolder\"\r\n\r\n{subfolder}"
+        f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"type\"\r\n\r\ninput\r\n--{boundary}--\r\n"
+    ).encode()
+    request = urllib.request.Request(f"{server.url}/upload/image", data=body, method="POST",
+                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
+def test_nested_uploads_do_not_hide_load_conditioning(server):
+    """Uploads into a subfolder nested 1,500 deep (core's /upload/image takes any `subfolder`) once made the node's
+    listing raise RecursionError, so it vanished from /object_info for every user. Now the listing is depth-capped
+    and iterative, and a prompt naming a file in input/ is validated without listing the folder."""
+    data = make("t2va").to_bytes()
+    top = server.input_dir / "h3sec_nest"
+    try:
+        for index in range(1, 6):  # 300 levels more each time: core's os.makedirs recurses once per missing level
+            answer = _upload(server, f"h3sec_deep{index}.safetensors", data,
+                             "/".join(["h3sec_nest"] + ["d"] * (300 * index)))
+            assert answer["type"] == "input"
+        assert _upload(server, "h3sec_shallow.safetensors", data, "h3sec_nest")["subfolder"] == "h3sec_nest"
+        info = server.object_info("H3SplitLoadConditioning")
+        options = json.dumps(info["input"]["required"]["conditioning_file"])
+        assert "h3sec_nest/h3sec_shallow.safetensors" in options and "h3sec_deep" not in options
+        result = server.run_prompt(load_graph("h3sec_nest/h3sec_shallow.safetensors"), timeout=120)
+        assert result.status == "success"
+        _expect_400(server, load_graph("/".join(["h3sec_nest"] + ["d"] * 1500 + ["h3sec_deep5.safetensors"])),
+                    "conditioning_file", "more than 3 folders deep")
+    finally:
+        if top.exists():
+            remove_nested(top)
 
 
 # --- item 4: the loaders' minimax_h3/... choices stay inside models/minimax_h3 ------------------------------

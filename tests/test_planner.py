@@ -149,3 +149,19 @@ def test_plan_command_with_sp(tiny_dir, capsys):
     assert "per GPU of 2" in out and "resident from --sp 1" in out
     assert cli.main([*base, "--sp", "4"]) == 1  # the tiny DiT has 2 heads
     assert "2 attention heads do not divide into 4" in capsys.readouterr().err
+
+
+def test_lengths_beyond_the_trained_range_are_planned_for_the_machine():
+    """The lengths ComfyUI core allows (up to 3592 frames) are planned like any job: the memory grows with the
+    length (the DiT's tokens, the decoded video), and the verdict says whether this machine runs it; the report
+    warns outside the trained 124-345 frames (tests/test_lengths.py runs `plan` on the tiny files)."""
+    job = {"width": 1344, "height": 768}
+    tokens = [planner.dit_tokens(frames=f, **job) for f in (5, 124, 481, 3592)]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 4
+    acts = [planner.activation_bytes(frames=f, **job) for f in (124, 481)]
+    assert acts[1] > 3 * acts[0]
+    table = plan_tables.dit_table("pruned_int8_convrot")
+    short, long = (planner.plan_component("transformer", table, width=1344, height=768, frames=f) for f in (481, 3592))
+    assert plan_report.verdicts([short], vram=int(80 * GB), ram=int(128 * GB))[0].offload is not None
+    assert long.activation > 40e9  # ~150 s at 1344x768: more than a 24 GB GPU holds, whatever streams
+    assert plan_report.verdicts([long], vram=int(24 * GB), ram=int(64 * GB))[0].offload is None

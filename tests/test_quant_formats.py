@@ -256,3 +256,16 @@ def test_mxfp8_block_scale_nan_is_found_on_its_bits():
 
     e8m0 = torch.float8_e8m0fnu
     assert _finite(bytes([0x7F, 0x80, 0x00]), e8m0) and not _finite(bytes([0x7F, 0xFF]), e8m0)
+
+
+def test_a_w6a8_layer_is_refused_by_name_where_comfy_kitchen_lacks_six_bits(monkeypatch):
+    # ComfyUI core 0.33 pins comfy-kitchen 0.2.31, whose asym_w4a8 layout has no 6-bit codes: there a w6a8 layer is
+    # refused naming the version it needs, at check time, instead of kitchen's divisibility error mid-run.
+    from h3_core.weights.errors import H3WeightsError
+    from h3_core.weights.quant import kitchen
+
+    monkeypatch.setattr(kitchen, "installed_version", lambda: (0, 2, 31))
+    with pytest.raises(H3WeightsError, match=r"w6a8 \(6-bit\) layer needs comfy-kitchen >= 0\.2\.40, and 0\.2\.31"):
+        kitchen.require_six_bit("blocks.0.attn.qkv_proj")
+    monkeypatch.setattr(kitchen, "installed_version", lambda: (0, 2, 40))
+    kitchen.require_six_bit("blocks.0.attn.qkv_proj")  # the lock's version: accepted

@@ -82,8 +82,8 @@ def test_one_suffix_list_and_one_dtype_set():
     dtypes are one set."""
     for fmt in layouts.supported_formats():
         assert set(layouts.layer_format(fmt).side_tensors) <= set(layouts.side_suffixes())
-    header = weights.headers.Header(tensors={"a.weight": weights.headers.TensorInfo("F32", (4, 4), "x"),
-                                             "a.weight_s_channel": weights.headers.TensorInfo("F32", (4,), "x")},
+    header = weights.headers.Header(tensors={"a.weight": weights.tensor_info.TensorInfo("F32", (4, 4), "x"),
+                                             "a.weight_s_channel": weights.tensor_info.TensorInfo("F32", (4,), "x")},
                                     metadata={}, files=("x",))
     assert formats.detect_format(header, "x").name == "quantised"
 

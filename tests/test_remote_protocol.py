@@ -36,7 +36,53 @@ def _error(**fields) -> ProtocolError:
 
 def test_minimal_request_defaults():
     spec = _parse()
-    assert spec.resolved_task == "t2va" and spec.num_frames == facts.MIN_FRAMES and spec.media() == []
+    assert spec.resolved_task == "t2va" and spec.num_frames == facts.DEFAULT_FRAMES and spec.media() == []
+
+
+def test_output_length_is_an_operator_setting_with_todays_default():
+    """The server takes H3's lengths up to its `max_num_frames` (`serve --max-frames`): 345 frames (H3's trained
+    15 s) unless the operator raises it, at most to facts.MAX_FRAMES; beyond the setting a 422 names it."""
+    assert Limits().max_num_frames == facts.TRAINED_MAX_FRAMES == 345
+    assert _parse(num_frames=5).num_frames == 5  # the shortest clip (text to image) needs no setting
+    error = _error(num_frames=481)
+    assert (error.status, error.code, error.field) == (422, "invalid_request", "num_frames")
+    assert "max_num_frames=345" in error.message and "--max-frames" in error.message and "3592" in error.message
+    raised = Limits(max_num_frames=facts.MAX_FRAMES)
+    body = {"protocol": 2, "prompt": "a fox", "num_frames": 481}
+    assert request_schema.parse_request(body, raised, max_deadline_s=600).num_frames == 481
+    with pytest.raises(ProtocolError, match="within 5-3592 frames"):  # beyond H3's own lengths: H3's message
+        request_schema.parse_request({**body, "num_frames": 3609}, raised, max_deadline_s=600)
+    lowered = Limits(max_num_frames=124)
+    with pytest.raises(ProtocolError, match="max_num_frames=124"):
+        request_schema.parse_request({**body, "num_frames": 141}, lowered, max_deadline_s=600)
+    caps = raised.to_json()
+    assert caps["num_frames"] == [5, 3592] and caps["trained_num_frames"] == [124, 345]
+    assert Limits().to_json()["num_frames"] == [5, 345]
+    for bad_setting in (4, 3609, 1.5e3):
+        with pytest.raises(ValueError, match="max_num_frames must be an integer within 5-3592"):
+            Limits(max_num_frames=bad_setting)
+
+
+def test_serve_max_frames_flag():
+    from h3_core.cli import build_parser
+    from h3_core.remote.server import config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--models", "m", "--max-frames", "481"])
+    assert config_from_args(args, None).limits.max_num_frames == 481
+    assert config_from_args(parser.parse_args(["serve", "--models", "m"]), None).limits.max_num_frames == 345
+    with pytest.raises(ServerConfigError, match="--max-frames must be within 5-3592"):
+        config_from_args(parser.parse_args(["serve", "--models", "m", "--max-frames", "9999"]), None)
+    # the canvas caps: today's values by default, an operator may lower them (never beyond what the contract holds)
+    lowered = config_from_args(parser.parse_args(["serve", "--models", "m", "--max-canvas-edge", "1024",
+                                                  "--max-canvas-pixels", "524288"]), None).limits
+    assert (lowered.max_canvas_edge, lowered.max_canvas_pixels) == (1024, 524288)
+    body = {"protocol": 2, "prompt": "a fox", "width": 1344, "height": 768}
+    with pytest.raises(ProtocolError, match="max_canvas_edge=1024") as info:
+        request_schema.parse_request(body, lowered, max_deadline_s=600)
+    assert info.value.status == 413
+    with pytest.raises(ServerConfigError, match="--max-canvas-edge must be within 32-2016"):
+        config_from_args(parser.parse_args(["serve", "--models", "m", "--max-canvas-edge", "4096"]), None)
 
 
 @pytest.mark.parametrize(
@@ -132,6 +178,40 @@ def test_strict_json():
     with pytest.raises(ProtocolError) as info:
         request_schema.parse_request_json(b" " * (Limits().max_json_bytes + 1))
     assert info.value.status == 413
+
+
+@pytest.mark.parametrize("fields, status, field", [
+    ({"deadline_s": 10**400}, 422, "deadline_s"),  # was a 500: math.isfinite(10**400) raises OverflowError
+    ({"deadline_s": -10**400}, 422, "deadline_s"),
+    ({"deadline_s": 1e300}, 422, "deadline_s"),
+    ({"deadline_s": float("nan")}, 400, "deadline_s"),
+    ({"ref_videos": [{"part": "v", "fps": 10**400}]}, 422, "ref_videos[0].fps"),  # was a 500 too
+    ({"ref_videos": [{"part": "v", "fps": float("inf")}]}, 400, "ref_videos[0].fps"),
+    ({"ref_videos": [{"part": "v", "fps": True}]}, 400, "ref_videos[0].fps"),
+    ({"width": 10**400, "height": 64}, 422, "width"),
+    ({"width": 64, "height": -64}, 422, "height"),  # a rule on the height alone names the height
+    ({"protocol": 10**400}, 400, "protocol"),
+])
+def test_huge_and_non_finite_numbers_name_their_field(fields, status, field):
+    error = _error(**fields)
+    assert (error.status, error.field) == (status, field), error.message
+    assert len(error.message) < 400, error.message  # a 401-digit number is not echoed whole
+
+
+@pytest.mark.parametrize("literal, field", [
+    ("1e400", "deadline_s"), ("-1e400", "deadline_s"), ("NaN", "num_frames"), ("Infinity", "width"),
+    ("1" + "0" * 400, "deadline_s"), ("-" + "9" * 5000, "num_frames"),
+])
+def test_numbers_json_cannot_hold_are_refused_naming_their_field(literal, field):
+    raw = '{"protocol": 2, "prompt": "a fox", "%s": %s}' % (field, literal)
+    with pytest.raises(ProtocolError) as info:
+        request_schema.parse_request_json(raw.encode())
+    assert (info.value.status, info.value.code, info.value.field) == (400, "bad_request", field), info.value.message
+    assert len(info.value.message) < 300
+    nested = '{"protocol": 2, "ref_videos": [{"part": "v", "fps": %s}]}' % literal
+    with pytest.raises(ProtocolError) as info:
+        request_schema.parse_request_json(nested.encode())
+    assert info.value.field == "ref_videos[0].fps", info.value.message
 
 
 def test_part_checks_and_sniffing():

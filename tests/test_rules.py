@@ -22,14 +22,35 @@ def test_off_grid_frames_refused(frames):
         rules.check_output_frames(frames)
 
 
-@pytest.mark.parametrize("frames", [107, 362])
-def test_duration_outside_5_to_15_s_refused(frames):
-    with pytest.raises(H3InputError, match="5-15 s"):
+@pytest.mark.parametrize("frames", [5, 22, 107, 362, 481, 3592])
+def test_lengths_core_allows_are_valid_outside_the_trained_range_with_a_warning(frames):
+    """ComfyUI core's EmptyMiniMaxH3LatentAV allows 5..3600 frames on the 17k+5 grid: so does the pack, and outside
+    H3's trained 5-15 s (124-345 frames) it warns instead of refusing."""
+    assert rules.check_output_frames(frames) == frames
+    warning = rules.trained_range_warning(frames)
+    assert warning and "trained range" in warning and "124-345 frames" in warning and str(frames) in warning
+
+
+@pytest.mark.parametrize("frames", [124, 141, 345])
+def test_the_trained_range_has_no_warning(frames):
+    assert rules.check_output_frames(frames) == frames and rules.trained_range_warning(frames) is None
+
+
+@pytest.mark.parametrize("frames", [3609, 17 * 1000 + 5])
+def test_longer_than_core_allows_refused_naming_the_bound(frames):
+    with pytest.raises(H3InputError, match="within 5-3592 frames"):
         rules.check_output_frames(frames)
 
 
 def test_duration_bounds_are_inclusive():
-    assert rules.check_output_frames(124) == 124 and rules.check_output_frames(345) == 345
+    assert rules.check_output_frames(5) == 5 and rules.check_output_frames(3592) == 3592
+
+
+def test_a_soundtrack_cut_under_2_s_by_a_short_output_names_the_output():
+    summary = MediaSummary(image_refs=0, video_ref_seconds=(5.0,), soundtrack_seconds=(5.0,))
+    with pytest.raises(H3InputError, match="cut to the output's 0.92 s.*at least 56 frames"):
+        rules.check_reference_durations(summary, 22)
+    rules.check_reference_durations(summary, 56)  # 2.33 s: the soundtrack is 2.33 s once cut
 
 
 @pytest.mark.parametrize("width,height", [(100, 64), (64, 70), (0, 64), (-32, 64)])

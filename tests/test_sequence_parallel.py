@@ -102,6 +102,32 @@ def test_sp2_equals_sp1(tiny_dir, conds, tmp_path, task, dit, offload):
     assert (tmp_path / "sp2.mp4").stat().st_size > 0
 
 
+# The second of the two forwards reuses the stack: every:2 by its count, the DBCache form because its threshold
+# (0.99 relative L1 change) is met after a warm-up of none.
+CACHED = ["every:2", "dbcache:warmup=0,threshold=0.99,bn=0"]
+
+
+@pytest.mark.parametrize("cache", CACHED, ids=["every2", "dbcache"])
+def test_sp2_with_a_step_cache_equals_the_cached_single_process(tiny_dir, conds, tmp_path, cache):
+    """Each rank caches the residual of its own shard and every rank takes the same compute-or-reuse decision
+    (every:K: the forward's number; DBCache: cache-dit's change all-reduced over the ranks), on ref2va's odd packed
+    sequence (unequal shards). Before, every:K failed after the ranks started: "The size of tensor a (621) must
+    match the size of tensor b (1241)"."""
+    from h3_core.contract import H3Conditioning
+
+    stage = DiffusionStage(ModelSource.from_path(tiny_dir, layout="comfyui"))
+    reference = stage.sample(H3Conditioning.load(conds["ref2va"]), SamplingOptions(steps=STEPS, seed=3, cache=cache))
+    assert 0 < reference.passes.computed < reference.passes.total  # the run did reuse the stack
+    done = _generate(tiny_dir, conds["ref2va"], tmp_path / "sp2.mp4", "--sp", "2", "--cache", cache, "--dump",
+                     str(tmp_path / "sp2.safetensors"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert str(reference.passes) in done.stderr  # the same forwards computed on the ranks as in one process
+    dumped = load_file(str(tmp_path / "sp2.safetensors"))
+    for name, expected in (("latents", reference.video), ("audio_latents", reference.audio)):
+        deviation = _relative(dumped[name], expected)
+        assert deviation <= 1e-6, f"{name}: {deviation:.2e} relative"
+
+
 def test_what_cannot_run_is_refused_before_any_rank_starts(tiny_dir, conds, tmp_path, capsys):
     base = ["generate", "--models", str(tiny_dir), "--layout", "comfyui", "--cond", str(conds["t2va"]),
             "--out", str(tmp_path / "x.mp4")]

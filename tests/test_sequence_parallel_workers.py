@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from support.listening import is_loopback, listening
 
 from h3_core import sequence_parallel
 from h3_core import sequence_parallel_workers as workers
@@ -70,6 +71,31 @@ def test_pool_equals_one_process_and_stays_warm(setup):
     _assert_equal(again, reference)
 
 
+def test_a_warm_pool_listens_on_loopback_only(setup):
+    """Rank 0's rendezvous store and every rank's gloo sockets live as long as the pool: none beyond loopback (the
+    store listened on every interface before, unauthenticated)."""
+    recipe, layout, _, _ = setup
+    pool = workers.warm_pool(recipe, layout)
+    found = {pid: listening(pid) for pid in pool.pids}
+    assert all(found.values()), f"a rank without its process group's sockets: {found}"
+    assert not [a for addresses in found.values() for a in addresses if not is_loopback(a[0])], found
+
+
+@pytest.mark.parametrize("cache", ["every:2", "dbcache:warmup=0,threshold=0.99,bn=0"], ids=["every2", "dbcache"])
+def test_pool_with_a_step_cache_equals_the_cached_single_process(setup, cache):
+    """The Sampler's gpus > 1 with its cache: the ranks reuse the stack on the same forwards as one process (the
+    decision is identical on every rank) and each reuses its own shard's residual. every:K raised a raw size
+    mismatch in the workers before."""
+    recipe, layout, cond, _ = setup
+    reference = DiffusionStage(recipe.source()).sample(cond, SamplingOptions(steps=STEPS, seed=3, cache=cache))
+    assert 0 < reference.passes.computed < reference.passes.total
+    counts = []
+    latents = workers.sample(recipe, layout, cond, SamplingOptions(steps=STEPS, seed=3, cache=cache,
+                                                                   on_cache=counts.append))
+    _assert_equal(latents, reference)
+    assert latents.passes == reference.passes and counts[-1] == reference.passes
+
+
 def test_cancel_stops_every_rank_at_one_step_and_the_pool_stays_warm(setup):
     recipe, layout, cond, reference = setup
     pool = workers.warm_pool(recipe, layout)
@@ -108,7 +134,7 @@ def test_a_rank_error_is_reported_with_its_message(setup, tmp_path):
     recipe, layout, cond, _ = setup
     missing = tmp_path / "gone.safetensors"
     with pytest.raises(workers.WorkerError, match=r"rank \d failed while sampling: .*gone\.safetensors"):
-        workers.sample(recipe, layout, cond, SamplingOptions(steps=STEPS, seed=3), lora_path=str(missing))
+        workers.sample(recipe, layout, cond, SamplingOptions(steps=STEPS, seed=3), [(str(missing), 1.0)])
 
 
 def test_the_channel_carries_json_and_safetensors_only():
@@ -140,3 +166,26 @@ def test_the_channel_carries_json_and_safetensors_only():
     with pytest.raises(ChannelClosed):
         b.recv()
     assert token_matches("abc", "abc") and not token_matches("abc", "abd") and not token_matches("abc", None)
+    b.close()
+
+
+def test_stacked_loras_without_their_audio_run_on_the_pool_as_in_one_process(setup, tmp_path, tiny_dir):
+    """Several LoRAs at their own strengths, their audio-branch weights left out, cross to the ranks as files
+    (SamplingOptions.to_wire) and give the single-process result: gpus > 1 no longer refuses them."""
+    from support import lora_support
+
+    from h3_core.lora import stack_for_run
+
+    recipe, layout, cond, _ = setup
+    source = ModelSource.from_path(tiny_dir, layout="comfyui")
+    dit = DiffusionStage(source)
+    transformer = source.load("transformer")  # the LoRA writers read its Linears' shapes
+    loras = [(tmp_path / "a.safetensors", 0.7), (tmp_path / "b.safetensors", -0.4)]
+    lora_support.comfy_lora(loras[0][0], transformer, seed=1)
+    lora_support.musubi_lora(loras[1][0], transformer, seed=2)
+    stack = stack_for_run(loras, steps=STEPS, audio=False)
+    want = dit.sample(cond, SamplingOptions(steps=STEPS, seed=3, lora=stack))
+    got = workers.sample(recipe, layout, cond, SamplingOptions(steps=STEPS, seed=3), loras, lora_audio=False)
+    _assert_equal(got, want)
+    plain = dit.sample(cond, SamplingOptions(steps=STEPS, seed=3))
+    assert _relative(got.video, plain.video) > 1e-4  # the LoRAs changed the result

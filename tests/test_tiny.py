@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import tiny_bytes
 
 from h3_core import facts, tiny
 from h3_core.models import ModelSource
@@ -146,3 +147,26 @@ def test_links_into_the_build_run_at_the_tiny_settings_and_a_copy_at_the_release
     shutil.copyfile(linked, copy)
     alone = ModelSource.for_file("text_encoder", copy)
     assert not alone.tiny and alone.pipeline_config == release_rule
+
+
+def test_the_build_is_the_committed_bytes_and_names_any_file_that_moved(tiny_dir):
+    # The fingerprint in docs/PROTOCOL.md and every cache key derive from these bytes; they depend only on the pack,
+    # the lock and the seed (no library version is stamped into the build: tiny.json records them instead).
+    manifest = json.loads((tiny_dir / "tiny.json").read_text())
+    want = tiny_bytes.expected()
+    moved = tiny_bytes.differences(manifest, want)
+    assert not moved, (
+        "the tiny build's bytes moved (the model fingerprint with them):\n  " + "\n  ".join(moved)
+        + "\nlibraries that differ from the committed build: " + (", ".join(tiny_bytes.libraries(manifest, want))
+                                                                  or "none")
+        + "\nif the pack changed the build, refresh: .venv/bin/python -m tests.support.tiny_bytes --write")
+    texts = [path.read_text() for path in tiny_dir.rglob("*.json") if path.name != "tiny.json"]
+    assert not [text for text in texts if '"_diffusers_version"' in text or '"transformers_version"' in text]
+    assert set(manifest["built_with"]) >= {"torch", "diffusers", "transformers"}
+
+
+def test_differences_name_changed_missing_and_new_files():
+    want = {"files": {"a": "1", "b": "2", "c": "3"}, "built_with": {"torch": "2.14.1"}}
+    got = {"files": {"a": "1", "b": "9", "d": "4"}, "built_with": {"torch": "2.15.0"}}
+    assert tiny_bytes.differences(got, want) == ["changed: b", "missing: c", "new: d"]
+    assert tiny_bytes.libraries(got, want) == ["torch 2.14.1 -> 2.15.0"]

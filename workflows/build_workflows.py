@@ -120,13 +120,14 @@ NOTE = "Note"  # core's frontend-only note node: shown on the canvas, never part
 # declaration order. Heights are what frontend 1.32.9 draws each node at (previews and
 # players included), so nothing overlaps and no loader has an empty body (tests/ui checks the boxes).
 COLUMN_X, COLUMN_GAP, ROW_GAP, TOP = 420, 60, 50, 40
-NODE_WIDTH = {"H3SplitTextEncode": 400, "H3SplitRemoteEncode": 400, NOTE: 360, "SaveVideo": 400}
+NODE_WIDTH = {"H3SplitTextEncode": 400, "H3SplitRemoteEncode": 400, NOTE: 360, "SaveVideo": 400, "SaveImage": 400}
 TITLE_H, SLOT_H, WIDGET_H, PAD = 30, 20, 24, 12
 EXTRA_H = {  # what a node draws below its widgets
     "LoadImage": 240,  # the image preview
     "LoadVideo": 310,  # the video player
     "LoadAudio": 70,  # the audio player
     "SaveVideo": 260,  # the result's player
+    "SaveImage": 260,  # the result's preview
     "H3SplitTextEncode": 110,  # the multiline prompt
     "H3SplitRemoteEncode": 110,
     NOTE: 0,
@@ -360,8 +361,8 @@ def _models(graph: Graph, dit: str, text_encoder: str | None = "text_encoder"):
     return te, vae, audio_vae, dit_node
 
 
-def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str, column: int) -> None:
-    """Sampler, then Decode with Save Video below it."""
+def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str, column: int, image: bool = False) -> None:
+    """Sampler, then Decode with Save Video below it (image: Save Image of Decode's first frame, its `image`)."""
     latent = graph.add(
         "H3SplitSampler",
         column=column,
@@ -374,6 +375,10 @@ def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str, column
     )
     latent.published = {"steps": RELEASE_STEPS}
     decoded = graph.add("H3SplitDecode", latent=(latent, 0), vae=(vae, 0), audio_vae=(audio_vae, 0), column=column + 1)
+    if image:
+        graph.add("SaveImage", images=(decoded, DECODE_IMAGE_OUTPUT), filename_prefix=f"h3/{prefix}",
+                  column=column + 1)
+        return
     graph.add("SaveVideo", video=(decoded, 0), filename_prefix=f"h3/{prefix}", format="mp4", codec="h264",
               column=column + 1)
 
@@ -394,14 +399,21 @@ def _keyframes(graph: Graph):
     return graph.add("H3SplitKeyframes", first_frame=(first, 0), last_frame=(last, 0), column=2)
 
 
-def _text_encode(graph: Graph, text_encoder, prompt: str, task: str, media=None, column: int = 1):
-    """The Text Encode node every example uses: the canvas from H3's rule (0 x 0), the shortest output (124)."""
-    inputs = {"text_encoder": (text_encoder, 0), "prompt": prompt, "width": 0, "height": 0, "length": 124}
+def _text_encode(graph: Graph, text_encoder, prompt: str, task: str, media=None, column: int = 1,
+                 length: int = 124):
+    """The Text Encode node every example uses: the canvas from H3's rule (0 x 0), the shortest trained output (124
+    frames; text to image: IMAGE_FRAMES)."""
+    inputs = {"text_encoder": (text_encoder, 0), "prompt": prompt, "width": 0, "height": 0, "length": length}
     if media is not None:
         inputs["media"] = (media, 0)
     return graph.add("H3SplitTextEncode", **inputs, task=task, column=column)
 
 
+# Text to image, as ComfyUI core's: the shortest clip H3 makes (facts.IMAGE_FRAMES, 5 frames), its first frame
+# (MiniMax H3 VAE Decode's appended `image` output, its 4th), the audio discarded.
+IMAGE_FRAMES = 5
+DECODE_IMAGE_OUTPUT = 3
+T2I_PROMPT = "A red fox sits in fresh snow at dawn, pine trees behind it, soft morning light."
 T2VA_PROMPT = "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps."
 FL2VA_PROMPT = "The test card slides into the night sky; a low hum rises."
 REF2VA_PROMPT = "<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>."
@@ -418,6 +430,14 @@ def build_graphs() -> list[Graph]:
     te, vae, audio_vae, dit = _models(g, "fl2va")
     cond = _text_encode(g, te, T2VA_PROMPT, "t2va")
     _finish(g, dit, cond, vae, audio_vae, "t2va", column=2)
+    graphs.append(g)
+
+    g = Graph("t2i", "MiniMax H3 t2i - text to image",
+              "MiniMax H3 text to image: a prompt in, one still frame out (the first frame of the shortest, 5-frame "
+              "clip, as ComfyUI core's text to image; the audio is discarded) (FL2VA DiT).")
+    te, vae, audio_vae, dit = _models(g, "fl2va")
+    cond = _text_encode(g, te, T2I_PROMPT, "t2va", length=IMAGE_FRAMES)
+    _finish(g, dit, cond, vae, audio_vae, "t2i", column=2, image=True)
     graphs.append(g)
 
     g = Graph("fl2va", "MiniMax H3 fl2va - first and last frame to video",

@@ -66,6 +66,13 @@ class H3Reference:
                                  f"{{'kind', 'has_audio'}} mapping, got {value!r:.80}")
 
 
+def _check_bound(name: str, t: torch.Tensor) -> None:
+    """The shape bounds every reader holds a tensor to (`wire.shape_bound_error`), naming the field."""
+    too_large = wire.shape_bound_error(name, shape(t))
+    if too_large:
+        raise fail(name, too_large)
+
+
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -138,6 +145,7 @@ class H3Conditioning:
         pe = check_tensor("prompt_embeds", self.prompt_embeds, PROMPT_EMBED_DTYPES)
         if pe.ndim != 3 or pe.shape[0] != 1 or pe.shape[1] < 1 or pe.shape[2] < 1:
             raise fail("prompt_embeds", f"must have shape [1, L, D] with L, D >= 1, got {shape(pe)}")
+        _check_bound("prompt_embeds", pe)
         tags = check_tensor("text_token_tags", self.text_token_tags, torch.int64)
         if tags.ndim != 1 or tags.shape[0] != pe.shape[1]:
             raise fail("text_token_tags", f"must have shape [L] = [{pe.shape[1]}] (one tag per prompt_embeds "
@@ -145,6 +153,11 @@ class H3Conditioning:
         if not bool(((tags == 0) | (tags == 1)).all()):
             bad = sorted(set(tags[(tags != 0) & (tags != 1)].tolist()))[:5]
             raise fail("text_token_tags", f"values must be 0 (vision block) or 1 (text), got {bad}")
+        text_rows = int(tags.sum())  # tags are 0/1 here: the text rows
+        if text_rows > facts.MAX_TEXT_TOKENS:  # the sampler's attention grows with every row
+            raise fail("prompt_embeds", f"has {text_rows} text rows (tokens tagged 1), over the "
+                                        f"{facts.MAX_TEXT_TOKENS} a prompt within H3's {facts.MAX_PROMPT_CHARS}-"
+                                        "character limit makes (one token per UTF-8 byte at most, plus the labels)")
 
         # condition latents
         channels = None
@@ -153,6 +166,7 @@ class H3Conditioning:
             check_tensor(name, lat, torch.float32)
             if lat.ndim != 5 or lat.shape[0] != 1 or min(lat.shape[1:]) < 1:
                 raise fail(name, f"must have shape [1, C, T, h, w], got {shape(lat)}")
+            _check_bound(name, lat)
             if lat.shape[3] % 2 or lat.shape[4] % 2:
                 raise fail(name, f"latent h and w must be even (1x2x2 patch), got {shape(lat)}")
             if channels is None:
@@ -180,6 +194,15 @@ class H3Conditioning:
                 raise fail("keyframe_anchors", f"entry {i} must be 'first' or 'last', got {anchor!r:.60}")
 
         getattr(self, f"_validate_{self.task}")()
+
+        # The whole presentation: text and the vision blocks of this task's keyframes and references (after the task's
+        # own checks, so the references it counts are valid).
+        most = wire.max_prompt_rows([r.kind for r in self.references], len(self.keyframe_anchors), nf)
+        if pe.shape[1] > most:
+            raise fail("prompt_embeds", f"has {pe.shape[1]} rows (tokens), more than the encoder makes for this "
+                                        f"{self.task} conditioning (at most {most}: {facts.MAX_TEXT_TOKENS} of text "
+                                        f"for a prompt of up to {facts.MAX_PROMPT_CHARS} characters, plus its vision "
+                                        "blocks)")
 
     def _validate_t2va(self) -> None:
         for name in ("condition_latents", "audio_condition_latents", "keyframe_anchors", "references"):
@@ -227,6 +250,16 @@ class H3Conditioning:
                 raise fail(f"condition_latents[{i}]", f"an image reference latent has T=1, got T={t}")
             if ref.kind == "video" and (t - 2) % facts.LATENTS_PER_CLIP:
                 raise fail(f"condition_latents[{i}]", f"a video reference latent has T of the form 5n+2, got T={t}")
+            if ref.kind == "video":
+                # A reference video is cut to the output's length and lies on the canvas rule, like the output.
+                if t > self.latent_t:
+                    raise fail(f"condition_latents[{i}]", f"a video reference latent has at most the output's "
+                                                          f"T={self.latent_t} ({self.num_frames} frames), got T={t}")
+                px_h, px_w = lat.shape[3] * facts.VAE_SPATIAL_FACTOR, lat.shape[4] * facts.VAE_SPATIAL_FACTOR
+                too_large = rules.canvas_size_error(px_w, px_h)
+                if too_large:
+                    raise fail(f"condition_latents[{i}]", f"a video reference latent lies on a canvas, got "
+                                                          f"{lat.shape[3]}x{lat.shape[4]} latents: {too_large}")
 
         audio_refs = [r for r in self.references if r.has_audio]
         if len(self.audio_condition_latents) != len(audio_refs):

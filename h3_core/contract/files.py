@@ -59,6 +59,17 @@ def _read_data(f, length: int, shown: str):
     return buf
 
 
+def _refuse_other_safetensors(prefix: bytes, size: int, shown: str) -> None:
+    """A well-formed safetensors file whose header alone is larger than any conditioning's is another kind of file (a
+    model or a LoRA: what users pick by mistake): say so, instead of the reader's "header length exceeds" words."""
+    if len(prefix) == 8:
+        n = int.from_bytes(prefix, "little")
+        if wire.MAX_HEADER_BYTES < n <= size - 8:
+            raise _bad(f"{shown} is not an H3 conditioning file: its safetensors header alone is {n} bytes, which "
+                       f"exceeds the {wire.MAX_HEADER_BYTES}-byte limit of any conditioning (a model, LoRA or other "
+                       "weights file?). Pick a file MiniMax H3 Save Conditioning or `python -m h3_core encode` wrote")
+
+
 def load(cls, path: str | os.PathLike, *, mmap: bool | None = None):
     """Read, check and validate a file written by `save` (or a version-1 file): prefix and header first, then the
     data read into memory and checked after reading. `mmap=True` is refused: a conditioning file is never mapped
@@ -82,6 +93,8 @@ def load(cls, path: str | os.PathLike, *, mmap: bool | None = None):
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise _bad(f"{shown} is not a regular file")
+        _refuse_other_safetensors(f.read(8), info.st_size, shown)
+        f.seek(0)
         try:
             parsed = st.read_header(f, wire.MAX_HEADER_BYTES, info.st_size, wire.MAX_TENSORS)
         except st.HeaderError as error:

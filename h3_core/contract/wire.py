@@ -60,7 +60,72 @@ MAX_TENSORS = 2 + MAX_CONDITION_LATENTS + MAX_AUDIO_CONDITIONS  # 20
 # tests/test_contract_wire_hostile.py builds the largest valid header and checks it fits.
 MAX_METADATA_BYTES = 16 << 10
 MAX_HEADER_BYTES = MAX_TENSORS * 256 + 2 * ((2 << 10) + MAX_METADATA_BYTES) + 256  # 42.2 KB
-_FINITE_PIECE = 1 << 20  # elements per isfinite pass: a bounded temporary whatever the tensor's size
+_FINITE_PIECE = 1 << 18  # elements per finiteness pass: a bounded temporary (512 KiB-1 MiB) whatever the size
+
+# The largest tensors a valid conditioning holds (facts: "the largest conditioning the encoder makes"). Every reader
+# holds a conditioning to them: `plan` from the tensor table, before any data is read or allocated (a file claiming a
+# 512 x 512 latent or 10^6 prompt rows is refused unread), the constructor again on the tensors themselves (files,
+# wire payloads and a graph's CONDITIONING alike), where it also knows the task and the references.
+# A condition latent is a keyframe or a reference: a reference video is at most 15 s (its own bound, whatever the
+# output's length, which may reach facts.MAX_FRAMES) and is encoded snapped down to 17k+5, so 345 frames -> 102.
+MAX_REFERENCE_FRAMES = int(facts.MAX_AUDIO_CLIP_S * facts.FPS)  # 360: 15 s at 24 fps
+MAX_LATENT_FRAMES = facts.video_latent_frames(
+    (MAX_REFERENCE_FRAMES - facts.LATENTS_PER_CLIP) // facts.FRAMES_PER_CLIP * facts.FRAMES_PER_CLIP
+    + facts.LATENTS_PER_CLIP)  # 102
+MAX_LATENT_SHORT_SIDE = facts.REFERENCE_IMAGE_SHORT_EDGE // facts.VAE_SPATIAL_FACTOR  # 128
+MAX_LATENT_LONG_SIDE = facts.MAX_REFERENCE_IMAGE_EDGE // facts.VAE_SPATIAL_FACTOR  # 512
+MAX_AUDIO_ROWS = facts.AUDIO_CHANNELS * facts.audio_latents(facts.MAX_AUDIO_CLIP_S)  # 1200: 15 s, stereo
+# Widths are model configuration, not facts: these are loose caps (the release has D=5120 and C=24), the same ones
+# the client's answer-size bound uses (h3_core/remote/packing.py); the loaded model checks the exact ones.
+MAX_TEXT_WIDTH = 8192
+MAX_LATENT_CHANNELS = 128
+
+
+def max_prompt_rows(kinds: list[str], keyframes: int, num_frames: int) -> int:
+    """The most prompt_embeds rows the encoder makes for a conditioning with references `kinds`, `keyframes`
+    keyframes and `num_frames` output frames: `facts.MAX_TEXT_TOKENS` of text and labels, plus
+    each vision block's tokens and its start/end markers. An image reference is at most 2048 x 8192 px (one token
+    per 32 x 32); a keyframe, and every block of a video reference, lies on the canvas (at most MAX_CANVAS_PIXELS, and
+    never under Qwen's 64-token floor); a video reference, cut to the output's length and read at 2 fps, has one
+    block per two sampled frames."""
+    token_px = facts.VISION_TOKEN_PX ** 2
+    canvas_block = max(facts.MAX_CANVAS_PIXELS // token_px, 64) + 2
+    image_block = facts.REFERENCE_IMAGE_SHORT_EDGE * facts.MAX_REFERENCE_IMAGE_EDGE // token_px + 2
+    clip = min(num_frames, MAX_REFERENCE_FRAMES)  # a reference video: cut to the output, and at most 15 s
+    sampled = -(-clip * facts.REFERENCE_VIDEO_READ_FPS // facts.FPS)  # ceil: frames read at 2 fps
+    video_blocks = int(-(-sampled // facts.VISION_MERGE))
+    rows = facts.MAX_TEXT_TOKENS + keyframes * canvas_block
+    rows += kinds.count("image") * image_block + kinds.count("video") * video_blocks * canvas_block
+    return min(rows, facts.TEXT_ENCODER_MAX_POSITIONS)
+
+
+def shape_bound_error(name: str, shape: tuple[int, ...]) -> str | None:
+    """Why a tensor's shape is beyond any conditioning the encoder makes (whatever the task), or None. Only shapes of
+    the expected rank are judged here; the constructor refuses the others."""
+    if name == "prompt_embeds" and len(shape) == 3:
+        if shape[1] > facts.TEXT_ENCODER_MAX_POSITIONS:
+            return (f"has {shape[1]} rows (tokens), over the text encoder's {facts.TEXT_ENCODER_MAX_POSITIONS}-token "
+                    "maximum sequence")
+        if shape[2] > MAX_TEXT_WIDTH:
+            return f"has width D={shape[2]}, over the {MAX_TEXT_WIDTH} any H3 text encoder has"
+    elif name == "text_token_tags" and len(shape) == 1 and shape[0] > facts.TEXT_ENCODER_MAX_POSITIONS:
+        return (f"has {shape[0]} tags, over the text encoder's {facts.TEXT_ENCODER_MAX_POSITIONS}-token maximum "
+                "sequence")
+    elif name.startswith("condition_latents") and len(shape) == 5:
+        channels, frames, height, width = shape[1:]
+        if channels > MAX_LATENT_CHANNELS:
+            return f"has C={channels} channels, over the {MAX_LATENT_CHANNELS} any H3 video VAE has"
+        if frames > MAX_LATENT_FRAMES:
+            return (f"has T={frames} latent frames, over the {MAX_LATENT_FRAMES} of the longest reference video "
+                    f"({facts.MAX_AUDIO_CLIP_S:g} s)")
+        if min(height, width) > MAX_LATENT_SHORT_SIDE or max(height, width) > MAX_LATENT_LONG_SIDE:
+            return (f"is {height}x{width} latents, larger than any the encoder makes (at most {MAX_LATENT_SHORT_SIDE} "
+                    f"on the short side and {MAX_LATENT_LONG_SIDE} on the long side: an image reference's "
+                    f"{facts.REFERENCE_IMAGE_SHORT_EDGE} px short edge at aspects up to 4:1, /"
+                    f"{facts.VAE_SPATIAL_FACTOR})")
+    elif name.startswith("audio_condition_latents") and len(shape) == 2 and shape[0] > MAX_AUDIO_ROWS:
+        return (f"has {shape[0]} rows, over the {MAX_AUDIO_ROWS} of a {facts.MAX_AUDIO_CLIP_S:g} s stereo clip")
+    return None
 
 
 def _bad(msg: str) -> ContractError:
@@ -247,6 +312,18 @@ def _checked_counts(header: dict[str, Any]) -> list[str]:
     return expected
 
 
+def _prompt_rows_bound(header: dict[str, Any]) -> int | None:
+    """`max_prompt_rows` for the header's task, references and frames, or None when they are not well formed yet
+    (the constructor refuses those, after the absolute bounds above held the read)."""
+    task, refs, anchors, frames = header["task"], header["references"], header["keyframe_anchors"], \
+        header["num_frames"]
+    if task not in ("t2va", "fl2va", "ref2va") or not is_int(frames) or not 0 < frames <= facts.MAX_FRAMES:
+        return None
+    if not all(isinstance(r, dict) and isinstance(r.get("kind"), str) for r in refs):
+        return None
+    return max_prompt_rows([r["kind"] for r in refs], len(anchors), frames)
+
+
 def plan(parsed: st.ParsedHeader, data_len: int) -> Plan:
     """Every check that needs only the header and the data length, run before any data is read or viewed."""
     contract_header, header = _contract_header(parsed)
@@ -268,6 +345,20 @@ def plan(parsed: st.ParsedHeader, data_len: int) -> Plan:
     if cursor != data_len:
         kind = "truncated" if cursor > data_len else "corrupted"
         raise _bad(f"{kind}: tensors need {cursor} data bytes, the payload holds {data_len}")
+    # The shapes against the largest conditioning the encoder makes, once the table is known to tile the data
+    # and before any of it is read: the sampler would size its work by these shapes.
+    for name, entry in entries.items():
+        too_large = shape_bound_error(name, tuple(entry.shape))
+        if too_large:
+            field = f"{name.replace('.', '[', 1)}]" if "." in name else name  # as the constructor names it
+            raise ContractError(f"{field}: {too_large}", field=field)
+    rows = _prompt_rows_bound(header)
+    prompt_rows = entries["prompt_embeds"].shape[1] if len(entries["prompt_embeds"].shape) == 3 else 0
+    if rows is not None and prompt_rows > rows:
+        raise ContractError(f"prompt_embeds: {prompt_rows} rows (tokens) are more than the encoder makes for this "
+                            f"{header['task']} conditioning (at most {rows}: {facts.MAX_TEXT_TOKENS} of text for a "
+                            f"prompt of up to {facts.MAX_PROMPT_CHARS} characters, plus its vision blocks)",
+                            field="prompt_embeds")
     if header["version"] == 1:
         digests = header["sha256"]
         if not isinstance(digests, dict) or set(digests) != set(expected):
@@ -298,17 +389,44 @@ def metadata_size(metadata: Mapping[str, str]) -> int:
     return len(_canonical(dict(metadata)))
 
 
+#: dtype -> (integer view, mask of the magnitude bits, the exponent's all-ones pattern): a float is NaN or infinite
+#: exactly when its exponent bits are all ones, i.e. when (bits & magnitude) >= that pattern.
+_NONFINITE_BITS = {
+    torch.bfloat16: (np.int16, 0x7FFF, 0x7F80),
+    torch.float16: (np.int16, 0x7FFF, 0x7C00),
+    torch.float32: (np.int32, 0x7FFFFFFF, 0x7F800000),
+}
+
+
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """Refuse a NaN or an infinity in a floating-point tensor: one pass, in bounded pieces."""
+    """Refuse a NaN or an infinity in a floating-point tensor: one pass, in bounded pieces.
+
+    The wire's dtypes are tested on their bits (an integer AND and max per piece, vectorised by numpy), not with
+    `torch.isfinite`, which has no vectorised bf16 kernel on the CPU: on a 70 MB bf16 prompt it took ~140 ms on a
+    quiet machine (0.4 s busy), most of the receiver's CPU, against ~16 ms for the bit test."""
     if not t.is_floating_point() or not t.numel():
         return
     flat = t.reshape(-1)
+    bits = _NONFINITE_BITS.get(t.dtype)
+    if bits is not None:
+        view, magnitude, exponent = bits
+        words = flat.view(torch.int16 if view is np.int16 else torch.int32).numpy()
+        scratch = np.empty(min(_FINITE_PIECE, words.size), dtype=view)
+        for start in range(0, words.size, _FINITE_PIECE):
+            piece = scratch[:min(_FINITE_PIECE, words.size - start)]
+            np.bitwise_and(words[start:start + piece.size], magnitude, out=piece)
+            if piece.max() >= exponent:
+                _refuse_nonfinite(name, flat, start + int(np.flatnonzero(piece >= exponent)[0]))
+        return
     for start in range(0, flat.numel(), _FINITE_PIECE):
         piece = flat[start:start + _FINITE_PIECE]
         if not bool(torch.isfinite(piece).all()):
-            bad = start + int((~torch.isfinite(piece)).nonzero()[0, 0])
-            raise ContractError(f"{name}: must be finite, got {float(flat[bad])} at element {bad} (a corrupted or "
-                                "diverged encode)", field=name.split(".")[0])
+            _refuse_nonfinite(name, flat, start + int((~torch.isfinite(piece)).nonzero()[0, 0]))
+
+
+def _refuse_nonfinite(name: str, flat: torch.Tensor, bad: int) -> None:
+    raise ContractError(f"{name}: must be finite, got {float(flat[bad])} at element {bad} (a corrupted or "
+                        "diverged encode)", field=name.split(".")[0])
 
 
 def build(cls, plan_: Plan, buf, data_start: int):

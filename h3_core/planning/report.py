@@ -21,7 +21,7 @@ import argparse
 import json
 from dataclasses import replace
 
-from .. import rules
+from .. import facts, rules
 from . import planner
 from . import tables as plan_tables
 
@@ -89,6 +89,10 @@ def _gb(value: int) -> str:
 def run(args) -> int:
     rules.check_canvas(args.width, args.height)  # H3's canvas and frame rules, as encode and generate apply them
     rules.check_output_frames(args.frames)
+    untrained = rules.trained_range_warning(args.frames)  # planned all the same: a warning, not a refusal
+    warnings = [f"warning: {untrained}"] if untrained else []
+    if warnings and not args.json:
+        print("\n".join(warnings))
     if args.table:
         job = {"width": args.width, "height": args.height, "frames": args.frames, "text_tokens": args.text_tokens}
         print(plan_tables.machine_table(**job) + "\n\n" + plan_tables.machine_choices(**job))
@@ -110,6 +114,7 @@ def run(args) -> int:
             "verdicts": [{"role": v.role, "verdict": v.label, "offload": v.offload, "peak": v.peak, "host": v.host,
                           "advice": v.advice, "ranks": v.ranks, "resident_from_ranks": v.resident_from}
                          for v in results],
+            "warnings": warnings,
         }, indent=2))
         return 0
     print(f"job {args.width}x{args.height}x{args.frames}, {args.text_tokens} text tokens; "
@@ -145,7 +150,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--ram", type=float, help="host RAM in GB (default: not checked)")
     plan.add_argument("--width", type=int, default=1344)
     plan.add_argument("--height", type=int, default=768)
-    plan.add_argument("--frames", type=int, default=124)
+    plan.add_argument("--frames", type=int, default=facts.DEFAULT_FRAMES,
+                      help=f"output frames, 17k+5 within {facts.MIN_FRAMES}..{facts.MAX_FRAMES} (outside H3's trained "
+                      f"{facts.TRAINED_MIN_FRAMES}..{facts.TRAINED_MAX_FRAMES}: planned, with a warning)")
     plan.add_argument("--text-tokens", type=int, default=planner.DEFAULT_TEXT_TOKENS)
     plan.add_argument("--dtype", choices=dtypes.CHOICES, default="auto", help="compute dtype (auto: the GPU rule)")
     plan.add_argument("--sp", type=int, default=1,

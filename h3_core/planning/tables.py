@@ -5,7 +5,7 @@ and markers as the published files have them; no data, no file written).
 
 from __future__ import annotations
 
-from ..weights.headers import TensorInfo
+from ..weights.tensor_info import TensorInfo
 from . import planner
 from .planner import GB
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from .. import facts
 from . import protocol
 from .clock import SYSTEM_CLOCK, Clock
 from .protocol import Limits, is_loopback
@@ -131,3 +132,37 @@ def add_cache_args(serve) -> None:
     serve.add_argument("--cache-disk-bytes", type=int, default=None,
                        help="most bytes the --cache-dir tier holds, least recently used entries deleted first "
                        "(default 10737418240 = 10 GiB)")
+
+
+def add_limit_args(serve) -> None:
+    """`serve` flags of the request limits an operator may change (read back by `limits_from_args`)."""
+    serve.add_argument("--max-frames", type=int, default=None,
+                       help=f"longest output (frames, 17k+5) a request may ask for: default "
+                       f"{protocol.Limits.max_num_frames} (H3's trained 15 s), at most {facts.MAX_FRAMES} "
+                       f"({facts.MAX_FRAMES / facts.FPS:.0f} s, ComfyUI core's longest); longer requests get 422")
+    serve.add_argument("--max-canvas-edge", type=int, default=None,
+                       help=f"longest canvas edge (px) a request may ask for: default and most {facts.MAX_CANVAS_EDGE} "
+                       "(H3's trained range, which the contract holds every conditioning to); larger requests get 413")
+    serve.add_argument("--max-canvas-pixels", type=int, default=None,
+                       help=f"largest canvas area (px) a request may ask for: default and most "
+                       f"{facts.MAX_CANVAS_PIXELS}; larger requests get 413")
+
+
+def limits_from_args(args, limits: protocol.Limits) -> protocol.Limits:
+    """`limits` with the operator's `add_limit_args` settings applied; ServerConfigError names a bad one."""
+    most = getattr(args, "max_frames", None)
+    if most is not None:
+        if not facts.MIN_FRAMES <= most <= facts.MAX_FRAMES:
+            raise ServerConfigError(f"--max-frames must be within {facts.MIN_FRAMES}-{facts.MAX_FRAMES} (H3's "
+                                    f"lengths), got {most}")
+        limits = replace(limits, max_num_frames=most)
+    for flag, name, ceiling in (("max_canvas_edge", "--max-canvas-edge", facts.MAX_CANVAS_EDGE),
+                                ("max_canvas_pixels", "--max-canvas-pixels", facts.MAX_CANVAS_PIXELS)):
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if not facts.CANVAS_MULTIPLE <= value <= ceiling:  # the contract refuses larger canvases on every read
+            raise ServerConfigError(f"{name} must be within {facts.CANVAS_MULTIPLE}-{ceiling} (H3's trained canvas, "
+                                    f"the most a conditioning holds), got {value}")
+        limits = replace(limits, **{flag: value})
+    return limits

@@ -81,7 +81,9 @@ class Limits:
     max_video_bytes: int = 384 * MiB
     max_audio_bytes: int = 64 * MiB
     max_parts: int = 1 + facts.MAX_KEYFRAMES + facts.MAX_REFS + facts.MAX_REF_VIDEOS  # request + media + soundtracks
-    max_prompt_chars: int = 16384
+    # H3's prompt limit (facts.MAX_PROMPT_CHARS): the contract bounds a conditioning's text rows by what a prompt
+    # this long can make, so an operator may only lower it.
+    max_prompt_chars: int = facts.MAX_PROMPT_CHARS
     max_image_pixels: int = 4096 * 4096
     max_video_pixels: int = 3840 * 2160  # per frame
     max_video_frames: int = 1800  # decoded frames per reference video (15 s at 120 fps)
@@ -96,6 +98,14 @@ class Limits:
     max_fps: float = 240.0
     max_canvas_edge: int = facts.MAX_CANVAS_EDGE  # H3's trained range; an operator may only lower them
     max_canvas_pixels: int = facts.MAX_CANVAS_PIXELS
+    # The longest output a request may ask for (`serve --max-frames`): H3's trained 15 s by default; an operator may
+    # raise it to the longest H3 allows (facts.MAX_FRAMES) or lower it. Longer is a 422 naming this setting.
+    max_num_frames: int = facts.TRAINED_MAX_FRAMES
+
+    def __post_init__(self):
+        if not isinstance(self.max_num_frames, int) or not facts.MIN_FRAMES <= self.max_num_frames <= facts.MAX_FRAMES:
+            raise ValueError(f"max_num_frames must be an integer within {facts.MIN_FRAMES}-{facts.MAX_FRAMES} "
+                             f"(H3's lengths), got {self.max_num_frames!r}")
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -105,7 +115,9 @@ class Limits:
             max_ref_videos=facts.MAX_REF_VIDEOS,
             max_ref_audios=facts.MAX_REF_AUDIOS,
             max_refs=facts.MAX_REFS,
-            num_frames=[facts.MIN_FRAMES, facts.MAX_FRAMES],
+            # the lengths this server accepts (its max_num_frames, at most H3's), and H3's trained range
+            num_frames=[facts.MIN_FRAMES, min(self.max_num_frames, facts.MAX_FRAMES)],
+            trained_num_frames=[facts.TRAINED_MIN_FRAMES, facts.TRAINED_MAX_FRAMES],
             frame_grid="17k+5",
             canvas_multiple=facts.CANVAS_MULTIPLE,
         )

@@ -96,6 +96,10 @@ def main(args) -> int:
     try:
         check_bind(host, os.environ.get(token_env) or None, token_env)
         settings = settings_from_args(args, host)
+        if getattr(args, "cache_dir", None):  # refused here, before any replica starts, as the aiohttp engine does
+            from .disk_cache import check_dir
+
+            check_dir(args.cache_dir)
     except (ServerConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -58,7 +58,7 @@ class RequestSpec:
     task: str | None = None
     width: int | None = None
     height: int | None = None
-    num_frames: int = facts.MIN_FRAMES
+    num_frames: int = facts.DEFAULT_FRAMES
     first_frame: MediaRef | None = None
     last_frame: MediaRef | None = None
     ref_images: tuple[MediaRef, ...] = ()
@@ -125,15 +125,57 @@ class RequestSpec:
         }
 
 
-def _reject_constant(value: str):
-    raise ValueError(f"{value} is not valid JSON")
+class _Unreadable:
+    """A JSON number no field can hold, kept in place while parsing so the refusal can name where it stands:
+    NaN / Infinity (`reason` "finite"), a float beyond +-1.8e308 that Python would read as inf ("finite"), an
+    integer of more than `_MAX_INT_DIGITS` digits ("range"). `parse_request_json` refuses the first one found."""
+
+    __slots__ = ("text", "reason")
+
+    def __init__(self, text: str, reason: str):
+        self.text, self.reason = text, reason
 
 
-def _finite_float(text: str) -> float:
+# No field takes an integer beyond 10**9 (`_int`); 64 digits leave every honest value room, while the digits of a
+# longer one are never turned into an int (CPython's int parsing is quadratic in the digits, and it refuses past 4300
+# with a ValueError that would not say which field).
+_MAX_INT_DIGITS = 64
+
+
+def _constant(text: str) -> _Unreadable:
+    return _Unreadable(text, "finite")
+
+
+def _float(text: str) -> float | _Unreadable:
     value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:32]} is out of range")
-    return value
+    return value if math.isfinite(value) else _Unreadable(text, "finite")
+
+
+def _integer(text: str) -> int | _Unreadable:
+    digits = len(text) - text.startswith("-")
+    return int(text) if digits <= _MAX_INT_DIGITS else _Unreadable(text, "range")
+
+
+def _first_unreadable(value: Any) -> tuple[str, _Unreadable] | None:
+    """(path, marker) of the first `_Unreadable` in `value`, in document order; iterative, so a deeply nested
+    document cannot overflow the stack here."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, _Unreadable):
+            return path or REQUEST_PART, item
+        if isinstance(item, dict):
+            children = [(f"{path}.{key}" if path else str(key), child) for key, child in item.items()]
+        elif isinstance(item, list):
+            children = [(f"{path}[{index}]", child) for index, child in enumerate(item)]
+        else:
+            continue
+        stack.extend(reversed(children))
+    return None
+
+
+def _shown_path(path: str) -> str:
+    return path if len(path) <= 80 else f"{path[:80]}..."
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -160,13 +202,35 @@ def parse_request_json(data: bytes | str, limits: Limits = Limits()) -> Any:
         raise bad(f"the JSON request is not valid UTF-8 ({error.reason} at byte {error.start})",
                    REQUEST_PART) from None
     try:
-        return json.loads(
-            text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
+        obj = json.loads(
+            text, parse_constant=_constant, parse_float=_float, parse_int=_integer, object_pairs_hook=_unique_keys
         )
     except RecursionError:
         raise bad("the JSON request is nested too deeply", REQUEST_PART) from None
     except ValueError as error:
         raise bad(f"the JSON request is not valid JSON: {str(error)[:200]}", REQUEST_PART) from None
+    # Refused here, still a 400 of the JSON reader, but naming the field that holds the number: a client that sent
+    # 1e400 as ref_videos[0].fps learns which value to fix.
+    found = _first_unreadable(obj)
+    if found is not None:
+        path, number = found
+        path = _shown_path(path)
+        shown = number.text if len(number.text) <= 32 else f"{number.text[:24]}... ({len(number.text)} characters)"
+        if number.reason == "finite":
+            raise bad(f"the JSON request is not valid JSON: {path} is {shown}, not a finite number (NaN, Infinity "
+                      "and numbers beyond +-1.8e308 are refused)", path)
+        raise bad(f"the JSON request is not valid JSON: {path} is an integer of more than {_MAX_INT_DIGITS} digits "
+                  f"({shown}), out of range for any field", path)
+    return obj
+
+
+_MAX_INT = 10**9  # no integer field means anything near this; past it the value is refused, not used
+
+
+def _shown_number(value: int | float) -> str:
+    """A number for a message: an integer of up to 64 digits may arrive; the message keeps it short."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}...e{len(text) - 1} ({len(text)} digits)"
 
 
 def _int(obj: Mapping, key: str, default: Any = None, *, required: bool = False) -> Any:
@@ -177,9 +241,22 @@ def _int(obj: Mapping, key: str, default: Any = None, *, required: bool = False)
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(f"{key} must be an integer, got {type(value).__name__}", key)
-    if abs(value) > 10**9:
-        raise invalid(f"{key} is out of range, got {value}", key)
+    if abs(value) > _MAX_INT:
+        raise invalid(f"{key} is out of range, got {_shown_number(value)}", key)
     return value
+
+
+def _finite_number(value: Any, where: str, what: str) -> float:
+    """`value` as a float, else an error naming `where`: 400 for a bool, a non-number or a non-finite float, 422 for a
+    magnitude over `_MAX_INT` (no seconds or frame rate is that large)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"{where} must be {what}, got {type(value).__name__}", where)
+    # Never math.isfinite or float() on an int: for a 400-digit one both raise OverflowError, which was a 500.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad(f"{where} must be {what}, got {type(value).__name__}", where)
+    if abs(value) > _MAX_INT:
+        raise invalid(f"{where} is out of range, got {_shown_number(value)}", where)
+    return float(value)
 
 
 def _check_keys(obj: Mapping, allowed: frozenset, where: str) -> None:
@@ -221,8 +298,7 @@ def _video_fps(fps: Any, where: str, limits: Limits) -> float | None:
     """A video's frame rate as a float, or None (absent/null: the container's own rate)."""
     if fps is None:
         return None
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps):
-        raise bad(f"{where} must be a number, got {type(fps).__name__}", where)
+    _finite_number(fps, where, "a number")
     if not 0 < fps <= limits.max_fps:
         raise invalid(f"{where} must be in (0, {limits.max_fps:g}] frames per second, got {fps}", where)
     return float(fps)
@@ -270,7 +346,7 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
     _check_protocol(obj)
     prompt = _prompt(obj, limits)
     task = _task(obj)
-    num_frames = _num_frames(obj)
+    num_frames = _num_frames(obj, limits)
     width, height = _canvas(obj, limits)
     first, last = _keyframe_ref(obj, "first_frame", limits), _keyframe_ref(obj, "last_frame", limits)
     images = _media_list(obj, "ref_images", "image", limits)
@@ -309,7 +385,8 @@ def _check_protocol(obj: Mapping) -> None:
     if version != PROTOCOL_VERSION:
         raise ProtocolError(400, "protocol_mismatch",
                             f"this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION}; the request declares "
-                            f"version {version} (update the client or the server so they match)", "protocol")
+                            f"version {_shown_number(version)} (update the client or the server so they match)",
+                            "protocol")
 
 
 def _prompt(obj: Mapping, limits: Limits) -> str:
@@ -340,13 +417,18 @@ def _task(obj: Mapping) -> str | None:
     return task
 
 
-def _num_frames(obj: Mapping) -> int:
-    """Output frames on H3's grid (rules.check_output_frames); absent means the shortest clip."""
-    num_frames = _int(obj, "num_frames", facts.MIN_FRAMES)
+def _num_frames(obj: Mapping, limits: Limits) -> int:
+    """Output frames on H3's grid (rules.check_output_frames) and within this server's `max_num_frames`; absent means
+    the default clip (facts.DEFAULT_FRAMES)."""
+    num_frames = _int(obj, "num_frames", facts.DEFAULT_FRAMES)
     try:
         rules.check_output_frames(num_frames)
     except rules.H3InputError as error:
         raise invalid(str(error), "num_frames") from None
+    if num_frames > limits.max_num_frames:
+        raise invalid(f"num_frames {num_frames} ({num_frames / facts.FPS:.2f} s) is over this server's limit "
+                      f"(max_num_frames={limits.max_num_frames}, `serve --max-frames`); H3 allows up to "
+                      f"{facts.MAX_FRAMES}", "num_frames")
     return num_frames
 
 
@@ -359,8 +441,8 @@ def _canvas(obj: Mapping, limits: Limits) -> tuple[int | None, int | None]:
         _check_canvas_size(width, height, limits)
         try:
             rules.check_canvas(width, height)
-        except rules.H3InputError as error:
-            raise invalid(str(error), "width") from None
+        except rules.H3InputError as error:  # a rule on the height alone names the height; the others, the width
+            raise invalid(str(error), "height" if str(error).startswith("height") else "width") from None
     return width, height
 
 
@@ -391,8 +473,7 @@ def _deadline(obj: Mapping, max_deadline_s: float | None) -> float | None:
     deadline = obj.get("deadline_s")
     if deadline is None:
         return None
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
-        raise bad(f"deadline_s must be a number of seconds, got {type(deadline).__name__}", "deadline_s")
+    _finite_number(deadline, "deadline_s", "a number of seconds")
     if deadline <= 0 or (max_deadline_s is not None and deadline > max_deadline_s):
         raise invalid(f"deadline_s must be in (0, {max_deadline_s:g}] seconds, got {deadline}"
                       if max_deadline_s is not None else f"deadline_s must be positive, got {deadline}",

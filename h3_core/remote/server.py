@@ -37,7 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from . import protocol
-from .config import ServerConfig, ServerConfigError, check_bind
+from .config import ServerConfig, ServerConfigError, check_bind, limits_from_args
 from .connections import AcceptErrorLimiter, ConnectionReaper
 from .http import SERVICE_KEY, create_app
 from .protocol import Limits, is_loopback
@@ -173,6 +173,7 @@ def config_from_args(args, token: str | None) -> ServerConfig:
         limits = replace(limits, max_body_bytes=int(args.max_body_mb * protocol.MiB))
     if getattr(args, "max_decoded_mb", None):
         limits = replace(limits, max_request_decoded_bytes=int(args.max_decoded_mb * protocol.MiB))
+    limits = limits_from_args(args, limits)  # --max-frames
     kwargs: dict[str, Any] = {"limits": limits, "token": token}
     if getattr(args, "queue_size", None):
         kwargs["queue_size"] = args.queue_size

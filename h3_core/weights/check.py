@@ -6,6 +6,11 @@ key converter the loaders use, and require zero missing keys, zero unexpected ke
 shapes. The only tensor data read are a quantised file's scales (a few MB even at release size):
 a NaN or an infinite scale would make every output of its layer non-finite, so it is reported by
 layer here instead of surfacing as a black video at the end of `generate`.
+
+A GGUF file keeps its fp16 scales inside every quant block, so its scales cannot be read apart from its weights:
+`check` (the command) reads the whole file once, in bounded pieces, and tests every block scale and every dense
+value (`non_finite_gguf`); a load does not read it twice but tests each tensor as it reads it
+(`gguf_file.read_tensor`), so both refuse a NaN or infinity by layer before anything runs.
 """
 
 from __future__ import annotations
@@ -172,6 +177,38 @@ def non_finite_scales(det: Detection) -> list[str]:
     return bad
 
 
+_GGUF_PIECE = 16 << 20  # bytes read at a time by `non_finite_gguf` (rounded down to whole blocks)
+
+
+def non_finite_gguf(det: Detection) -> list[str]:
+    """The tensors of a GGUF checkpoint whose block scales (quantised) or values (dense) hold a NaN or an infinity,
+    by name; every tensor is read in pieces of whole blocks, so memory stays bounded whatever the file's size."""
+    from .quant import ggml
+
+    if det.header.container != "gguf":
+        return []
+    bad = []
+    for name, info in sorted(det.header.tensors.items()):
+        for part in info.parts or (info,):
+            block = 1 if part.ggml_type in ggml.DENSE_TYPES else ggml.block_sizes(part.ggml_type)[1]
+            step = max(block, _GGUF_PIECE // block * block)
+            try:
+                with open(part.file, "rb") as handle:
+                    handle.seek(part.offset)
+                    for start in range(0, part.nbytes, step):
+                        raw = handle.read(min(step, part.nbytes - start))
+                        if len(raw) < min(step, part.nbytes - start):
+                            raise H3WeightsError(f"{part.file}: {name}: tensor data ends early (interrupted download?)")
+                        if ggml.non_finite(np.frombuffer(raw, dtype=np.uint8), part.ggml_type):
+                            bad.append(name)
+                            break
+            except OSError as exc:
+                raise H3WeightsError(f"{part.file}: cannot read {name} ({exc.strerror or exc})") from None
+            if bad and bad[-1] == name:
+                break
+    return bad
+
+
 def check_detection(det: Detection) -> ComponentCheck:
     """Header-only verification of one detected component."""
     start = time.perf_counter()
@@ -204,5 +241,11 @@ def check(path: str) -> CheckReport:
         if isinstance(item, H3WeightsError):
             results.append(ComponentCheck(path=getattr(item, "path", path), error=str(item)))
         else:
-            results.append(check_detection(item))
+            result = check_detection(item)
+            bad = non_finite_gguf(item) if result.ok else []
+            if bad:
+                result.error = (f"{item.path}: {len(bad)} GGUF tensor(s) hold NaN or infinite block scales or values "
+                                f"(a corrupted or hostile file; every output of those layers would be NaN): "
+                                f"{preview(bad)}")
+            results.append(result)
     return CheckReport(path=path, components=results)

@@ -20,7 +20,7 @@ class UnsupportedCheckpointError(H3WeightsError):
 
 
 class IncompleteFileError(H3WeightsError):
-    """A safetensors file shorter than its own header says (an interrupted download)."""
+    """A safetensors or GGUF file shorter than its own header says (an interrupted download)."""
 
 
 class KeyMismatchError(H3WeightsError):

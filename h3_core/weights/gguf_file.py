@@ -1,8 +1,10 @@
 """GGUF checkpoints (ComfyUI-GGUF / llama.cpp files): the header as a `Header`, and tensor reads.
 
 A file is GGUF when it starts with the GGUF magic, whatever its name. Its tensor directory (names,
-GGML types, shapes, offsets) is parsed with the `gguf` package's reader, which maps the file but reads
-only the directory; a tensor's bytes are read later with plain reads at its offset (no mapping kept).
+GGML types, shapes, offsets) is parsed by the pack's bounded reader (`gguf_header`: every count checked against the
+file before anything is allocated, cached by path, size and mtime; the `gguf` package's reader trusts the counts it
+reads, and one 96-byte file hung ComfyUI's model lists); a tensor's bytes are read later with plain reads at its
+offset (no mapping kept), and every block scale or dense value read is checked finite (`quant.ggml.non_finite`).
 
 Names are the Comfy safetensors names, as ComfyUI-GGUF's converter writes them (its loader also strips a
 `model.diffusion_model.` prefix, and so do we), or llama.cpp's names for a Qwen3-VL text encoder and its
@@ -20,15 +22,17 @@ layer. A GGML type no dequantiser knows is refused by name here, before any weig
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
 import torch
 
-from . import gguf_llama_names
+from . import gguf_header, gguf_llama_names
 from .config_merge import CONFIG_METADATA_KEY
 from .errors import H3WeightsError, IncompleteFileError, UnsupportedCheckpointError, preview
 from .quant import ggml
+from .tensor_info import TensorInfo
 
 MAGIC = b"GGUF"
 PREFIX = "model.diffusion_model."  # ComfyUI-GGUF's loader strips it (checkpoint-style names)
@@ -45,24 +49,28 @@ def is_gguf(path: str) -> bool:
 
 
 _LLAMA_KEYS = (f"{gguf_llama_names.TEXT_ARCHITECTURE}.", "clip.")  # llama.cpp metadata whose values are read
+KEPT_ARRAYS = (*_LLAMA_KEYS, ORIG_SHAPE)  # the only metadata arrays read as values; the others are stepped over
 
 
-def _fields(reader) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict]:
+def _fields(directory) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict]:
     """(original shapes by tensor name, string metadata, every value of llama.cpp's own keys)."""
     shapes, metadata, values = {}, {}, {}
-    for key, field in reader.fields.items():
+    for key, value in directory.values.items():
         if key.startswith(_LLAMA_KEYS):
-            values[key] = field.contents()
+            values[key] = value
         if key.startswith(ORIG_SHAPE):
-            value = field.contents()
-            if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
-                raise H3WeightsError(f"{key}: expected an array of integers, got {value!r}")
+            if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+                raise H3WeightsError(f"{directory.path}: {key}: expected an array of non-negative integers, got "
+                                     f"{str(value)[:200]}")
             shapes[key[len(ORIG_SHAPE):]] = tuple(value)
-        elif not key.startswith("GGUF."):
-            value = field.contents()
-            if isinstance(value, str):
-                metadata[key] = value
+        elif isinstance(value, str):
+            metadata[key] = value
     return shapes, metadata, values
+
+
+def directory(path: str):
+    """The file's GGUF directory (`gguf_header.read`: bounded, cached by path, size and mtime)."""
+    return gguf_header.read(path, KEPT_ARRAYS)
 
 
 PROJECTOR_PREFIX = "visual."  # a vision-projector ("mmproj") file holds only the Comfy `visual.*` tensors
@@ -70,12 +78,7 @@ PROJECTOR_PREFIX = "visual."  # a vision-projector ("mmproj") file holds only th
 
 def tensor_names(path: str) -> list[str]:
     """The tensor names of a GGUF file (its directory only), with the loader's prefix stripped."""
-    from gguf import GGUFReader
-
-    try:
-        names = [t.name for t in GGUFReader(path, "r").tensors]
-    except (OSError, ValueError, KeyError) as exc:
-        raise H3WeightsError(f"{path}: not a readable GGUF file ({exc})") from None
+    names = [t.name for t in directory(path).tensors]
     strip = any(name.startswith(PREFIX) for name in names)
     names = [name[len(PREFIX):] if strip and name.startswith(PREFIX) else name for name in names]
     if gguf_llama_names.uses_llama_names(names):  # a directory-only look: unmapped names stay as they are
@@ -84,20 +87,43 @@ def tensor_names(path: str) -> list[str]:
 
 
 def is_projector(path: str) -> bool:
-    """A GGUF file holding only a vision projector (`visual.*`): part of a text encoder, not a component."""
-    names = tensor_names(path)
-    return bool(names) and all(name.startswith(PROJECTOR_PREFIX) for name in names)
+    """A GGUF file holding only a vision projector (`visual.*`): part of a text encoder, not a component. An
+    unreadable or cut file is none (logged once): detected on its own, it is refused by its own name, and a good
+    projector beside a cut copy still pairs."""
+    try:
+        names = tensor_names(path)
+        if not names or not all(name.startswith(PROJECTOR_PREFIX) for name in names):
+            return False
+        read_file_header(path)  # the whole directory judged: types, shapes, data within the file
+    except H3WeightsError as error:
+        _skipped(path, error)
+        return False
+    return True
+
+
+_LOGGED: set = set()
+
+
+def _skipped(path: str, error: Exception) -> None:
+    """Say once per file and reason why a GGUF file beside another was passed over (a listing must not fail)."""
+    key = (path, str(error))
+    if key not in _LOGGED and len(_LOGGED) < 4096:
+        _LOGGED.add(key)
+        logging.getLogger(__name__).warning("MiniMax H3: %s is not read as a vision projector: %s",
+                                            os.path.basename(path), error)
 
 
 def projector_for(path: str) -> list[str]:
     """The vision-projector GGUF beside a text-encoder GGUF that has none (llama.cpp ships the projector as a
-    separate `mmproj` file): [] when the file has its own tower or is no text encoder; told by contents."""
+    separate `mmproj` file): [] when the file has its own tower or is no text encoder; told by contents. A broken
+    neighbour is passed over (`is_projector`), never the reason the good file beside it cannot be read."""
     names = tensor_names(path)
     if not any(n.startswith("model.layers.") for n in names) or any(n.startswith(PROJECTOR_PREFIX) for n in names):
         return []
     folder = os.path.dirname(path)
     found = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".gguf")
-                   and os.path.join(folder, f) != path and is_projector(os.path.join(folder, f)))
+                   and os.path.join(folder, f) != path and is_gguf(os.path.join(folder, f))
+                   and is_projector(os.path.join(folder, f)))
     if len(found) > 1:
         raise H3WeightsError(f"{path}: several vision-projector GGUF files beside it "
                              f"({[os.path.basename(f) for f in found]}); keep the one that belongs to it")
@@ -106,39 +132,34 @@ def projector_for(path: str) -> list[str]:
 
 def read_file_header(path: str):
     """`({name: TensorInfo}, metadata)` of one GGUF file (see the module docstring)."""
-    from gguf import GGUFReader
 
-    from .headers import TensorInfo
-
-    try:
-        reader = GGUFReader(path, "r")
-    except (OSError, ValueError, KeyError) as exc:
-        raise H3WeightsError(f"{path}: not a readable GGUF file ({exc})") from None
-    orig_shapes, metadata, values = _fields(reader)
-    names = [t.name for t in reader.tensors]
+    found = directory(path)
+    orig_shapes, metadata, values = _fields(found)
+    names = [t.name for t in found.tensors]
     strip = any(name.startswith(PREFIX) for name in names)
     dequantisable = set(ggml.quantised_types())
     refused: dict[str, list[str]] = {}
     tensors = {}
-    file_size = os.path.getsize(path)
-    for tensor in reader.tensors:
-        type_name = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+    for tensor in found.tensors:
+        type_name = ggml.type_name(tensor.type_id)
         if type_name not in ggml.DENSE_TYPES and type_name not in dequantisable:
             refused.setdefault(type_name, []).append(tensor.name)
             continue
         name = tensor.name[len(PREFIX):] if strip and tensor.name.startswith(PREFIX) else tensor.name
-        shape = orig_shapes.get(tensor.name) or tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        stored_bytes = ggml.tensor_bytes(type_name, tensor.dims, f"{path}: {tensor.name}")
+        shape = orig_shapes.get(tensor.name) or tuple(reversed(tensor.dims))
         if type_name in ggml.DENSE_TYPES:
             tag, stored = ggml.DENSE_TYPES[type_name], shape
         else:
             tag, stored = "U8", ggml.stored_shape(type_name, shape)
         info = TensorInfo(dtype=tag, shape=tuple(stored), file=path, ggml_type=type_name,
-                          offset=int(tensor.data_offset), dense_shape=tuple(shape))
-        if info.nbytes != int(tensor.n_bytes):
+                          offset=tensor.offset, dense_shape=tuple(shape))
+        if info.nbytes != stored_bytes:
             raise H3WeightsError(f"{path}: {tensor.name}: {type_name} {list(shape)} should take {info.nbytes} bytes, "
-                                 f"the file says {int(tensor.n_bytes)}")
-        if info.offset + info.nbytes > file_size:
-            raise IncompleteFileError(f"{path}: incomplete file - {tensor.name} ends past the file's {file_size} bytes "
+                                 f"the file's dimensions {list(tensor.dims)} take {stored_bytes}")
+        if info.offset + info.nbytes > found.size:
+            raise IncompleteFileError(f"{path}: incomplete file - {tensor.name} ends at byte "
+                                      f"{info.offset + info.nbytes}, past the file's {found.size} bytes "
                                       "(interrupted download?)")
         tensors[name] = info
     if refused:
@@ -156,7 +177,6 @@ def _from_llama_names(tensors: dict, metadata: dict, values: dict, path: str):
     import json
 
     from .. import configs
-    from .headers import TensorInfo
 
     gguf_llama_names.check_architecture(metadata, path)
     mapping = gguf_llama_names.comfy_names(tensors, path)
@@ -196,8 +216,20 @@ def read_tensor(info) -> torch.Tensor:
         handle.seek(info.offset)
         if handle.readinto(raw) != info.nbytes:
             raise IncompleteFileError(f"{info.file}: tensor data ends early (interrupted download?)")
+    if ggml.non_finite(np.frombuffer(raw, dtype=np.uint8), info.ggml_type):  # the bytes are in hand: a cheap pass
+        raise H3WeightsError(f"{info.file}: {_name_at(info)} ({info.ggml_type}) holds NaN or infinite "
+                             f"{'values' if info.ggml_type in ggml.DENSE_TYPES else 'block scales'} (a corrupted or "
+                             "hostile file; every output of that layer would be NaN)")
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     return flat.view(DTYPES[info.dtype]).reshape(info.shape)
+
+
+def _name_at(info) -> str:
+    """The tensor name the file gives the data at `info.offset` (for messages: `TensorInfo` holds no name)."""
+    try:
+        return next(t.name for t in directory(info.file).tensors if t.offset == info.offset)
+    except (H3WeightsError, StopIteration):
+        return f"the tensor at byte {info.offset}"
 
 
 def numpy_dequantise(info) -> np.ndarray:

@@ -28,6 +28,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from . import digest as weight_digest
 from .components import HANDLERS
 from .errors import H3WeightsError, UnrecognisedCheckpointError
 from .gguf_file import is_gguf, is_projector, projector_for
@@ -213,27 +214,18 @@ def component_source(path: str) -> Source:
 
 
 def identity(salt: str, named_paths: dict) -> str:
-    """A short digest of the weights at `named_paths` (name -> file or folder), cheap even for 66 GB.
+    """A short digest of the weights at `named_paths` (name -> file or folder) that changes with any byte of them.
 
-    A large file contributes its size and its first and last MiB (for safetensors that covers the
-    header: names, dtypes, shapes, offsets); small files (configs, tokenizer) their whole bytes.
-    Touching or moving the files does not change it; new weights (or a re-quantisation) do.
+    Small files (configs, tokenizer, up to 16 MiB) contribute the SHA-256 of their bytes; larger ones a full-content
+    xxh3-128 computed once per file version and remembered per user (weights/digest.py), so a 66 GB file is read
+    once, not on every load. Touching or moving the files does not change it (a touched file is hashed again, to the
+    same value); new weights - a fine-tune that changes only middle tensors included - or a re-quantisation do.
     """
     digest = hashlib.sha256(salt.encode())
     for name, path in sorted(named_paths.items()):
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for file in files:
             digest.update(f"{name}/{file.name}:".encode())
-            digest.update(_file_identity(file))
+            digest.update(weight_digest.file_identity(file))
     return digest.hexdigest()[:16]
 
-
-def _file_identity(path, window: int = 1 << 20) -> bytes:
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        if size <= 16 * window:
-            return hashlib.sha256(handle.read()).digest()
-        head = handle.read(window)
-        handle.seek(size - window)
-        tail = handle.read(window)
-    return hashlib.sha256(str(size).encode() + head + tail).digest()

@@ -16,6 +16,11 @@ Importing the fixture into several modules is fine: servers are cached per confi
 session still starts one (registering it once in conftest.py via `pytest_plugins` works too).
 `comfy_factory(models_src=None, env=None, extra_args=())` gives a server with another setup.
 
+Two ComfyUIs: `COMFY_0375` (0.3.75, `.comfyui/`, the default everywhere) and `CORE_033` (core 0.33.0 with its own
+H3, `.comfyui-0.33/`, run from the same venv with the overlay of core's differing pins first on its path; both set up
+by scripts/setup_comfyui.sh). `start_comfy(..., install=CORE_033)` / `shared_comfy(..., install=CORE_033)` start the
+other one; `install.available()` says whether it is set up.
+
 The server's base directory links the embedded tiny H3's ComfyUI models (`tiny_dir/comfyui`)
 into `models/diffusion_models`, `models/text_encoders` and `models/vae`; its environment gets
 `H3_TINY_DIR=<tiny_dir>`. `start_comfy(base_dir, ...)` starts an unshared one (stop() it).
@@ -50,6 +55,7 @@ import pytest
 PACK_NAME = "comfyui-minimax-h3"
 REPO = Path(__file__).resolve().parents[2]
 COMFY_DIR = Path(os.environ.get("H3_COMFY_DIR", REPO / ".comfyui"))
+COMFY033_DIR = Path(os.environ.get("H3_COMFY033_DIR", REPO / ".comfyui-0.33"))
 UI_DIR = REPO / "tests" / "ui"
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae")
 START_TIMEOUT_S = 300.0  # real time: ComfyUI + torch imports take ~30 s idle, several times that at load 8 on 2 cores
@@ -71,6 +77,41 @@ def comfy_available() -> tuple[bool, str]:
     if not (COMFY_DIR / "main.py").is_file():
         return False, f"ComfyUI is not set up at {COMFY_DIR}: run scripts/setup_comfyui.sh"
     return True, ""
+
+
+@dataclass(frozen=True)
+class ComfyInstall:
+    """A ComfyUI tree the harness starts with this venv's python: its folder, and folders put first on the server's
+    path (PYTHONPATH) for the packages whose versions it pins differently from the venv's."""
+
+    label: str
+    dir: Path
+    site: tuple[Path, ...] = ()
+
+    def available(self) -> tuple[bool, str]:
+        if not (self.dir / "main.py").is_file():
+            return False, f"ComfyUI {self.label} is not set up at {self.dir}: run scripts/setup_comfyui.sh"
+        for folder in self.site:
+            if not any(folder.glob(".h3-stamp-*")):
+                return False, (f"ComfyUI {self.label}'s packages are not set up at {folder}: run "
+                               "scripts/setup_comfyui.sh (its log says why when it cannot)")
+        return True, ""
+
+    @property
+    def version(self) -> str:
+        """`__version__` of the tree's comfyui_version.py ('' if unreadable)."""
+        try:
+            text = (self.dir / "comfyui_version.py").read_text()
+        except OSError:
+            return ""
+        return next((ln.split("=", 1)[1].strip().strip("\"'") for ln in text.splitlines()
+                     if ln.startswith("__version__")), "")
+
+
+# The venv's prefix, not REPO/.venv: the overlay is installed per venv (H3_VENV) by scripts/setup_comfyui.sh.
+CORE033_SITE = Path(sys.prefix) / "h3-comfyui-0.33-site"
+COMFY_0375 = ComfyInstall("0.3.75", COMFY_DIR)
+CORE_033 = ComfyInstall("0.33.0", COMFY033_DIR, (CORE033_SITE,))
 
 
 def chromium_path() -> str | None:
@@ -432,22 +473,26 @@ def start_comfy(
     port: int | None = None,
     start_timeout: float = START_TIMEOUT_S,
     require_pack: bool = True,
+    install: ComfyInstall | None = None,
 ) -> ComfyServer:
-    """Lay out base_dir (make_base_dir), start `.comfyui/main.py --cpu` on 127.0.0.1 with this
-    venv's python, wait for /system_stats, check that the pack imported. Raises ComfyError with
+    """Lay out base_dir (make_base_dir), start `.comfyui/main.py --cpu` (or `install`'s tree, e.g. CORE_033) on
+    127.0.0.1 with this venv's python, wait for /system_stats, check that the pack imported. Raises ComfyError with
     the log tail if the server dies, takes longer than start_timeout, or the pack failed."""
-    ok, reason = comfy_available()
+    ok, reason = comfy_available() if install is None else install.available()
     if not ok:
         raise ComfyError(reason)
+    comfy_dir = COMFY_DIR if install is None else install.dir
     base_dir = make_base_dir(Path(base_dir), models_src)
     env_extra = dict(env or {})
     proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
     proc_env.pop("PYTHONPATH", None)  # never let pytest's path leak into the server's imports
+    if install is not None and install.site:
+        proc_env["PYTHONPATH"] = os.pathsep.join(str(folder) for folder in install.site)
     for attempt in range(3):
         p = port or free_port()
         log_path = base_dir / f"comfyui-{p}.log"
         argv = [
-            sys.executable, str(COMFY_DIR / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(p),
+            sys.executable, str(comfy_dir / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(p),
             "--base-directory", str(base_dir), "--database-url", f"sqlite:///{base_dir}/user/comfyui.db",
             "--disable-api-nodes", "--disable-auto-launch", *extra_args,
         ]  # fmt: skip
@@ -557,20 +602,28 @@ _SERVERS: dict[tuple, ComfyServer] = {}
 
 
 def shared_comfy(
-    tmp_root: Path, models_src: Path | None = None, env: Mapping[str, str] | None = None, extra_args: Iterable[str] = ()
+    tmp_root: Path,
+    models_src: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    extra_args: Iterable[str] = (),
+    install: ComfyInstall | None = None,
 ) -> ComfyServer:
     """The session's server for this configuration: started on first use (base dir under
-    tmp_root), reused afterwards, stopped at session end. Skips (fails in CI) without ComfyUI."""
+    tmp_root), reused afterwards, stopped at session end. Skips (fails in CI) without ComfyUI.
+    install: another ComfyUI tree (CORE_033); None is 0.3.75, as before."""
     env = dict(env or {})
     extra_args = tuple(extra_args)
     key = (str(models_src), tuple(sorted(env.items())), extra_args)
+    if install is not None:  # the default keeps its old key
+        key += (str(install.dir),)
     server = _SERVERS.get(key)
     if server is None or not server.alive():
-        ok, reason = comfy_available()
+        ok, reason = comfy_available() if install is None else install.available()
         if not ok:
             unavailable(reason)
         base = Path(tempfile.mkdtemp(prefix="comfy-base-", dir=tmp_root))
-        server = _SERVERS[key] = start_comfy(base, models_src=models_src, env=env, extra_args=extra_args)
+        server = _SERVERS[key] = start_comfy(base, models_src=models_src, env=env, extra_args=extra_args,
+                                             install=install)
     return server
 
 

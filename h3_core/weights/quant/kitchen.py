@@ -23,6 +23,33 @@ def tensor_module():
     return kitchen_tensor
 
 
+#: The first comfy-kitchen with the 6-bit asym_w4a8 layout (Comfy-Org's w6a8 files). ComfyUI core 0.33 pins 0.2.31,
+#: which has only the 4-bit one: it writes 4-bit codes for a 6-bit request and fails on 6-bit rows with a
+#: divisibility error, so a w6a8 layer is refused by name below that version instead.
+SIX_BIT_KITCHEN = (0, 2, 40)
+
+
+def installed_version() -> tuple[int, ...] | None:
+    """comfy-kitchen's version as installed (from its metadata: no import), or None when it is missing."""
+    from importlib import metadata
+
+    try:
+        text = metadata.version("comfy-kitchen")
+    except metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
+
+
+def require_six_bit(where: str) -> None:
+    """Refuse a 6-bit (w6a8) layer where the installed comfy-kitchen cannot compute it."""
+    found = installed_version()
+    if found is not None and found < SIX_BIT_KITCHEN:
+        raise H3WeightsError(
+            f"{where}: a w6a8 (6-bit) layer needs comfy-kitchen >= {'.'.join(map(str, SIX_BIT_KITCHEN))}, and "
+            f"{'.'.join(map(str, found))} is installed (ComfyUI 0.33 pins 0.2.31): `pip install "
+            "'comfy-kitchen>=0.2.40,<0.3'` in ComfyUI's Python, or use the int8 / fp8 files")
+
+
 def default_rotation(k: int) -> int:
     """The ConvRot group for in_features `k`: 256 (every H3 release layer) when it divides `k`, else the
     largest power of 4 that does (tiny widths: 64 for K = 64 or 128, 16 for K = 32)."""

@@ -36,6 +36,8 @@ class AsymW4A8Int8(LayerFormat):
         bits = cols * 8 // k if k else 0
         if bits * k != cols * 8 or bits not in (4, 6):
             raise H3WeightsError(f"{where}: packed row of {cols} bytes matches neither 4 nor 6 bits for K={k}")
+        if bits == 6:
+            kitchen.require_six_bit(where)
         if "weight_codebook" in tensors:
             b_dtype, b_shape = tensors["weight_codebook"]
             want(bits == 4 and b_dtype in ("F32", "BF16", "F16") and tuple(b_shape) == (16,), where,
@@ -70,6 +72,8 @@ class AsymW4A8Int8(LayerFormat):
         """Options: `group_size` (16), `convrot_groupsize` (default: `kitchen.default_rotation`), `bits` (6 or 4:
         4 bits write a codebook)."""
         group, rotation, bits = self._options(weight.shape[1], options)
+        if bits == 6:
+            kitchen.require_six_bit("w6a8 quantisation")
         qdata, params = kitchen.tensor_module().AsymW4A8Int8Layout.quantize(
             weight, group_size=group, convrot_groupsize=rotation, bits=bits, codebook=bits == 4)
         stored = {"weight": qdata, "weight_s_rel": params.scale, "weight_s_channel": params.s_channel}
