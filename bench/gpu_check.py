@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from h3_core import configs, facts, offload  # noqa: E402
 from h3_core.planning import planner  # noqa: E402
 from h3_core.safetensors_header import DTYPE_TAGS  # noqa: E402
-from h3_core.weights.headers import TensorInfo  # noqa: E402
+from h3_core.weights.tensor_info import TensorInfo  # noqa: E402
 
 GB = 1e9
 CAP_BYTES = 24 * 10**9

@@ -72,4 +72,6 @@ def model_source(args, task: str | None = None):
             source = single
         else:
             source.paths[slot] = single.paths[slot]
+            if slot in single.detections:  # the file's detection travels with it: the load does not detect again
+                source.detections[slot] = single.detections[slot]
     return source

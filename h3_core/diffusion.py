@@ -312,7 +312,7 @@ class DiffusionStage:
         audio; audio trimmed to the video's duration. Bit-identical to diffusers' decode steps."""
         sink = vae_stream.TensorSink()
         self.decode_video(latents, sink, cancel)
-        return Decoded(video=sink.video, audio=self.decode_audio(latents, sink.video.shape[0]))
+        return Decoded(video=sink.video, audio=self.decode_audio(latents, sink.video.shape[0], cancel=cancel))
 
     def decode_to_mp4(self, latents: AVLatents, path, *, cancel: threading.Event | None = None, **mp4_options) -> str:
         """Decode straight into an mp4 (media.write_mp4's format): each clip's frames go to the encoder as uint8
@@ -324,7 +324,7 @@ class DiffusionStage:
         with media.streamed_mp4(path, geometry.width, geometry.height, fps=facts.FPS, with_audio=True,
                                 sample_rate=facts.AUDIO_SAMPLE_RATE, **mp4_options) as writer:
             self.decode_video(latents, vae_stream.WriterSink(writer.write), cancel)
-            writer.finish(self.decode_audio(latents, geometry.frames))
+            writer.finish(self.decode_audio(latents, geometry.frames, cancel=cancel))
         return str(path)
 
     def decode_to_png(self, latents: AVLatents, path, *, cancel: threading.Event | None = None) -> str:
@@ -358,13 +358,15 @@ class DiffusionStage:
             return vae_stream.decode_video(self.vae, latents.video.to(self.device), sink, cancel=cancel)
 
     @torch.no_grad()
-    def decode_audio(self, latents: AVLatents, num_frames: int) -> torch.Tensor:
+    def decode_audio(self, latents: AVLatents, num_frames: int, *,
+                     cancel: threading.Event | None = None) -> torch.Tensor:
         """float32 [2, S] at 32 kHz, trimmed to `num_frames` of video (diffusers' audio decode step, the same block
-        in every task's workflow)."""
+        in every task's workflow). `cancel` is checked before each of the decoder's layers (`AudioCancel`)."""
         file_identity.check_unchanged(self.audio_vae, "audio VAE")
         blocks = {name: block for name, block in workflow_blocks("t2va", ("decode",)).items() if name == "decode.audio"}
         pipe = pipeline_for(blocks, {"audio_vae": self.audio_vae}, self.pipeline_config)
-        with _AudioReporter(self.audio_vae):
+        check_cancel(cancel, "before the audio decode")
+        with _AudioReporter(self.audio_vae), AudioCancel(self.audio_vae, cancel):
             state = pipe(audio_latents=latents.audio.to(self.device))
         audio = state.get("audio")[0].float().cpu()  # [2, S], S = audio_t * 800 (not trimmed by diffusers)
         samples = round(num_frames / facts.FPS * facts.AUDIO_SAMPLE_RATE)
@@ -373,6 +375,38 @@ class DiffusionStage:
     def generate(self, cond: H3Conditioning, options: SamplingOptions) -> tuple[AVLatents, Decoded]:
         latents = self.sample(cond, options)
         return latents, self.decode(latents, cancel=options.cancel)
+
+
+class AudioCancel:
+    """Checks `cancel` before every layer of the audio decoder (BigVGAN: each transposed convolution, each
+    convolution and alias-free activation of its AMP blocks: hundreds of checkpoints in one pass), so a cancel
+    stops the decode within one layer instead of after the whole pass.
+
+    Why hooks and not a decode in temporal chunks: the decoder's receptive field is finite, but chunked
+    convolutions sum in another order at the seams (and replicate-pad the chunk's edges), so chunks would not be
+    bitwise the one-pass decode. A forward pre-hook that returns None leaves every input and output untouched: the
+    pass, and its result, are diffusers' own. `checks` counts the checkpoints passed (tests count them)."""
+
+    def __init__(self, audio_vae, cancel: threading.Event | None):
+        self.audio_vae, self.cancel, self.handles, self.checks = audio_vae, cancel, [], 0
+
+    def _check(self, *_) -> None:
+        self.checks += 1
+        check_cancel(self.cancel, f"in the audio decode (after {self.checks - 1} of its layers)")
+
+    def __enter__(self):
+        decoder = getattr(self.audio_vae, "decoder", None)
+        if self.cancel is None or decoder is None:
+            return self
+        for module in decoder.modules():  # the decoder itself first, then every layer inside it
+            self.handles.append(module.register_forward_pre_hook(self._check))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        return False
 
 
 class _AudioReporter:

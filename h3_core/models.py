@@ -39,6 +39,9 @@ class ModelSource:
     pipeline_config: dict = field(default_factory=dict)
     tiny: bool = False
     problems: dict[str, str] = field(default_factory=dict)  # path -> why it was skipped
+    # slot -> the `weights.Detection` that found it: `load` hands it on, so a file is detected once per load (a
+    # detection whose file changed since, or whose slot was pointed elsewhere, is detected again there).
+    detections: dict = field(default_factory=dict, repr=False, compare=False)
 
     # --- discovery -------------------------------------------------------------------------------
 
@@ -82,6 +85,7 @@ class ModelSource:
             pipeline_config=_pipeline_config(root, tiny),
             tiny=tiny,
             problems=problems,
+            detections=dict(found),
         )
 
     @classmethod
@@ -118,6 +122,7 @@ class ModelSource:
             paths={component: path},
             pipeline_config=configs.get("pipeline", tiny=tiny),
             tiny=tiny,
+            detections={component: found},
         )
 
     # --- loading ---------------------------------------------------------------------------------
@@ -134,7 +139,8 @@ class ModelSource:
     def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         """Load one component as the diffusers/transformers module diffusers' blocks expect."""
         self.require(name)
-        return weights.load(self.paths[name], weights.components.handler_of_slot(name).name, dtype=dtype)
+        return weights.load(self.paths[name], weights.components.handler_of_slot(name).name, dtype=dtype,
+                            detection=self.detections.get(name))
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer

@@ -177,8 +177,8 @@ def write_entry(dir_fd: int, name: str, data: bytes, *, tmp_fd: int | None = Non
         raise
 
 
-def regular_files(dir_fd: int) -> list[tuple[str, os.stat_result]]:
-    """(name, lstat) of the regular files this user owns directly in `dir_fd`; links and everything else skipped."""
+def entries(dir_fd: int, wanted) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of the entries directly in `dir_fd` whose lstat `wanted` accepts (links are never followed)."""
     found = []
     try:
         with os.scandir(dir_fd) as it:
@@ -190,6 +190,11 @@ def regular_files(dir_fd: int) -> list[tuple[str, os.stat_result]]:
             info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
             continue
-        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+        if wanted(info):
             found.append((name, info))
     return found
+
+
+def regular_files(dir_fd: int) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of the regular files this user owns directly in `dir_fd`; links and everything else skipped."""
+    return entries(dir_fd, lambda info: stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid())

@@ -58,9 +58,14 @@ class Channel:
 
     def send(self, header: dict, payload: bytes = b"") -> None:
         text = json.dumps(header).encode()
-        self.sock.sendall(_FRAME.pack(len(text), len(payload)) + text)
-        if payload:
-            self.sock.sendall(payload)
+        try:
+            self.sock.sendall(_FRAME.pack(len(text), len(payload)) + text)
+            if payload:
+                self.sock.sendall(payload)
+        except ChannelClosed:
+            raise
+        except ConnectionError as error:  # a reset or a broken pipe: the other end is gone, as a clean close says
+            raise ChannelClosed(f"the other end went away ({error})") from error
 
     def send_hello(self, token: str, hello: dict) -> None:
         """A worker's first words: the preamble with its token, then its hello (no payload)."""
@@ -79,6 +84,17 @@ class Channel:
     def readable(self, timeout_s: float = 0.0) -> bool:
         return bool(select.select([self.sock], [], [], timeout_s)[0])
 
+    def peer_closed(self) -> bool:
+        """Whether the other end has closed (or reset) the connection, with nothing left unread before that."""
+        try:
+            if not self.readable(0.0):
+                return False
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except ConnectionError:
+            return True
+        except OSError:  # this end is closed: nobody to talk to either
+            return True
+
     def fileno(self) -> int:
         return self.sock.fileno()
 
@@ -95,7 +111,10 @@ class Channel:
             buffer = bytearray(min(left, _CHUNK))
             view, done = memoryview(buffer), 0
             while done < len(buffer):
-                got = self.sock.recv_into(view[done:])
+                try:
+                    got = self.sock.recv_into(view[done:])
+                except ConnectionError as error:  # e.g. a host killed with unread bytes resets the connection
+                    raise ChannelClosed(f"the other end went away ({error})") from error
                 if got == 0:
                     raise ChannelClosed("the other end closed the connection")
                 done += got
@@ -133,14 +152,16 @@ class _Pending:
 
 
 def accept_hellos(listener: socket.socket, token: str, wanted: int, admit, poll, clock=time.monotonic,
-                  hello_timeout_s: float = HELLO_TIMEOUT_S, max_pending: int = MAX_PENDING) -> dict[int, Channel]:
+                  hello_timeout_s: float = HELLO_TIMEOUT_S, max_pending: int = MAX_PENDING,
+                  on_accepted=None) -> dict[int, Channel]:
     """Accept connections on `listener` until `wanted` of them said a hello that `admit(hello)` maps to a rank.
 
     Every connection must open with `preamble(token)` (compared in constant time before anything else is read),
     then one hello frame with a header of at most HELLO_MAX_HEADER bytes and no payload, all within
     `hello_timeout_s` of its accept (on `clock`); any other connection is closed and the wait goes on. `admit`
     returns the hello's rank, or None to drop it. `poll()` runs at least every POLL_S and raises to stop the wait
-    (the caller's cancel flag, its own deadline, a worker process gone). Returns rank -> channel (blocking)."""
+    (the caller's cancel flag, its own deadline, a worker process gone). `on_accepted(count)` hears each admitted
+    hello (the host's start progress). Returns rank -> channel (blocking)."""
     expected = preamble(token)
     accepted: dict[int, Channel] = {}
     pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
@@ -183,6 +204,8 @@ def accept_hellos(listener: socket.socket, token: str, wanted: int, admit, poll,
                     del pending[sock]
                     selector.unregister(sock)
                     accepted[rank] = Channel(sock)
+                    if on_accepted is not None:
+                        on_accepted(len(accepted))
     except BaseException:
         for channel in accepted.values():
             channel.close()

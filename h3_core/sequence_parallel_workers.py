@@ -22,6 +22,12 @@ Each job runs the very `DiffusionStage.sample` a single process runs, on every r
 * **A dead worker** (its process gone, its socket closed) or a rank error ends the job with a `WorkerError` naming
   the rank and pid; the whole pool is stopped, and the next job starts a fresh one.
 * **Warm.** One pool per host, keyed by (recipe, layout): another DiT file, dtype or rank count replaces it.
+* **Stop.** A pool holds N copies of the DiT (a whole GPU each on real weights), so it lives only while the user
+  wants it: `close_pool` stops it (the ComfyUI Sampler calls it when it runs with `gpus` 1, and when ComfyUI unloads
+  its models); a pool idle for H3_SP_IDLE_S seconds (default 600; 0: never) stops itself (`stop_if_idle`, decided
+  on the pool's clock: tests inject one); and the host stops it at exit (atexit). A worker whose host is gone, closed
+  or killed, exits 0 without a traceback: that is how a pool ends, not an error. Workers ignore SIGINT: Ctrl-C in
+  the host's terminal reaches the whole process group, and the host, not the signal, ends them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import argparse
 import atexit
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -59,6 +66,29 @@ from .sequence_parallel_channel import (
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the folder that holds h3_core/: the workers' import root
 TASK_OF_COMPONENT = {"transformer": "t2va", "transformer_ref": "ref2va"}
 START_TIMEOUT_S = 1800.0  # connecting and loading a 33B DiT per rank from disk
+IDLE_ENV = "H3_SP_IDLE_S"
+DEFAULT_IDLE_S = 600.0  # ten minutes between prompts keeps a session warm; a forgotten pool gives its GPUs back
+IDLE_CHECK_MAX_S = 60.0  # how often (real time) an idle pool looks at its clock: stopped within a minute of its limit
+LOG = logging.getLogger(__name__)
+
+
+def idle_limit(environ=None) -> float | None:
+    """H3_SP_IDLE_S as seconds a warm pool may stay idle before it stops itself; None: never (0)."""
+    raw = (os.environ if environ is None else environ).get(IDLE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_IDLE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{IDLE_ENV}={raw[:40]!r}: give the seconds a warm sequence-parallel worker pool may stay "
+                         f"idle before it stops (a number >= 0, e.g. {DEFAULT_IDLE_S:.0f}; 0 keeps it until unloaded)")
+    return None if value == 0 else value
+
+
+def _gb(count: int) -> str:
+    return f"{count / 1e9:.1f} GB"
 
 
 class WorkerError(RuntimeError):
@@ -122,7 +152,11 @@ class WorkerPool:
         self.channels: dict[int, Channel] = {}
         self._jobs = 0
         self.closed = False
-        self.clock = clock  # the start deadline's clock (tests inject one)
+        self.clock = clock  # the start deadline's and the idle stop's clock (tests inject one)
+        self.busy = False  # a job is running: never stopped for being idle
+        self.idle_since = clock()
+        self.gpu_bytes: dict[int, int] = {}  # rank -> its CUDA memory reserved, as it last said (none on the CPU)
+        self._stopped = threading.Event()
 
     @property
     def key(self) -> tuple:
@@ -135,24 +169,67 @@ class WorkerPool:
     def alive(self) -> bool:
         return not self.closed and bool(self.procs) and all(proc.poll() is None for proc in self.procs)
 
+    def resident_bytes(self) -> int | None:
+        """The ranks' resident memory (VmRSS of /proc/PID/status, Linux); None where it cannot be read."""
+        total = 0
+        for proc in self.procs:
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+            except OSError:
+                return None
+            line = next((line for line in status.splitlines() if line.startswith("VmRSS:")), None)
+            if line is None:  # a process that already exited has no resident set
+                return None
+            total += int(line.split()[1]) * 1024
+        return total
+
+    def describe(self) -> str:
+        """What the warm pool holds, for the user: "2 DiT workers warm: 2.2 GB" (+ GPU memory on CUDA)."""
+        rss, gpu = self.resident_bytes(), sum(self.gpu_bytes.values())
+        sizes = [] if rss is None else [_gb(rss) + (" RAM" if gpu else "")]
+        if gpu:
+            sizes.append(f"{_gb(gpu)} GPU")
+        return f"{self.layout.degree} DiT workers warm" + (f": {', '.join(sizes)}" if sizes else "")
+
     # start ------------------------------------------------------------------------------------------------------
 
-    def start(self, cancel=None, timeout_s: float = START_TIMEOUT_S) -> WorkerPool:
-        """Start the workers and wait until each has loaded and parallelised the DiT."""
+    def start(self, cancel=None, timeout_s: float = START_TIMEOUT_S, on_start=None) -> WorkerPool:
+        """Start the workers and wait until each has loaded and parallelised the DiT. `on_start(stage, done, total)`
+        hears how far it is: ("connect", k, N) as each rank says hello, then ("load", k, N) as each has the DiT
+        (a cold start takes seconds on the tiny model, minutes for a 33B DiT per rank: the user sees it move)."""
+        degree = self.layout.degree
+        tell = on_start if on_start is not None else (lambda stage, done, total: None)
         try:
-            self._spawn_and_connect(cancel, timeout_s)
+            tell("connect", 0, degree)
+            self._spawn_and_connect(cancel, timeout_s, lambda count: tell("connect", count, degree))
             setup = {"kind": "setup", "recipe": asdict(self.recipe), "layout": _layout_json(self.layout),
                      "dist_port": sequence_parallel.free_port()}
             for channel in self.channels.values():
                 channel.send(setup)
-            self._gather(lambda rank, header, payload: header["kind"] == "ready", cancel,
-                         self.clock() + timeout_s, "loading the DiT")
+            tell("load", 0, degree)
+            ready = set()
+
+            def loaded(rank: int, header: dict, payload: bytes) -> bool:
+                if header["kind"] != "ready":
+                    return False
+                self._note_gpu(rank, header)
+                ready.add(rank)
+                tell("load", len(ready), degree)
+                return True
+
+            self._gather(loaded, cancel, self.clock() + timeout_s, "loading the DiT")
         except BaseException:
             self.close()
             raise
+        self.idle_since = self.clock()
         return self
 
-    def _spawn_and_connect(self, cancel, timeout_s: float) -> None:
+    def _note_gpu(self, rank: int, header: dict) -> None:
+        value = header.get("gpu_bytes")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            self.gpu_bytes[rank] = value
+
+    def _spawn_and_connect(self, cancel, timeout_s: float, on_hello=None) -> None:
         token = secrets.token_hex(TOKEN_BYTES)
         listener = socket.create_server(("127.0.0.1", 0))
         env = {**os.environ, TOKEN_ENV: token,
@@ -175,7 +252,8 @@ class WorkerPool:
             # Connections are read side by side, each with one deadline for its whole hello, while this loop keeps
             # checking the workers, the cancel flag and the start deadline: no peer can hold the start.
             self.channels = accept_hellos(listener, token, self.layout.degree, admit,
-                                          lambda: self._check_running(cancel, deadline, "starting"), clock=self.clock)
+                                          lambda: self._check_running(cancel, deadline, "starting"), clock=self.clock,
+                                          on_accepted=on_hello)
         finally:
             listener.close()
 
@@ -210,6 +288,7 @@ class WorkerPool:
             elif kind == "cache" and options.on_cache is not None:
                 options.on_cache(step_cache.Passes(**message["passes"]))
             elif kind in ("done", "cancelled"):
+                self._note_gpu(rank, message)
                 results[rank] = (message, data)
                 return True
             return False
@@ -301,6 +380,7 @@ class WorkerPool:
     def close(self) -> None:
         """Stop every worker (they exit when their host connection closes; stragglers are terminated, then killed)."""
         self.closed = True
+        self._stopped.set()
         for channel in self.channels.values():
             channel.close()
         self.channels = {}
@@ -323,37 +403,117 @@ _POOL: WorkerPool | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def warm_pool(recipe: DiTRecipe, layout: sequence_parallel.Layout, cancel=None) -> WorkerPool:
-    """The running pool for (recipe, layout), or a new one (stopping another)."""
-    global _POOL
+def warm_pool(recipe: DiTRecipe, layout: sequence_parallel.Layout, cancel=None, on_start=None,
+              clock=time.monotonic) -> WorkerPool:
+    """The running pool for (recipe, layout), or a new one (stopping another; `clock` is the new one's)."""
     with _POOL_LOCK:
-        if _POOL is not None and (_POOL.key != (recipe, layout) or not _POOL.alive()):
-            if _POOL.key == (recipe, layout):  # a worker died between jobs: say so, then start afresh
-                gone = [f"rank {r} (pid {p.pid}, exit code {p.returncode})" for r, p in enumerate(_POOL.procs)
-                        if p.poll() is not None]
-                logging.getLogger(__name__).warning("sequence-parallel worker %s died while idle; starting %d new "
-                                                    "workers", ", ".join(gone) or "pool", layout.degree)
-            _POOL.close()
-            _POOL = None
-        if _POOL is None:
-            _POOL = WorkerPool(recipe, layout).start(cancel)
-        return _POOL
+        return _warm(recipe, layout, cancel, on_start, clock)
+
+
+def _warm(recipe, layout, cancel, on_start, clock) -> WorkerPool:
+    global _POOL
+    if _POOL is not None and (_POOL.key != (recipe, layout) or not _POOL.alive()):
+        if _POOL.key == (recipe, layout):  # a worker died between jobs: say so, then start afresh
+            gone = [f"rank {r} (pid {p.pid}, exit code {p.returncode})" for r, p in enumerate(_POOL.procs)
+                    if p.poll() is not None]
+            LOG.warning("sequence-parallel worker %s died while idle; starting %d new workers",
+                        ", ".join(gone) or "pool", layout.degree)
+        else:  # another DiT file, dtype or rank count: one pool at a time (N DiT copies each)
+            LOG.info("MiniMax H3: stopping the sequence-parallel workers (%s): the next run needs another DiT or "
+                     "gpus", _POOL.describe())
+        _POOL.close()
+        _POOL = None
+    if _POOL is None:
+        idle_s = idle_limit()  # a bad H3_SP_IDLE_S is refused before any process starts
+        pool = WorkerPool(recipe, layout, clock=clock)
+        _POOL = pool  # visible while it starts, so an exit or an unload stops a half-started pool too
+        try:
+            pool.start(cancel, on_start=on_start)
+        except BaseException:
+            if _POOL is pool:
+                _POOL = None
+            raise
+        if idle_s is not None:
+            _watch_idle(pool, idle_s)
+    return _POOL
 
 
 def sample(recipe: DiTRecipe, layout: sequence_parallel.Layout, cond, options, loras=(), lora_audio: bool = True):
     """Sample on the warm pool for (recipe, layout): `DiffusionStage.sample`'s latents, from N ranks."""
-    return warm_pool(recipe, layout, options.cancel).sample(cond, options, loras, lora_audio)
+    with _POOL_LOCK:
+        pool = _warm(recipe, layout, options.cancel, None, time.monotonic)
+        pool.busy = True  # from here the idle stop leaves it alone
+    try:
+        return pool.sample(cond, options, loras, lora_audio)
+    finally:
+        pool.busy = False
+        pool.idle_since = pool.clock()
 
 
-def close_pool() -> None:
+def warm_summary() -> str | None:
+    """The running pool's `describe()` ("2 DiT workers warm: 2.2 GB"), or None without one."""
+    pool = _POOL
+    return pool.describe() if pool is not None and pool.alive() else None
+
+
+def close_pool(reason: str = "") -> bool:
+    """Stop the warm pool, if any (True when one was running). With `reason`, says so in the log."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is not None:
-            _POOL.close()
-            _POOL = None
+        pool, _POOL = _POOL, None
+        if pool is None:
+            return False
+        if reason:
+            LOG.info("MiniMax H3: stopping the sequence-parallel workers (%s): %s", pool.describe(), reason)
+        pool.close()
+        return True
 
 
-atexit.register(close_pool)
+def stop_if_idle(idle_s: float | None = None) -> bool:
+    """Stop the warm pool when no job has run on it for `idle_s` seconds (default: H3_SP_IDLE_S) on its clock; True
+    when it stopped it. A running job, or a pool being started or replaced (the lock is held), is left alone."""
+    global _POOL
+    if not _POOL_LOCK.acquire(blocking=False):
+        return False
+    try:
+        pool = _POOL
+        if pool is None or pool.busy:
+            return False
+        limit = idle_limit() if idle_s is None else idle_s
+        if limit is None or pool.clock() - pool.idle_since < limit:
+            return False
+        LOG.info("MiniMax H3: stopping the sequence-parallel workers (%s): idle for %.0f s (%s)", pool.describe(),
+                 pool.clock() - pool.idle_since, IDLE_ENV)
+        _POOL = None
+        pool.close()
+        return True
+    finally:
+        _POOL_LOCK.release()
+
+
+def _watch_idle(pool: WorkerPool, idle_s: float) -> None:
+    """A daemon thread asking `stop_if_idle` every so often (real time) while `pool` lives; the decision itself is
+    on the pool's clock."""
+    every = min(IDLE_CHECK_MAX_S, max(1.0, idle_s / 10))
+
+    def watch() -> None:
+        while not pool._stopped.wait(every):
+            if _POOL is not pool:
+                return
+            stop_if_idle(idle_s)
+
+    threading.Thread(target=watch, name="h3-sp-idle-stop", daemon=True).start()
+
+
+def _close_at_exit() -> None:
+    """The host is exiting: stop the pool without waiting for the lock (a job or a start on a daemon thread may
+    hold it, and will not finish): the workers see their connections close and exit 0."""
+    pool = _POOL
+    if pool is not None:
+        pool.close()
+
+
+atexit.register(_close_at_exit)
 
 
 # --- the worker side -----------------------------------------------------------------------------------------------
@@ -406,7 +566,15 @@ def _run_job(channel: Channel, stage, rank: int, job: dict, payload: bytes) -> N
         return
     passes = None if latents.passes is None else asdict(latents.passes)
     data = tensors_to_bytes({"video": latents.video, "audio": latents.audio}) if lead else b""
-    channel.send({"kind": "done", "passes": passes}, data)
+    channel.send({"kind": "done", "passes": passes, **_gpu_memory(stage.device)}, data)
+
+
+def _gpu_memory(device) -> dict:
+    """What this rank holds on its GPU (the host shows the pool's total); nothing on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    return {"gpu_bytes": int(torch.cuda.memory_reserved(device))}
 
 
 def _serve(channel: Channel, rank: int) -> int:
@@ -419,7 +587,7 @@ def _serve(channel: Channel, rank: int) -> int:
     device = sequence_parallel.init_rank(layout, rank, int(setup["dist_port"]))
     stage = DiffusionStage(recipe.source(), dtype=recipe.torch_dtype, device=device, parallel=layout)
     stage.transformer(TASK_OF_COMPONENT[recipe.component])  # load and parallelise now: warm for the first job
-    channel.send({"kind": "ready"})
+    channel.send({"kind": "ready", **_gpu_memory(device)})
     while True:
         try:
             message, payload = channel.recv()
@@ -435,20 +603,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", required=True, help="the host's loopback address, 127.0.0.1:PORT")
     parser.add_argument("--rank", type=int, required=True)
     args = parser.parse_args(argv)
+    # Ctrl-C in the host's terminal reaches this process too; the host decides when its workers end.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     address, port = args.host.rsplit(":", 1)
-    channel = Channel(socket.create_connection((address, int(port))))
-    channel.send_hello(os.environ.pop(TOKEN_ENV, ""), {"kind": "hello", "rank": args.rank, "pid": os.getpid()})
+    try:
+        channel = Channel(socket.create_connection((address, int(port))))
+        channel.send_hello(os.environ.pop(TOKEN_ENV, ""), {"kind": "hello", "rank": args.rank, "pid": os.getpid()})
+    except OSError:  # the host stopped the pool (or exited) while this worker was starting: nothing to do
+        os._exit(0)
     try:
         code = _serve(channel, args.rank)
     except ChannelClosed:
-        code = 0
-    except BaseException as error:  # tell the host what went wrong; it stops the whole pool
-        traceback.print_exc()
-        try:
-            channel.send({"kind": "error", "message": f"{type(error).__name__}: {error}"})
-        except OSError:
-            pass
-        code = 1
+        code = 0  # the host closed the pool or went away (closed, reset or killed): how a pool ends
+    except BaseException as error:
+        if channel.peer_closed():
+            # The host is gone, so this error is its consequence (a peer rank that saw it first has exited and
+            # this rank's collective broke): no one to tell, nothing to report.
+            code = 0
+        else:  # tell the host what went wrong; it stops the whole pool
+            traceback.print_exc()
+            try:
+                channel.send({"kind": "error", "message": f"{type(error).__name__}: {error}"})
+            except OSError:
+                pass
+            code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # No interpreter teardown and no destroy_process_group: with a peer gone (killed, or its host closed it first)

@@ -18,7 +18,7 @@ import folder_paths
 import numpy as np
 import torch
 
-from ..h3_core import media, previews, rules, safe_paths
+from ..h3_core import facts, media, previews, rules, safe_paths
 from ..h3_core.progress import Cancelled
 from ..h3_core.tiny import files as tiny_files
 from . import low_vram
@@ -155,6 +155,45 @@ def unwrap(patcher) -> torch.nn.Module:
     return patcher.model.model
 
 
+_UNLOAD_HOOKS = "_h3_unload_hooks"  # name -> hook, kept on the wrapper itself: one wrapper however often it is hooked
+
+
+def on_unload_models(name: str, hook) -> bool:
+    """Call `hook()` whenever ComfyUI unloads all its models: the menu's "Unload Models" and "Unload Models and
+    Execution Cache" (POST /free), an out-of-memory error, and --disable-smart-memory after each prompt. For what
+    the pack holds outside ComfyUI's model management (the Sampler's sequence-parallel worker processes), so it goes
+    with the models. ComfyUI has no event for this: `comfy.model_management.unload_all_models`, which ComfyUI 0.3.x
+    and core 0.33 call through the module, is wrapped once (feature-detected: False, with a log line, when it is not
+    there). Registering `name` again replaces its hook. A hook's error is logged; the unload itself always runs."""
+    import functools
+    import logging
+
+    current = getattr(mm, "unload_all_models", None)
+    if not callable(current):
+        logging.warning("MiniMax H3: this ComfyUI has no comfy.model_management.unload_all_models; its Unload Models "
+                        "commands will not stop %s", name)
+        return False
+    hooks = getattr(current, _UNLOAD_HOOKS, None)
+    if hooks is None:
+        hooks, original = {}, current
+
+        @functools.wraps(original)
+        def unload_all_models(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            finally:
+                for hook_name, stop in list(hooks.items()):
+                    try:
+                        stop()
+                    except Exception:  # noqa: BLE001 - one hook's failure must not break ComfyUI's unload
+                        logging.exception("MiniMax H3: stopping %s on unload failed", hook_name)
+
+        setattr(unload_all_models, _UNLOAD_HOOKS, hooks)
+        mm.unload_all_models = unload_all_models
+    hooks[name] = hook
+    return True
+
+
 # --- progress and interruption --------------------------------------------------------------------
 
 
@@ -221,7 +260,7 @@ def rgb_factors():
     for name in ("MiniMaxH3Video", "MiniMaxH3"):
         fmt = getattr(formats, name, None)
         factors = getattr(fmt, "latent_rgb_factors", None) if fmt is not None else None
-        if factors is not None and len(factors) == previews.LATENT_CHANNELS and len(factors[0]) == 3:
+        if factors is not None and len(factors) == facts.VIDEO_LATENT_CHANNELS and len(factors[0]) == 3:
             return factors, getattr(fmt, "latent_rgb_factors_bias", None), f"core {name}"
     return previews.TINY_RGB_FACTORS, previews.TINY_RGB_BIAS, "pack (tiny H3 fit)"
 

@@ -46,8 +46,11 @@ class Decode(io.ComfyNode):
         latents = AVLatents(video=video, audio=AVLatents.audio_from_comfy(audio))
         # Streamed tile by tile into one preallocated float32 video, which is the IMAGE output itself (and the
         # VIDEO's frames, shared, not copied): the node holds the video once plus one tile's work.
-        with progress_text.phases():  # decode tiles, then the audio decode
-            decoded = bridge.run_interruptible(stage.decode, latents, cancel=bridge.InterruptFlag())
+        # An interrupt is acknowledged on the node at once ("cancelling after the current layer") and stops the work
+        # at the next tile of the video or the next layer of the audio decoder.
+        interrupt = bridge.InterruptFlag()
+        with progress_text.phases(cancel=interrupt):  # decode tiles, then the audio decode
+            decoded = bridge.run_interruptible(stage.decode, latents, cancel=interrupt)
         video_out, frames, audio_out = bridge.to_video(decoded.video, decoded.audio, decoded.sample_rate, facts.FPS)
         return io.NodeOutput(video_out, frames, audio_out, frames[:1])  # image: a view of the first frame
 

@@ -128,6 +128,8 @@ class _ComponentLoader(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
+        # Built on every /object_info and prompt validation: header reads are cached, the list bounded in time.
+        listed = model_files.listing(cls.FOLDER, cls.FILE_COMPONENT or cls.COMPONENT)
         return io.Schema(
             node_id=cls.NODE_ID,
             display_name=cls.DISPLAY_NAME,
@@ -136,10 +138,10 @@ class _ComponentLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input(
                     cls.INPUT_ID,
-                    options=model_files.choices(cls.FOLDER, cls.FILE_COMPONENT or cls.COMPONENT),
+                    options=listed.options,
                     tooltip=f"The {cls.what()} file: your files in models/{cls.FOLDER} that hold it (Comfy-Org "
                     f"{cls.FILE_HINT}), then model folders in models/minimax_h3, then the embedded tiny H3 (random "
-                    "weights: its outputs are noise; for trying a graph out).",
+                    "weights: its outputs are noise; for trying a graph out)." + listed.tooltip_note(cls.FOLDER),
                 ),
                 *cls.extra_inputs(),
                 _weight_dtype_input(cls.WEIGHT_DTYPES, cls.what()),

@@ -199,8 +199,10 @@ class Sampler(io.ComfyNode):
         )
         if gpus > 1:
             latents = bridge.run_interruptible(_sample_parallel, dit, needed, gpus, cond, options, chosen,
-                                               not lora_skip_audio)
+                                               not lora_skip_audio, cls.hidden.unique_id)
         else:
+            # The user went back to one process: the workers' N DiT copies are not kept for a later gpus > 1.
+            sequence_parallel_workers.close_pool("a MiniMax H3 Sampler ran with gpus 1")
             # Room for this job's activations: ComfyUI streams the DiT's layers that no longer fit beside them.
             device = bridge.use(dit.patcher, memory_required=memory.sampling_bytes(cond, dit.module, dit.dtype))
             stage = DiffusionStage(modules={needed: dit.module}, pipeline_config=dit.pipeline_config, device=device,
@@ -216,13 +218,30 @@ def lora_stack(chosen, steps, video_shift, audio_shift, skip_audio: bool):
     return LoRAStack(tuple(loras), Schedule(steps, video_shift, audio_shift)) if loras else None
 
 
-def _sample_parallel(dit, component: str, gpus: int, cond, options, loras, lora_audio: bool):
+# What a cold worker start shows on the Sampler (PhaseText adds " - N s" while a line stays): seconds on the tiny
+# model, minutes with a 33B DiT per rank, where the last run's "DiT forward 49/49" would otherwise look finished.
+WORKER_START_TEXT = {"connect": "starting {total} DiT workers: {done}/{total}",
+                     "load": "loading the DiT in {total} workers"}
+POOL_UNLOAD_HOOK = "the MiniMax H3 Sampler's sequence-parallel workers"
+
+
+def _sample_parallel(dit, component: str, gpus: int, cond, options, loras, lora_audio: bool, node_id=None):
     """The DiT sequence-parallel on `gpus` warm worker processes from the DiT Loader's device on, each loading the
-    loader's file (h3_core/sequence_parallel_workers.py); the loader's own copy stays where ComfyUI keeps it."""
+    loader's file (h3_core/sequence_parallel_workers.py); the loader's own copy stays where ComfyUI keeps it. The
+    workers stop with ComfyUI's Unload Models; while they live, the node's last line says what they hold."""
     heads = getattr(dit.module.config, "num_attention_heads", None)
     layout = sequence_parallel.check(gpus, "ulysses", dit.patcher.load_device, heads, what="gpus")
     recipe = sequence_parallel_workers.DiTRecipe.of(dit.source, component, dit.dtype, dit.fingerprint)
-    return sequence_parallel_workers.sample(recipe, layout, cond, options, loras, lora_audio)
+    bridge.on_unload_models(POOL_UNLOAD_HOOK, lambda: sequence_parallel_workers.close_pool("ComfyUI unloaded models"))
+    with progress_text.PhaseText(node_id) as text:  # its heartbeat ends with the start, before the steps' text
+        sequence_parallel_workers.warm_pool(recipe, layout, options.cancel,
+                                            on_start=lambda stage, done, total: text.show(WORKER_START_TEXT[stage],
+                                                                                          done, total))
+    latents = sequence_parallel_workers.sample(recipe, layout, cond, options, loras, lora_audio)
+    summary = sequence_parallel_workers.warm_summary()
+    if summary:
+        bridge.progress_text(node_id, "{}")(summary)
+    return latents
 
 
 # --- queue time: what the graph fixes ---------------------------------------------------------------------------

@@ -89,6 +89,7 @@ SLOW, COMFYUI, RAY, PROCESS = "slow", "comfyui", "ray", "process"
 #: Slow modules that need no tiny build: they build diffusers' reference models or release-size headers.
 TIERS: dict[str, tuple[str, ...]] = {
     "test_assembly": (SLOW,),
+    "test_audio_decode_cancel": (SLOW,),
     "test_bench_quick": (SLOW,),
     "test_cli_components": (SLOW,),
     "test_clock": (),
@@ -111,6 +112,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_core_conditioning_comfyui": (COMFYUI,),
     "test_core_fidelity": (SLOW, PROCESS),
     "test_credentials": (),
+    "test_decode_cancel_comfyui": (COMFYUI,),
     "test_deploy_docs": (PROCESS,),
     "test_deploy_install": (PROCESS,),
     "test_deploy_sandbox": (PROCESS,),
@@ -141,6 +143,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_hostile_sp_channel": (PROCESS,),
     "test_layout": (),
     "test_lengths": (SLOW,),
+    "test_loader_lists": (),
     "test_lock": (),
     "test_lora": (SLOW,),
     "test_lora_formats": (SLOW,),
@@ -186,6 +189,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_stage_split": (SLOW,),
     "test_step_cache": (SLOW,),
     "test_stress_script": (PROCESS,),
+    "test_template_identity": (),
     "test_templates_newest_frontend": (COMFYUI,),
     "test_tiny": (SLOW,),
     "test_vae_encode": (SLOW,),

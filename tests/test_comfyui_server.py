@@ -14,7 +14,14 @@ import wave
 from pathlib import Path
 
 import pytest
-from support.comfy_harness import PACK_NAME, ComfyServer, comfy, import_failures  # noqa: F401  (comfy: fixture)
+from support.comfy_harness import (  # noqa: F401  (comfy: fixture)
+    COMFY_0375,
+    DEFAULT_INSTALL,
+    PACK_NAME,
+    ComfyServer,
+    comfy,
+    import_failures,
+)
 
 UI_FIXTURES = Path(__file__).parent / "ui" / "fixtures"
 
@@ -48,7 +55,7 @@ def test_server_loads_the_pack(comfy: ComfyServer):
     # Every core extra imported too (torchaudio, av, ... are all in place).
     assert "IMPORT FAILED" not in log, comfy.log_tail(200)
     stats = comfy.get_json("/system_stats")
-    assert stats["system"]["comfyui_version"] == "0.3.75"
+    assert stats["system"]["comfyui_version"] == (DEFAULT_INSTALL or COMFY_0375).version  # 0.3.75, or H3_COMFY
     assert stats["devices"][0]["type"] == "cpu"
 
 

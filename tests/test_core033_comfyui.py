@@ -13,7 +13,12 @@ with core's own pins (comfy-kitchen 0.2.31 included) first on the server's path.
   Core's own VAELoader cannot load the tiny VAE files (core fixes the VAE widths to the release's: a size mismatch),
   so the tests decode with the pack's Decode;
 * a conditioning core's sampler would take and mean nothing by (still missing an encoder: core would sample it
-  without its references) is refused by name.
+  without its references) is refused by name;
+* the core-sampler templates (t2va_core, fl2va_core, ref2va_core: the pack's Remote Encode, core's UNETLoader ->
+  ModelSamplingMiniMaxH3 -> KSampler, the pack's Decode) run as their tiny API twins against a real encoder endpoint
+  and render the same against 0.33's /object_info as the committed files (rendered against 0.3.75's, with
+  build_workflows' copy of core's H3 node, checked here); every template loads in 0.33's own frontend (1.49.6) with
+  no missing node type.
 
 Whether core's and the pack's stage 1 agree numerically is not checked here.
 """
@@ -22,13 +27,24 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import tomllib
-from support.comfy_harness import CORE033_SITE, CORE_033, PACK_NAME, ComfyError, import_failures, unavailable
+from support.comfy_harness import (
+    CORE033_SITE,
+    CORE_033,
+    PACK_NAME,
+    UI_DIR,
+    ComfyError,
+    chromium_path,
+    import_failures,
+    ui_available,
+    unavailable,
+)
 from support.comfy_pack import encoder_url  # noqa: F401  (module fixture: a real encoder endpoint)
 from support.core033 import (
     CORE_H3_NODES,
@@ -44,6 +60,9 @@ from h3_core import media
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO / "workflows" / "api"
+sys.path.insert(0, str(REPO / "workflows"))
+import build_workflows  # noqa: E402
+
 TINY = "[embedded] tiny H3 (noise)"
 PROMPT = "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps."
 PACK_NODES = (
@@ -54,6 +73,8 @@ PACK_NODES = (
 )
 STEPS = 3
 CANVAS = (128, 64)  # the tiny H3's canvas for the shipped workflows' inputs (width, height)
+# The core-sampler templates (build_workflows) and the canvas of their tiny twins' output.
+CORE_TEMPLATES = {"t2va_core": CANVAS, "fl2va_core": (96, 64), "ref2va_core": CANVAS}
 
 
 def api(name: str, endpoint: str | None = None) -> dict:
@@ -313,3 +334,98 @@ def test_a_conditioning_still_missing_its_encoders_is_refused_by_name(core033):
         ran = {result.history["prompt"][2][node]["class_type"] for node in result.executed_nodes()}
         assert "KSampler" not in ran
     assert "Video VAE Encode" in message and "Audio VAE Encode" in message, message
+
+
+# --- the core-sampler templates: the pack's Remote Encode, core's stage 1 -------------------------------------------
+
+# SaveVideo as every shipped template writes it (0.3.75's: `format`, `codec` plain combos, widgets [prefix, "mp4",
+# "h264"]). 0.33 declares `format` a dynamic combo whose `codec` (and its own options) follow the chosen format; its
+# frontend reads the older widget list (the load test below), and its API takes the same inputs (the runs above).
+SAVE_VIDEO_AS_WRITTEN = {
+    "input": {"required": {"video": ["VIDEO", {}], "filename_prefix": ["STRING", {"default": "video/ComfyUI"}],
+                           "format": ["COMBO", {"default": "auto", "options": ["auto", "mp4"]}],
+                           "codec": ["COMBO", {"default": "auto", "options": ["auto", "h264"]}]}},
+    "input_order": {"required": ["video", "filename_prefix", "format", "codec"]},
+    "output": [], "output_name": [],
+}
+
+
+def as_written(info: dict) -> dict:
+    """0.33's /object_info with SaveVideo as the templates write it (above)."""
+    assert info["SaveVideo"]["input"]["required"]["format"][0] == "COMFY_DYNAMICCOMBO_V3"  # still 0.33's form
+    return {**info, "SaveVideo": SAVE_VIDEO_AS_WRITTEN}
+
+
+@pytest.mark.parametrize("name", sorted(CORE_TEMPLATES))
+def test_core_sampler_api_twin_runs_to_an_mp4(core033, encoder_url, name):
+    """The template's tiny API twin (workflows/api/): Remote Encode on a real encoder endpoint -> core's UNETLoader
+    (the tiny Comfy-format DiT) -> ModelSamplingMiniMaxH3 -> KSampler -> MiniMax H3 VAE Decode -> SaveVideo."""
+    graph = api(name, encoder_url)
+    graph[id_of(graph, "KSampler")]["inputs"]["steps"] = STEPS
+    result = core033.server.run_prompt(graph, timeout=600)
+    assert result.status == "success" and "execution_success" in result.types()
+    ran = {result.history["prompt"][2][node]["class_type"] for node in result.executed_nodes()}
+    assert {"H3SplitRemoteEncode", "UNETLoader", "MiniMaxH3SigmaShift", "KSampler",
+            "H3SplitEmptyLatentFromConditioning", "H3SplitDecode"} <= ran, ran
+    assert_mp4(only_mp4(result), canvas=CORE_TEMPLATES[name])
+
+
+def test_core_templates_render_the_same_against_core_033(core033):
+    """build_workflows' copy of core's H3 node is 0.33's declaration, and every core-sampler template (UI form, its
+    thumbnail, its API twin) renders against 0.33's /object_info exactly as committed (rendered against 0.3.75's;
+    SaveVideo in the form every template writes, which 0.33 reads)."""
+    info = core033.server.object_info()
+    for class_type, copied in build_workflows.CORE_033_SCHEMAS.items():
+        live = info[class_type]
+        assert live["input_order"] == copied["input_order"], class_type
+        assert (live["output"], live["output_name"]) == (copied["output"], copied["output_name"]), class_type
+        for section, inputs in copied["input"].items():
+            for name, (kind, options) in inputs.items():
+                live_kind, *live_options = live["input"][section][name]
+                assert live_kind == kind, (class_type, name)
+                assert {k: (live_options or [{}])[0].get(k) for k in options} == options, (class_type, name)
+    rendered = build_workflows.render_all(as_written(info))
+    for graph in build_workflows.build_graphs():
+        if graph.key not in CORE_TEMPLATES:
+            continue
+        for path in (f"{build_workflows.TEMPLATES}/{graph.title}.json", f"workflows/api/{graph.key}.json"):
+            assert rendered[path] == (REPO / path).read_text(), f"{path} differs when rendered against 0.33"
+
+
+def test_templates_load_in_core_033_frontend(core033, tmp_path):
+    """Core 0.33's own frontend (the comfyui-frontend-package its requirements pin), served by the 0.33 server:
+    every template from the template browser, and each core-sampler template's tiny variant as a dropped file, load
+    with no missing node type and no dangling link (one browser session, tests/ui/load_templates.mjs)."""
+    ok, reason = ui_available()
+    if not ok:
+        unavailable(reason)
+    server = core033.server
+    tiny = build_workflows.tiny_templates(as_written(server.object_info()))
+    titles = {graph.key: graph.title for graph in build_workflows.build_graphs()}
+    argv = ["node", str(UI_DIR / "load_templates.mjs")]
+    for name in sorted(titles):
+        argv += ["--template", f"{PACK_NAME}/{titles[name]}"]
+    for name in sorted(CORE_TEMPLATES):
+        path = tmp_path / f"tiny_{name}.json"
+        path.write_text(json.dumps(tiny[name]))
+        argv.append(str(path))
+    env = {**os.environ, "COMFY_URL": server.url, "CHROMIUM_PATH": chromium_path() or ""}
+    done = subprocess.run(argv, cwd=UI_DIR, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"load_templates.mjs exited {done.returncode}\n{done.stderr[-3000:]}\n{server.log_tail()}"
+    report = json.loads(lines[-1])
+    assert "error" not in report, report["error"]
+    assert sorted(report["templates_listed"][PACK_NAME]) == sorted(titles.values())
+    print(f"\nComfyUI 0.33's frontend: {report['frontend_version']}")
+    for name in sorted(set(titles) - set(CORE_TEMPLATES)):
+        load = report["loads"][f"{PACK_NAME}/{titles[name]}"]
+        assert load["missing_types"] == [] and load["dangling_links"] == [], (name, load)
+        assert load["node_count"] == load["expected_node_count"] > 0, (name, load)
+    for name in sorted(CORE_TEMPLATES):
+        for key, workflow in ((f"{PACK_NAME}/{titles[name]}", None), (f"tiny_{name}.json", tiny[name])):
+            load = report["loads"][key]
+            assert load["missing_types"] == [] and load["dangling_links"] == [], (key, load)
+            assert load["node_count"] == load["expected_node_count"] > 0, (key, load)
+            assert load["overlaps"] == [], (key, load["boxes"])
+            if workflow is not None:  # the tiny form: every file is here, nothing to mark
+                assert load["problems"] == [] and load["error_nodes"] == [], (key, load)

@@ -300,3 +300,109 @@ def test_every_accepted_type_dequantises_as_the_gguf_package_does(kind):
     reference = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32)
     torch.testing.assert_close(ours, torch.from_numpy(reference.reshape(4, 2 * block)), rtol=0, atol=0,
                                equal_nan=True)
+
+
+# --- one load reads each file once, and maps it (design issue 40 item 3) -------------------------------------------
+
+def _counting(monkeypatch):
+    """Counters on the steps one load must take once per file: detection, the directory parse, its description as
+    `TensorInfo`s; and on the per-layer ones (layer descriptions, marker parses, installs). Caches emptied first."""
+    import collections
+    import sys
+
+    from h3_core.weights import gguf_header, loaders
+    from h3_core.weights.quant import layouts, markers, plan, route
+
+    detect_module = sys.modules["h3_core.weights.detect"]
+    monkeypatch.setattr(gguf_header, "_CACHE", type(gguf_header._CACHE)())
+    monkeypatch.setattr(gguf_file, "_HEADERS", type(gguf_file._HEADERS)())
+    monkeypatch.setattr(plan, "_OPTIONS", {})
+    counts = collections.Counter()
+
+    def counted(owner, name, key=lambda *args: None):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            counts[(name, key(*args))] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    detect = counted(detect_module, "detect", lambda path: os.path.basename(path))
+    for owner in (detect_module, loaders, weights):
+        monkeypatch.setattr(owner, "detect", detect)
+    monkeypatch.setattr(gguf_header, "parse", counted(gguf_header, "parse", lambda p, *_: os.path.basename(p)))
+    monkeypatch.setattr(gguf_file, "_describe", counted(gguf_file, "_describe", lambda d, p: os.path.basename(p)))
+    for owner, name in ((layouts, "describe"), (markers, "parse"), (route, "install")):
+        monkeypatch.setattr(owner, name, counted(owner, name))
+    return counts
+
+
+def _file_mappings() -> dict:
+    """{path: [(start, end)]} of the file mappings of this process (/proc/self/maps)."""
+    found: dict = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.setdefault(fields[5].strip(), []).append((start, end))
+    return found
+
+
+def test_one_load_of_a_gguf_dit_reads_the_file_once_and_maps_its_tensors(models, monkeypatch):
+    """`ModelSource.for_file` + `load` (what the DiT Loader does) detects the file once, parses its GGUF directory
+    once and describes it once, never parses the markers its plan made, describes each quantised layer once in the
+    plan and once where it is installed; and the loaded quantised layers hold views of the file's pages (a private
+    mapping: written, a page is copied, never the file), equal to the `gguf` package's own (mapped) reading."""
+    from h3_core.models import ModelSource
+
+    path = _path(models, "fl2va", "Q8_0")
+    counts = _counting(monkeypatch)
+    source = ModelSource.for_file("transformer", path)
+    model = source.load("transformer")
+    name = path.name
+    assert counts[("detect", name)] == 1
+    assert counts[("parse", name)] == 1 and counts[("_describe", name)] == 1
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    plan = source.detections["transformer"].quant
+    assert counts[("describe", None)] == len(plan.layers) + len(layers)  # was 48 for 14 layers (2 detections)
+    assert counts[("parse", None)] == 0  # was 36: the plan's own markers' options are remembered, never parsed
+    assert counts[("install", None)] == 2  # the check's, and the load's (drops the markers, installs nothing)
+
+    mapped = _file_mappings().get(os.path.realpath(path), [])
+    reference = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    weight = layers["transformer_blocks.0.attn.to_out.0"].weight
+    assert any(start <= weight.data_ptr() < end for start, end in mapped), "not a view of the file"
+    assert np.array_equal(weight.numpy().reshape(-1), np.asarray(reference["blocks.0.attn.out_proj.weight"].data)
+                          .reshape(-1))
+    before = path.read_bytes()
+    weight.data[0, 0] ^= 0xFF  # a write lands in a private copy of its page (mode "c"), not in the file
+    assert path.read_bytes() == before
+    weight.data[0, 0] ^= 0xFF
+
+
+def test_a_detection_is_reused_only_while_its_file_is_unchanged(models, tmp_path, monkeypatch):
+    """The detection a source carries is the load's while the file is the one detected; rewritten in place since,
+    or with the slot pointed at another file, the load detects again. A mapped load still notices its file
+    rewritten in place (`file_identity`) and refuses it by name."""
+    from h3_core.models import ModelSource
+    from h3_core.weights import file_identity
+    from h3_core.weights.errors import H3WeightsError
+
+    path = tmp_path / "minimax_h3_fl2va_Q8_0.gguf"
+    shutil.copy(_path(models, "fl2va", "Q8_0"), path)
+    counts = _counting(monkeypatch)
+    source = ModelSource.for_file("transformer", path)
+    with open(path, "ab") as handle:  # same inode, longer: GGUF ignores bytes after its data
+        handle.write(b"\0" * 64)
+    model = source.load("transformer")
+    assert counts[("detect", path.name)] == 2
+    file_identity.check_unchanged(model, "DiT")
+    with open(path, "ab") as handle:  # appended, never truncated: a cut mapped page would be a SIGBUS
+        handle.write(b"\0" * 64)
+    with pytest.raises(H3WeightsError, match="rewritten in place"):
+        file_identity.check_unchanged(model, "DiT")
+    other = ModelSource.for_file("transformer", path)
+    other.paths["transformer"] = _path(models, "ref2va", "Q8_0")
+    other.load("transformer")
+    assert counts[("detect", _path(models, "ref2va", "Q8_0").name)] == 1

@@ -165,3 +165,43 @@ def test_the_plain_tiny_build_writes_the_default_gguf_twins_and_loaders_offer_th
     listed = {rel for rel in tiny_files.comfy_files() if rel.endswith(".gguf")}
     assert listed == built - projectors == set(tiny_gguf.default_files())
     assert all(any(rel.endswith(f"_{kind}.gguf") for kind in tiny_gguf.DEFAULT_TYPES) for rel in listed)
+
+
+def test_one_load_of_a_llamacpp_pair_reads_each_file_once(models, monkeypatch):
+    """The text-encoder loader's `for_file` + `load` of a llama.cpp pair detects once, and parses and describes each
+    of the two files' GGUF directories once (projector pairing, the pair's header and the load share them)."""
+    import collections
+    import os
+    import sys
+
+    from h3_core import weights
+    from h3_core.models import ModelSource
+    from h3_core.weights import gguf_file, gguf_header, loaders
+
+    language, projector = _pairs(models)[0]
+    detect_module = sys.modules["h3_core.weights.detect"]
+    monkeypatch.setattr(gguf_header, "_CACHE", type(gguf_header._CACHE)())
+    monkeypatch.setattr(gguf_file, "_HEADERS", type(gguf_file._HEADERS)())
+    counts = collections.Counter()
+    detect, parse, describe = detect_module.detect, gguf_header.parse, gguf_file._describe
+
+    def counted_detect(path):
+        counts["detect"] += 1
+        return detect(path)
+
+    def counted_parse(path, *args):
+        counts[("parse", os.path.basename(path))] += 1
+        return parse(path, *args)
+
+    def counted_describe(found, path):
+        counts[("describe", os.path.basename(path))] += 1
+        return describe(found, path)
+
+    for owner in (detect_module, loaders, weights):
+        monkeypatch.setattr(owner, "detect", counted_detect)
+    monkeypatch.setattr(gguf_header, "parse", counted_parse)
+    monkeypatch.setattr(gguf_file, "_describe", counted_describe)
+    ModelSource.for_file("text_encoder", language).load("text_encoder")
+    assert counts["detect"] == 1
+    for path in (language, projector):
+        assert counts[("parse", path.name)] == 1 and counts[("describe", path.name)] == 1, path.name

@@ -8,6 +8,7 @@ Every hostile file is built here byte by byte (`_Gguf`) or with the `gguf` packa
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 import tracemalloc
@@ -15,6 +16,7 @@ import tracemalloc
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from h3_core.weights import gguf_file, gguf_header, sources
 from h3_core.weights.errors import H3WeightsError, IncompleteFileError
@@ -316,3 +318,55 @@ def test_a_nan_block_scale_or_dense_value_is_refused_by_name_when_read(tmp_path)
         load_tensors(header, {"w8"})
     with pytest.raises(H3WeightsError, match=r"w32 \(F32\) holds NaN or infinite values"):
         load_tensors(header, {"w32"})
+
+
+# --- mapped reads (design issue 40 item 3) ------------------------------------------------------------------------
+
+def _mapped_from(path) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of `path` (/proc/self/maps)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == os.path.realpath(path):
+                ranges.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    return ranges
+
+
+def test_tensors_are_mapped_privately_and_equal_the_gguf_packages(tmp_path):
+    """Every tensor read is a view of a private (copy-on-write) mapping of its range of the file, equal to the
+    `gguf` package's reading; a write to it never reaches the file. A start its dtype cannot be viewed at (a hostile
+    alignment) is read into a buffer instead, with the same bytes."""
+    import dataclasses
+
+    path = _realistic(tmp_path / "mapped.gguf")
+    tensors, _ = read_file_header(path)
+    reference = {t.name: np.asarray(t.data).reshape(-1).view(np.uint8) for t in gguf.GGUFReader(path).tensors}
+    before = open(path, "rb").read()
+    held = {name: gguf_file.read_tensor(info) for name, info in tensors.items()}
+    ranges = _mapped_from(path)
+    for name, read in held.items():
+        assert any(start <= read.data_ptr() < end for start, end in ranges), name
+        raw = read.reshape(-1).view(torch.uint8)
+        assert np.array_equal(raw.numpy(), reference[name]), name
+        raw[0] ^= 0xFF
+    assert open(path, "rb").read() == before
+    info = tensors["w32"]
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(b"\0" + before[info.offset:info.offset + info.nbytes])
+    shifted = gguf_file.read_tensor(dataclasses.replace(info, file=str(odd), offset=1))
+    assert not _mapped_from(odd) and torch.equal(shifted, gguf_file.read_tensor(info))
+
+
+def test_a_file_cut_after_its_header_was_read_says_incomplete_file_when_mapped(tmp_path):
+    """A file cut between its header read and the tensor read (a download still being written, a copy interrupted):
+    the mapping is refused with "incomplete file", never a mapping past its end (that would be a SIGBUS later)."""
+    path = _realistic(tmp_path / "cut.gguf")
+    tensors, _ = read_file_header(path)
+    info = max(tensors.values(), key=lambda i: i.offset)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:info.offset + info.nbytes // 2])
+    with pytest.raises(IncompleteFileError, match=r"interrupted download\?"):
+        gguf_file.read_tensor(info)
+    with pytest.raises(IncompleteFileError, match=r"interrupted download\?"):  # cut between the check and the map
+        gguf_file._mapped(info)

@@ -282,8 +282,8 @@ COMFY_INTERNALS = {
     "nodes/low_vram.py": {"comfy.model_management", "comfy.model_patcher", "comfy.ops", "comfy.patcher_extension"},
     # ComfyUI's own inference minimum, added to what a node asks to keep free
     "nodes/memory.py": {"comfy.model_management"},
-    # the progress bar and its text line of the running node
-    "nodes/progress_text.py": {"comfy.utils", "comfy_execution.utils", "server"},
+    # the progress bar and its text line of the running node; ComfyUI's interrupt exception, to say "cancelled"
+    "nodes/progress_text.py": {"comfy.model_management", "comfy.utils", "comfy_execution.utils", "server"},
     # the POST /prompt middleware: one validation error per problem
     "nodes/validation_errors.py": {"nodes", "server"},
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,10 @@ def test_every_requirement_is_pinned_within_its_range():
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="not in a virtual environment made by the set-up")
 def test_the_environment_is_the_lock():
     pins = _lock()
-    installed = {canonicalize_name(dist.metadata["Name"]): dist.version for dist in md.distributions()}
+    # The venv's own site-packages (other folders some tests put on sys.path, e.g. core 0.33's overlay, are not the
+    # venv: setup_comfyui.sh pins those at core's versions on purpose).
+    folders = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {canonicalize_name(dist.metadata["Name"]): dist.version for dist in md.distributions(path=folders)}
     unlocked = sorted(set(installed) - set(pins) - NOT_LOCKED)
     assert not unlocked, f"installed but not in requirements-lock.txt: {unlocked} (run bash scripts/lock.sh)"
     moved = sorted(f"{name} {pins[name]} -> {version}" for name, version in installed.items()

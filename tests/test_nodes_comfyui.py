@@ -29,6 +29,11 @@ sys.path.insert(0, str(WORKFLOWS))
 import build_workflows  # noqa: E402
 
 NAMES = ["t2va", "t2i", "fl2va", "ref2va", "ref2va_remote", "t2va_pruned_int8", "fl2va_pruned_fp8_nvfp4"]
+# Core 0.33's stage 1 on the pack's Remote Encode: listed everywhere, run in tests/test_core033_comfyui.py (0.3.75 lacks
+# core's H3 node, which its frontend reports missing).
+CORE_NAMES = ["t2va_core", "fl2va_core", "ref2va_core"]
+CORE_033_ONLY = sorted(build_workflows.CORE_033_SCHEMAS)
+ALL_NAMES = NAMES + CORE_NAMES
 VIDEO_NAMES = [name for name in NAMES if name != "t2i"]  # t2i saves a PNG (its first frame), not an mp4
 # Each template's file name (its title in the template browser) by the API workflow's name.
 TITLES = {graph.key: graph.title for graph in build_workflows.build_graphs()}
@@ -40,12 +45,18 @@ def template(name: str) -> dict:
 EXPECTED_CANVAS = {"t2va": (128, 64), "t2i": (128, 64), "fl2va": (96, 64), "ref2va": (128, 64),
                    "ref2va_remote": (128, 64), "t2va_pruned_int8": (128, 64), "fl2va_pruned_fp8_nvfp4": (96, 64)}
 # The real DiT and text encoder each template stands for (None: no text encoder, the endpoint encodes).
-EXPECTED_FILES = {
-    "t2va": ("minimax_h3_fl2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
-    "t2i": ("minimax_h3_fl2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
-    "fl2va": ("minimax_h3_fl2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
-    "ref2va": ("minimax_h3_ref2va_bf16.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors"),
-    "ref2va_remote": ("minimax_h3_ref2va_bf16.safetensors", None),
+FL2VA_INT8, REF2VA_INT8, NVFP4 = ("minimax_h3_fl2va_pruned_int8_convrot.safetensors",
+                                  "minimax_h3_ref2va_pruned_int8_convrot.safetensors",
+                                  "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors")
+EXPECTED_FILES = {  # the files core's own H3 templates use
+    "t2va": (FL2VA_INT8, NVFP4),
+    "t2i": (FL2VA_INT8, NVFP4),
+    "fl2va": (FL2VA_INT8, NVFP4),
+    "ref2va": (REF2VA_INT8, NVFP4),
+    "ref2va_remote": (REF2VA_INT8, None),
+    "t2va_core": (FL2VA_INT8, None),
+    "fl2va_core": (FL2VA_INT8, None),
+    "ref2va_core": (REF2VA_INT8, None),
     "t2va_pruned_int8": ("minimax_h3_fl2va_pruned_int8_convrot.safetensors",
                          "qwen3vl_32b_minimax_h3_int8_convrot.safetensors"),
     "fl2va_pruned_fp8_nvfp4": ("minimax_h3_fl2va_pruned_fp8_scaled.safetensors",
@@ -144,8 +155,8 @@ def test_workflows_are_generated_from_one_source(server):
         assert committed == content, f"{name} drifted: rerun workflows/build_workflows.py"
     # ComfyUI lists every *.json of a pack's workflows/ folder as a template too: a UI copy left there
     # would show each template twice.
-    templates = [f"example_workflows/{TITLES[n]}.{ext}" for n in NAMES for ext in ("json", "jpg")]
-    assert sorted(rendered) == sorted(templates + [f"workflows/api/{n}.json" for n in NAMES])
+    templates = [f"example_workflows/{TITLES[n]}.{ext}" for n in ALL_NAMES for ext in ("json", "jpg")]
+    assert sorted(rendered) == sorted(templates + [f"workflows/api/{n}.json" for n in ALL_NAMES])
     assert sorted(p.name for p in WORKFLOWS.glob("*.json")) == []
     assert sorted(p.name for p in TEMPLATES.iterdir()) == sorted(n.split("/")[-1] for n in rendered if "example" in n)
 
@@ -156,7 +167,7 @@ HF = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
 def test_templates_carry_the_model_list_the_frontend_reads():
     # The frontend's schema of a model entry: {name, url (a URL), directory, hash?, hash_type?}; its missing-model
     # dialog downloads only from allowed hosts and only *.safetensors, into models/<directory>/.
-    for name in NAMES:
+    for name in ALL_NAMES:
         workflow = template(name)
         assert workflow["extra"]["info"]["name"] == TITLES[name] and TITLES[name].startswith(f"MiniMax H3 {name} - ")
         assert str(uuid.UUID(workflow["id"])) == workflow["id"]  # the schema wants a UUID
@@ -168,13 +179,18 @@ def test_templates_carry_the_model_list_the_frontend_reads():
         for model in models:
             assert set(model) == {"name", "url", "directory"}
             assert model["url"] == f"{HF}/{model['directory']}/{model['name']}"
-            assert model["directory"] in {"diffusion_models", "text_encoders", "vae"}
+            assert model["directory"] in {"diffusion_models", "text_encoders", "vae", "loras"}
             assert model["name"].endswith(".safetensors")
-        loaders = [n for n in workflow["nodes"] if n["type"] in build_workflows.LOADER_INPUT]
-        per_node = sorted(m["name"] for n in loaders for m in n["properties"]["models"])
+        assert len([m for m in models if m["directory"] == "loras"]) == 1  # a Turbo LoRA, at its step count
+        listing = [n for n in workflow["nodes"] if "models" in n["properties"]]
+        per_node = sorted(m["name"] for n in listing for m in n["properties"]["models"])
         assert per_node == sorted(m["name"] for m in models)
-        # Each loader selects the published file it lists for download (never the embedded tiny H3).
+        loaders = [n for n in workflow["nodes"] if n["type"] in build_workflows.LOADER_INPUT]
+        assert {n["id"] for n in loaders} <= {n["id"] for n in listing}
+        # Each node selects the published files it lists for download (never the embedded tiny H3): a loader's
+        # first widget, the Sampler's `lora`.
         assert all(n["widgets_values"][0] == n["properties"]["models"][0]["name"] for n in loaders), name
+        assert all(set(m["name"] for m in n["properties"]["models"]) <= set(n["widgets_values"]) for n in listing)
         thumbnail = (TEMPLATES / f"{TITLES[name]}.jpg").read_bytes()
         assert thumbnail[:3] == b"\xff\xd8\xff" and len(thumbnail) < 50_000  # a JPEG, small
 
@@ -284,7 +300,7 @@ def test_ui_workflow_loads_in_the_real_frontend(server, encoder_url, name):
     assert server.run_prompt(prompt, timeout=600).status == "success"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL_NAMES)
 def test_templates_are_listed_and_load_from_the_template_browser(server, name, tmp_path):
     """As the template browser loads it: no problem, no overlapping nodes, no tiny badge (the loaders select the
     published files), and a screenshot of the whole graph (docs/images/ with H3_UPDATE_SCREENSHOTS=1)."""
@@ -297,6 +313,9 @@ def test_templates_are_listed_and_load_from_the_template_browser(server, name, t
     if shot.parent == SCREENSHOTS:
         small_png(shot)
     assert report["thumbnail"]["status"] == 200 and report["thumbnail"]["type"] == "image/jpeg"
+    if name in CORE_NAMES:  # needs core 0.33+'s H3 node; everything else (the pack's nodes, core's) is here
+        assert report["missing_types"] == CORE_033_ONLY and report["dangling_links"] == [], report
+        return
     assert report["missing_types"] == [] and report["dangling_links"] == [] and report["error_nodes"] == []
     assert report["node_count"] == report["expected_node_count"] > 0
     assert report["problems"] == [] and report["returncode"] == 0, report["problems"]

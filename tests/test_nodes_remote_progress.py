@@ -7,6 +7,8 @@ process, around the tiny model's real `EncoderStage`, paced so that every phase 
 
 from __future__ import annotations
 
+import re
+import struct
 import time
 
 import pytest
@@ -18,6 +20,8 @@ from h3_core.remote.config import ServerConfig
 from h3_core.remote.protocol import Limits
 from h3_core.remote.server import ServerThread
 from h3_core.testing import SERVER_THREADS, wait_until
+
+TEXT_FRAME = 3  # ComfyUI's binary websocket event type for a node's progress text (server.send_progress_text)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,19 @@ def _node_progress(result, node: str = "1") -> list[int]:
     return [m["value"] for m in result.of_type("progress") if m.get("node") == node and m.get("max") == polling.STEPS]
 
 
+def node_texts(result, node: str = "1") -> list[str]:
+    """The node's progress-text lines, in order: ComfyUI's binary frames of type 3 (TEXT) are the node id's length
+    (4 bytes), the node id and the text."""
+    texts = []
+    for frame in result.binary:
+        if struct.unpack(">I", frame[:4])[0] != TEXT_FRAME:
+            continue
+        (length,) = struct.unpack(">I", frame[4:8])
+        if frame[8:8 + length].decode() == node:
+            texts.append(frame[8 + length:].decode())
+    return texts
+
+
 def test_remote_encode_node_reports_the_servers_phases(comfy, stage):  # noqa: F811
     with ServerThread(PacedStage(stage, 0.3), ServerConfig(threads=SERVER_THREADS)) as srv:
         result = comfy.run_prompt(remote_graph(srv.url, f"A paced fox {time.time()}."), timeout=300)
@@ -46,6 +63,26 @@ def test_remote_encode_node_reports_the_servers_phases(comfy, stage):  # noqa: F
     assert values == sorted(set(values)), values
     assert {0, 1, 2, 3, 4, 5, 6, 7, 9, 10}.issubset(values), values
     print(f"\n[progress] ComfyUI ws: {len(values)} progress messages for the Remote Encode node {values}")
+    # The same steps in words (UX issue 38 item 5), each phase's line before the next one's, then the summary.
+    texts = node_texts(result)
+    plain = [line.split(" - ")[0] for line in texts]  # without the heartbeat's " - N s"
+    expected = [f"contacting {srv.url}", "sending ", "queued on the server", "decoding the media on the server",
+                "encoding text", "encoding video", "encoding audio", "receiving the conditioning ("]
+    found = [next((i for i, line in enumerate(plain) if line.startswith(words)), None) for words in expected]
+    assert None not in found and found == sorted(found), list(zip(expected, found, strict=True))
+    assert re.fullmatch(rf"encoded on {re.escape(srv.url)} in [0-9.]+ (s|ms) \(text: miss.*\)", texts[-1]), texts
+    print(f"[progress] Remote Encode's text: {len(texts)} lines, from {texts[0]!r} to {texts[-1]!r}")
+
+
+def test_the_summary_says_when_the_servers_cache_answered(comfy, stage):  # noqa: F811
+    prompt = f"Twice the same fox {time.time()}."
+    with ServerThread(stage, ServerConfig(threads=SERVER_THREADS)) as srv:
+        graph = remote_graph(srv.url, prompt)
+        comfy.run_prompt(graph, timeout=300)
+        graph["1"]["inputs"]["timeout_s"] = 119  # another cache key for ComfyUI, the same request for the server
+        result = comfy.run_prompt(graph, timeout=300)
+    assert result.status == "success"
+    assert node_texts(result)[-1].endswith("(cache hit: the whole conditioning)"), node_texts(result)
 
 
 def test_interrupting_the_node_cancels_the_servers_job(comfy, stage):  # noqa: F811
@@ -64,6 +101,7 @@ def test_interrupting_the_node_cancels_the_servers_job(comfy, stage):  # noqa: F
                                   check=False, on_message=on_message)
         assert result.status == "interrupted", result.error
         assert "sent" in seen
+        assert any(line.startswith("cancel") for line in node_texts(result)), node_texts(result)  # acknowledged
         assert wait_until(lambda: slow.cancelled == 1, 20)  # the model thread stopped at its next checkpoint
         stopped_after = time.monotonic() - seen["sent"]
         # Real time: cancelled at a checkpoint, not after the 20 s of work; the margin is for a loaded machine

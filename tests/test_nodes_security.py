@@ -229,6 +229,21 @@ def test_loader_folder_choices_stay_inside_models_minimax_h3(server):
     assert status == 400 and "is not a .safetensors file" in json.dumps(body["node_errors"]["1"])
 
 
+def test_a_marked_entry_names_only_a_file_of_the_loaders_folder(server):
+    """A loader's `⚠ NAME — reason` entry (a file it cannot load, UX issue 38 item 7) is resolved from NAME like any
+    choice: a workflow that makes one up naming a path outside the folder is refused without reading that path."""
+    outside = server.base_dir / "h3sec_outside.safetensors"
+    outside.write_bytes(b"\xff" * 64)  # read, it would say "not a safetensors file (corrupted: ...)"
+    for name in ("../h3sec_outside.safetensors", "../../h3sec_outside.safetensors", str(outside),
+                 "minimax_h3/../../escape_model"):
+        graph = {"1": {"class_type": "H3SplitVideoVAELoader", "inputs": {"vae": f"⚠ {name} — not readable: x"}},
+                 "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
+        status, body = server.post_prompt_expect_error(graph)
+        errors = body["node_errors"]["1"]["errors"]
+        assert status == 400 and [e["extra_info"]["input_name"] for e in errors] == ["vae"], body
+        assert "corrupted" not in errors[0]["details"], errors
+
+
 # --- item 5: Remote Encode sends the token only where the environment says ----------------------------------
 
 

@@ -71,8 +71,10 @@ def test_remote_encode_endpoint_problem_lands_on_endpoint(server):
 
 def test_length_widget_stays_on_the_grid(server):
     spec = server.object_info("H3SplitTextEncode")["input"]["required"]["length"][1]
-    assert (spec["min"], spec["max"], spec["step"]) == (124, 345, 17)
-    assert all((spec["min"] + k * spec["step"]) % 17 == 5 for k in range(14))
+    assert (spec["min"], spec["max"], spec["step"]) == (5, 3592, 17)  # core's lengths; 124-345 trained (a warning)
+    steps = (spec["max"] - spec["min"]) // spec["step"]
+    assert all((spec["min"] + k * spec["step"]) % 17 == 5 for k in range(steps + 1))
+    assert spec["min"] + steps * spec["step"] == spec["max"]
 
 
 def test_a_short_reference_audio_is_the_references_nodes_error(server):
@@ -104,7 +106,7 @@ def options(server, class_type: str, name: str) -> list[str]:
 
 
 def user_files(listed: list[str]) -> list[str]:
-    return [name for name in listed if not name.startswith("[embedded]") and not name.startswith("minimax_h3/")]
+    return [name for name in listed if not name.startswith(("[embedded]", "minimax_h3/", "⚠ "))]
 
 
 def test_vae_loaders_list_only_their_component_user_files_first(server):
@@ -139,6 +141,71 @@ def test_the_dit_file_says_its_partition(server):
     fl2va = next(name for name in dits if "fl2va" in name and "pruned" not in name and "fp32" in name)
     graph = edited("t2va", "H3SplitDiTLoader", dit=fl2va, partition="ref2va (references)")
     assert server.run_prompt(graph, timeout=600).status == "success"
+
+
+TINY_CHOICE = "[embedded] tiny H3 (noise)"
+LOADER_INPUTS = {"H3SplitTextEncoderLoader": "text_encoder", "H3SplitVideoVAELoader": "vae",
+                 "H3SplitAudioVAELoader": "audio_vae", "H3SplitDiTLoader": "dit"}
+
+
+@pytest.fixture
+def bad_files(server, tiny_dir, tmp_path):
+    """A half-downloaded video VAE in models/vae and an audio VAE in models/diffusion_models, removed afterwards (the
+    session's server is shared with other modules)."""
+    vae = Path(tiny_dir) / "comfyui" / "vae" / "minimax_h3_tiny_video_vae_fp32.safetensors"
+    cut = tmp_path / "h3test_half.safetensors"
+    cut.write_bytes(vae.read_bytes()[:vae.stat().st_size // 2])
+    added = [server.add_model("vae", cut),
+             server.add_model("diffusion_models", Path(tiny_dir) / "comfyui" / "vae" /
+                              "minimax_h3_tiny_audio_vae_fp32.safetensors", "h3test_audio_vae_here.safetensors")]
+    yield
+    for path in added:
+        path.unlink()
+
+
+def test_each_loader_lists_one_tiny_entry(server):
+    """The tiny H3's twins (quantised, pruned, GGUF copies) are listed only with H3_SHOW_TINY_TWINS=1; the shipped
+    quantised API graphs that name them still queue and run (test_each_queue_time_rule_rings_on_its_input's DiT file
+    rule, and tests/test_nodes_comfyui.py's pruned graphs)."""
+    for class_type, name in LOADER_INPUTS.items():
+        listed = options(server, class_type, name)
+        assert [entry for entry in listed if entry.startswith("[embedded]")] == [TINY_CHOICE], (class_type, listed)
+
+
+def test_a_hidden_twin_still_queues(server):
+    """Accepted at queue time though not listed: another input's refusal is the prompt's only error."""
+    twin = "[embedded] tiny H3 / minimax_h3_tiny_fl2va_pruned_int8_convrot.safetensors"
+    assert twin not in options(server, "H3SplitDiTLoader", "dit")
+    graph = edited("t2va", "H3SplitDiTLoader", dit=twin)
+    graph[key_of(graph, "H3SplitVideoVAELoader")]["inputs"]["device"] = "cuda:77"
+    status, body = server.post_prompt_expect_error(graph)
+    assert status == 400 and set(body["node_errors"]) == {key_of(graph, "H3SplitVideoVAELoader")}, body
+
+
+def test_unloadable_files_are_named_with_their_reason_in_the_list_and_at_queue_time(server, bad_files):
+    """Issue 38 item 7: a user's corrupt or misplaced file no longer vanishes. The loader of its folder lists it last,
+    marked with the reason; picking it is refused when queued with the whole reason; the console says it once."""
+    cut = "⚠ h3test_half.safetensors — not readable: incomplete file (interrupted download?)"
+    misplaced = "⚠ h3test_audio_vae_here.safetensors — holds the H3 audio VAE: move it to models/vae/"
+    for _ in range(2):  # the second list from the header cache: nothing logged again
+        video, audio = options(server, "H3SplitVideoVAELoader", "vae"), options(server, "H3SplitAudioVAELoader",
+                                                                                    "audio_vae")
+        dits = options(server, "H3SplitDiTLoader", "dit")
+        assert video[-1] == cut and audio[-1] == cut, (video, audio)
+        assert dits[-1] == misplaced and cut not in dits, dits
+    tooltip = server.object_info("H3SplitVideoVAELoader")["input"]["required"]["vae"][1]["tooltip"]
+    assert "Entries marked ⚠ are files in models/vae that cannot be loaded" in tooltip
+    errors = refused(server, edited("t2va", "H3SplitVideoVAELoader", vae=cut), "H3SplitVideoVAELoader")
+    assert len(errors) == 1 and errors[0][0] == "vae", errors
+    assert errors[0][1].startswith("vae - h3test_half.safetensors is not an H3 model file this loader reads: ")
+    assert "incomplete file - the header describes" in errors[0][1], errors
+    errors = refused(server, edited("t2va", "H3SplitDiTLoader", dit=misplaced), "H3SplitDiTLoader")
+    loader = server.object_info("H3SplitAudioVAELoader")["display_name"]
+    assert errors == [("dit", f"dit - h3test_audio_vae_here.safetensors holds the H3 audio VAE, not the DiT: move it "
+                              f"to models/vae/ and load it with {loader}")]
+    log = server.log_text()
+    assert log.count("h3test_half.safetensors is left out of the loader lists") == 1, log[-3000:]
+    assert log.count("h3test_audio_vae_here.safetensors is left out of the loader lists") == 1, log[-3000:]
 
 
 # --- progress that says what happens ---------------------------------------------------------------------------
@@ -180,7 +247,8 @@ def test_progress_text_says_what_each_node_does(server):
 
 
 def test_the_frontend_shows_a_bad_length_once_on_length(server, tmp_path):
-    """Run from the real frontend (1.32.9) with length 107: one error, on `length`, and the dialog says it once."""
+    """Run from the real frontend (1.32.9) with length 130 (off the 17k+5 grid): one error, on `length`, and the
+    dialog says it once."""
     import os
     import subprocess
 
@@ -194,8 +262,8 @@ def test_the_frontend_shows_a_bad_length_once_on_length(server, tmp_path):
     text_encode = next(node for node in workflow["nodes"] if node["type"] == "H3SplitTextEncode")
     widgets = [spec for spec in server.object_info("H3SplitTextEncode")["input_order"]["required"]
                if spec not in ("text_encoder",)]
-    text_encode["widgets_values"][widgets.index("length")] = 107
-    path = tmp_path / "t2va_length_107.json"
+    text_encode["widgets_values"][widgets.index("length")] = 130
+    path = tmp_path / "t2va_length_130.json"
     path.write_text(json.dumps(workflow))
     ui = Path(__file__).resolve().parent / "ui"
     env = {**os.environ, "COMFY_URL": server.url, "CHROMIUM_PATH": chromium_path() or ""}
@@ -207,7 +275,7 @@ def test_the_frontend_shows_a_bad_length_once_on_length(server, tmp_path):
     node = report["node_errors"][str(text_encode["id"])]
     assert node["inputs"] == ["length"], node
     shown = "\n".join(report["dialogs"])
-    assert shown.count("got 107 frames") == 1, shown
+    assert shown.count("got 130; nearest valid: 124 or 141") == 1, shown
 
 
 def run_in_frontend(server, workflow: dict, path: Path, *flags: str) -> dict:

@@ -282,3 +282,52 @@ def test_hostile_progress_answers_never_break_the_encode(mode, stage):
     assert all(isinstance(e["phase"], str) and len(e["phase"]) <= 32 for e in events)
     assert all(e["at_s"] is None or isinstance(e["at_s"], float) for e in events)
     assert steps == sorted(set(steps)) and steps[-1] == polling.STEPS
+
+
+# --- what the client itself reports, and the words a UI shows (the Remote Encode node's progress text) ----------
+
+
+def test_status_events_say_what_was_sent_and_how_the_answer_was_made(stage):
+    """`on_status`: sending (bytes), receiving (bytes), done (where, how long, the cache's answer per part); the
+    words `polling.describe` / `polling.summary` make of them, for a computed answer and then a cached one."""
+    request = EncodeRequest(prompt=f"Status words {time.time()}.", width=64, height=64)
+    with ServerThread(PacedStage(stage, 0.2), ServerConfig(threads=SERVER_THREADS)) as srv:
+        client = EncoderClient(srv.url)
+        first, second, phases = [], [], []
+        cond = client.encode(request, on_status=first.append, on_server_progress=phases.append)
+        again = client.encode(request, on_status=second.append)
+    assert cond.to_bytes() == again.to_bytes() == stage.encode(request).to_bytes()  # reporting changes nothing
+    assert [event["event"] for event in first] == ["sending", "receiving", "done"], first
+    sending, receiving, done = first
+    assert sending["url"] == srv.url and sending["bytes"] > 0 and receiving["bytes"] > 0
+    assert done["url"] == srv.url and done["bytes"] == sending["bytes"] and done["seconds"] > 0
+    assert done["cache"] == "miss" and done["components"] == {"text": "miss"}, done
+    assert isinstance(done["queue_s"], float) and isinstance(done["encode_s"], float)
+    assert polling.describe(sending).startswith("sending ") and polling.describe(sending).endswith("kB")
+    assert polling.describe(receiving).startswith("receiving the conditioning (")
+    lines = [polling.describe(event) for event in phases]
+    # (the server's own "sending" is over before a poll sees it here: the client's "receiving" event says it)
+    assert {"queued on the server", "encoding text", "encoding video", "encoding audio"}.issubset(lines), \
+        sorted(set(lines))
+    summary = polling.summary(done)
+    assert summary.startswith(f"encoded on {srv.url} in ") and " s (text: miss" in summary, summary
+    assert second[-1]["cache"] == "hit" and second[-1]["components"] is None, second
+    assert polling.summary(second[-1]).endswith("(cache hit: the whole conditioning)")
+    print(f"\n[progress] summaries: {summary!r}; {polling.summary(second[-1])!r}")
+
+
+def test_the_words_for_every_phase_and_cache_outcome():
+    assert polling.describe({"phase": "queued", "queue_position": 2}) == "queued on the server (2 ahead)"
+    assert polling.describe({"phase": "queued", "queue_position": 0}) == "queued on the server"
+    assert polling.describe({"phase": "video", "done": 1, "total": 2}) == "encoding video 1/2"
+    assert polling.describe({"phase": "text", "done": 3, "total": 8}) == "encoding text: layer 3/8"
+    assert polling.describe({"phase": "audio"}) == "encoding audio"
+    assert polling.describe({"event": "sending", "bytes": 3_100_000}) == "sending 3.1 MB"
+    assert polling.describe({"phase": "from-a-newer-server"}) is None  # the line before it stays
+    done = {"event": "done", "url": "http://h:1", "seconds": 8.24, "cache": "miss", "queue_s": 0.0,
+            "components": {"text": "memory", "video.0": "miss", "video.1": "disk", "audio.0": "miss"}}
+    assert polling.summary(done) == "encoded on http://h:1 in 8.2 s (text: cache hit, video: 1/2 from the cache, " \
+                                    "audio: miss)"
+    assert polling.summary(dict(done, cache="joined", components={"text": "miss"}, queue_s=2.5)) == \
+        "encoded on http://h:1 in 8.2 s (joined an identical request, text: miss, queued 2.5 s)"
+    assert polling.summary(dict(done, components=None)) == "encoded on http://h:1 in 8.2 s"

@@ -1,11 +1,14 @@
 """The H3 Sampler's `gpus` widget in a real ComfyUI (CPU, so the workers are gloo ranks on the CPU): gpus=2 gives the
-latents of gpus=1 within 1e-6 relative, with the same progress and previews; an interrupt stops the workers and
-leaves them warm; a worker killed mid-prompt fails that prompt with an error naming it, and the next prompt samples
-on fresh workers. One server for the module; tests/support/comfy_latent_probe.py saves the latents."""
+latents of gpus=1 within 1e-6 relative, with the same progress and previews, and the workers' cold start and memory
+as the node's progress text; an interrupt stops the workers and leaves them warm; a Sampler with gpus 1 and
+ComfyUI's "Unload Models" commands (POST /free) stop them; a worker killed mid-prompt fails that prompt with an error
+naming it, and the next prompt samples on fresh workers; ComfyUI's exit ends them without a traceback. One server for
+the module; tests/support/comfy_latent_probe.py saves the latents."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import struct
@@ -20,6 +23,7 @@ from support.comfy_harness import comfy_available, start_comfy
 HERE = Path(__file__).resolve().parent
 TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
 PREVIEW_IMAGE = 1  # ComfyUI's binary websocket event type for a preview picture
+PROGRESS_TEXT = 3  # ... and for a node's progress-text line
 WORKER_MODULE = b"h3_core.sequence_parallel_workers"
 LONG = 40  # steps of a prompt that is interrupted or loses a worker after its first step: ends well before the last
 
@@ -37,12 +41,20 @@ def server(tiny_dir, tmp_path_factory):
                          extra_args=("--preview-method", "auto"))
     server.add_model("minimax_h3", tiny_dir, "tiny")
     yield server
-    workers = worker_pids(server).values()
+    workers = worker_pids(server).values()  # the last tests leave warm workers: their exit is checked here
+    logged = len(server.log_text())
     server.stop()  # SIGTERM: ComfyUI exits without closing the pool; its workers see the socket close and exit
-    deadline = time.monotonic() + 60
-    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not any(_running(pid) for pid in workers), "sequence-parallel workers outlived their ComfyUI"
+    _wait_until(lambda: not any(_running(pid) for pid in workers), "sequence-parallel workers outlived their ComfyUI")
+    after = server.log_text()[logged:]  # the workers' stderr is ComfyUI's log: quiet, as a pool ends
+    assert "Traceback" not in after and "ConnectionResetError" not in after, after
+
+
+def _wait_until(condition, message: str, timeout_s: float = 60.0) -> None:
+    """Wait for something ComfyUI does after answering (its prompt worker applies /free when idle)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert condition(), message
 
 
 def graph(seed: int, steps: int, gpus: tuple[int, ...]) -> dict:
@@ -97,6 +109,18 @@ def _descends(pid: int, ancestor: int) -> bool:
     return False
 
 
+def progress_texts(result, node: str) -> list[str]:
+    """The progress-text lines ComfyUI sent for `node` (binary frames: type, node id length, id, text)."""
+    texts = []
+    for frame in result.binary:
+        if len(frame) < 8 or struct.unpack(">I", frame[:4])[0] != PROGRESS_TEXT:
+            continue
+        length = struct.unpack(">I", frame[4:8])[0]
+        if frame[8:8 + length].decode() == node:
+            texts.append(frame[8 + length:].decode())
+    return texts
+
+
 def assert_same_latents(server, seed: int) -> None:
     one = load_file(str(server.output_dir / f"seed{seed}_gpus1.safetensors"))
     two = load_file(str(server.output_dir / f"seed{seed}_gpus2.safetensors"))
@@ -120,14 +144,25 @@ def on_sampler_step(node: str, action):
 
 
 def test_gpus2_equals_gpus1_with_the_same_progress_and_previews(server):
-    result = server.run_prompt(graph(seed=101, steps=4, gpus=(1, 2)), timeout=900)
+    # Two prompts (the encode is cached for the second): a gpus 1 Sampler stops the workers, so it runs first.
+    results = {n: server.run_prompt(graph(seed=101, steps=4, gpus=(n,)), timeout=900) for n in (1, 2)}
     assert_same_latents(server, 101)
-    progress = {node: [(m["value"], m["max"]) for m in result.of_type("progress") if m["node"] == node]
-                for node in ("11", "12")}
-    assert progress["12"] == progress["11"] == [(0, 3), (1, 3), (2, 3), (3, 3)]
-    previews = [frame for frame in result.binary if struct.unpack(">I", frame[:4])[0] == PREVIEW_IMAGE]
-    assert len(previews) == 2 * 3  # one per step, from each Sampler
+    progress = {n: [(m["value"], m["max"]) for m in results[n].of_type("progress") if m["node"] == f"1{n}"]
+                for n in (1, 2)}
+    assert progress[2] == progress[1] == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    for n in (1, 2):
+        previews = [frame for frame in results[n].binary if struct.unpack(">I", frame[:4])[0] == PREVIEW_IMAGE]
+        assert len(previews) == 3  # one per step
     assert sorted(worker_pids(server)) == [0, 1]  # warm after the prompt
+
+    # The cold start said what it did, in order, then the steps, then what the warm workers hold.
+    texts = [re.sub(r" - \d+ s$", "", text) for text in progress_texts(results[2], "12")]  # the heartbeat's age
+    said = list(dict.fromkeys(texts))
+    start = ["starting 2 DiT workers: 0/2", "starting 2 DiT workers: 1/2", "starting 2 DiT workers: 2/2",
+             "loading the DiT in 2 workers"]
+    assert said[:4] == start, said
+    assert said[4] == "DiT forward 0/3" and said[-2] == "DiT forward 3/3", said
+    assert re.fullmatch(r"2 DiT workers warm: \d+\.\d GB", said[-1]), said
 
 
 def test_interrupt_stops_the_workers_and_leaves_them_warm(server):
@@ -145,6 +180,28 @@ def test_interrupt_stops_the_workers_and_leaves_them_warm(server):
     assert len(seen) == 2 and worker_pids(server) == seen  # the same processes: none hung, none restarted
 
 
+def test_a_gpus1_sampler_stops_the_workers(server):
+    """Back to one process: the workers' DiT copies go (on a GPU box, whole GPUs of VRAM)."""
+    running = worker_pids(server)
+    assert sorted(running) == [0, 1]
+    result = server.run_prompt(graph(seed=106, steps=3, gpus=(1,)), timeout=900)
+    assert worker_pids(server) == {} and not any(_running(pid) for pid in running.values())
+    assert not any("workers warm" in text for text in progress_texts(result, "11"))
+    assert "stopping the sequence-parallel workers (2 DiT workers warm: " in server.log_text()
+
+
+@pytest.mark.parametrize("free_memory", [False, True], ids=["unload_models", "unload_models_and_execution_cache"])
+def test_unload_models_stops_the_workers(server, free_memory):
+    """The menu's "Unload Models" (POST /free {"unload_models": true}) and "Unload Models and Execution Cache"
+    (and "free_memory": true) stop the workers with ComfyUI's own models."""
+    server.run_prompt(graph(seed=107 + free_memory, steps=3, gpus=(2,)), timeout=900)  # not cached: it runs
+    running = worker_pids(server)
+    assert sorted(running) == [0, 1]
+    server.free(unload_models=True, free_memory=free_memory)
+    _wait_until(lambda: not any(_running(pid) for pid in running.values()), "Unload Models left the workers running")
+    assert worker_pids(server) == {}
+
+
 def test_a_killed_worker_fails_the_prompt_by_name_and_the_next_prompt_works(server):
     killed = {}
 
@@ -160,14 +217,19 @@ def test_a_killed_worker_fails_the_prompt_by_name_and_the_next_prompt_works(serv
     assert "the next run starts new ones" in message
     assert worker_pids(server) == {}  # the whole pool was stopped: no rank left waiting in a collective
 
-    server.run_prompt(graph(seed=104, steps=4, gpus=(1, 2)), timeout=900)
+    for n in (1, 2):  # gpus 1 first: it would stop the new workers
+        server.run_prompt(graph(seed=104, steps=4, gpus=(n,)), timeout=900)
     assert_same_latents(server, 104)
     fresh = worker_pids(server)
     assert sorted(fresh) == [0, 1] and not set(fresh.values()) & set(killed.values())
 
 
 def test_gpus_the_dit_cannot_split_over_is_refused_by_name(server):
-    result = server.run_prompt(graph(seed=105, steps=4, gpus=(4,)), timeout=900, check=False)
-    assert result.status == "error" and result.error["node_type"] == "H3SplitSampler", result.error
-    assert "2 attention heads do not divide into 4 ranks" in result.error["exception_message"]
-
+    """Refused when queued (the heads are in the DiT's header), on the Sampler's `gpus`; the warm workers stay."""
+    running = worker_pids(server)
+    status, answer = server.post_prompt_expect_error(graph(seed=105, steps=4, gpus=(4,)))
+    assert status == 400, answer
+    [error] = answer["node_errors"]["14"]["errors"]
+    assert error["extra_info"]["input_name"] == "gpus"
+    assert "2 attention heads do not divide into 4 ranks" in error["details"], error
+    assert worker_pids(server) == running

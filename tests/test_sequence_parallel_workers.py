@@ -1,13 +1,23 @@
 """Warm sequence-parallel workers (h3_core/sequence_parallel_workers.py): a pool of two gloo ranks, real processes on
 the CPU loading the tiny DiT from its file, gives the single-process latents within 1e-6 relative, with progress and
-previews from rank 0; stays warm between jobs; stops every rank before the same step on cancel and stays usable; and
-when a worker is killed mid-job the job fails naming it, and the next job runs on fresh workers."""
+previews from rank 0; stays warm between jobs; stops every rank before the same step on cancel and stays usable;
+when a worker is killed mid-job the job fails naming it, and the next job runs on fresh workers. Its life: the start
+reports each rank's hello and load, an idle pool stops itself on its (injected) clock, and a host that exits (Ctrl-C)
+or is killed leaves no worker behind and no traceback."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +199,125 @@ def test_stacked_loras_without_their_audio_run_on_the_pool_as_in_one_process(set
     _assert_equal(got, want)
     plain = dit.sample(cond, SamplingOptions(steps=STEPS, seed=3))
     assert _relative(got.video, plain.video) > 1e-4  # the LoRAs changed the result
+
+
+# --- the pool's life ------------------------------------------------------------------------------------------------
+
+
+class _Clock:
+    """An injected clock: the idle stop's decisions are made on it, never on the wall clock."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_idle_limit_reads_h3_sp_idle_s():
+    assert workers.idle_limit({}) == workers.DEFAULT_IDLE_S == 600.0
+    assert workers.idle_limit({"H3_SP_IDLE_S": " 30 "}) == 30.0
+    assert workers.idle_limit({"H3_SP_IDLE_S": "0"}) is None  # never
+    for bad in ("ten", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match=r"H3_SP_IDLE_S=.*a number >= 0.*0 keeps it until unloaded"):
+            workers.idle_limit({"H3_SP_IDLE_S": bad})
+
+
+def test_the_start_reports_each_rank_and_an_idle_pool_stops_on_its_clock(setup, monkeypatch):
+    recipe, layout, cond, reference = setup
+    monkeypatch.setenv(workers.IDLE_ENV, "600")
+    workers.close_pool()
+    clock, started = _Clock(), []
+    pool = workers.warm_pool(recipe, layout, clock=clock, on_start=lambda *event: started.append(event))
+    assert started == [("connect", 0, 2), ("connect", 1, 2), ("connect", 2, 2),
+                       ("load", 0, 2), ("load", 1, 2), ("load", 2, 2)]
+    assert re.fullmatch(r"2 DiT workers warm: \d+\.\d GB", workers.warm_summary())
+    assert pool.resident_bytes() > 100 * 2**20  # each rank holds torch and the DiT
+
+    clock.now += 500
+    _assert_equal(workers.sample(recipe, layout, cond, SamplingOptions(steps=STEPS, seed=3)), reference)
+    clock.now += 599  # idle since the job ended, not since the start
+    assert not workers.stop_if_idle() and pool.alive()
+    pool.busy = True  # a job running for longer than the limit is not idle
+    clock.now += 10_000
+    assert not workers.stop_if_idle() and pool.alive()
+    pool.busy = False
+    workers.stop_if_idle()  # (or the pool's own watcher did it first: it decides on the same clock)
+    assert not pool.alive() and [proc.returncode for proc in pool.procs] == [0, 0]
+    assert workers.warm_summary() is None  # the next job starts a new pool
+
+
+_HOST = textwrap.dedent("""
+    import atexit, json, sys
+    state = {}
+    # Registered before the pool module's own atexit handler, so it runs after it: the workers' exit codes.
+    atexit.register(lambda: print(json.dumps([p.returncode for p in state["pool"].procs]), flush=True))
+    import torch
+    from h3_core import sequence_parallel, sequence_parallel_workers as workers
+    from h3_core.models import ModelSource
+    source = ModelSource.from_path(sys.argv[1], layout="comfyui")
+    recipe = workers.DiTRecipe.of(source, "transformer", torch.float32, source.fingerprint())
+    state["pool"] = workers.warm_pool(recipe, sequence_parallel.check(2, "ulysses", "cpu", heads=2))
+    try:
+        print(json.dumps(state["pool"].pids), flush=True)
+        sys.stdin.read()  # until the test ends this host
+    except KeyboardInterrupt:  # Ctrl-C: a host such as ComfyUI catches it and exits normally
+        pass
+""")
+
+
+def _host(tiny_dir) -> tuple[subprocess.Popen, list[int]]:
+    """A host process (its own session, as a terminal's foreground job) with a warm pool; its workers' pids."""
+    root = Path(__file__).resolve().parents[1]
+    host = subprocess.Popen([sys.executable, "-c", _HOST, str(tiny_dir)], cwd=root, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    line = host.stdout.readline()
+    assert line, f"the host did not start its pool: {host.stderr.read()[-3000:]}"
+    return host, json.loads(line)
+
+
+@pytest.mark.parametrize("how", ["ctrl_c", "killed"])
+def test_a_host_that_ends_leaves_no_worker_and_no_traceback(tiny_dir, how):
+    """Ctrl-C reaches the host's whole process group: the workers ignore it, the host exits and stops them at exit
+    (each exits 0). A host killed outright never runs that: its workers see the connection close (or reset) and exit,
+    as quietly. Their stderr is the host's (the test reads it to its end, when every writer has exited)."""
+    host, pids = _host(tiny_dir)
+    if how == "ctrl_c":
+        os.killpg(host.pid, signal.SIGINT)  # what a terminal does: to the host and its workers
+    else:
+        os.kill(host.pid, signal.SIGKILL)  # the host alone, with no chance to stop its workers
+    out, err = host.communicate(timeout=120)
+    assert not any(Path(f"/proc/{pid}").exists() and _zombie_or_running(pid) for pid in pids)
+    if how == "ctrl_c":
+        assert host.returncode == 0 and json.loads(out) == [0, 0], (out, err)
+    assert "Traceback" not in err and "ConnectionResetError" not in err, err
+
+
+def _zombie_or_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().count(b"sequence_parallel_workers") > 0
+    except OSError:
+        return False
+
+
+def test_a_reset_connection_is_a_closed_channel():
+    """A host killed with unread bytes resets its workers' connections: that is the host going away (the worker
+    exits 0), not an error with a ConnectionResetError traceback."""
+    from h3_core.sequence_parallel_channel import Channel, ChannelClosed
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    worker = Channel(socket.create_connection(listener.getsockname()))
+    host_sock, _ = listener.accept()
+    listener.close()
+    worker.send({"kind": "progress", "done": 1, "total": 3})  # unread by the host when it goes
+    host_sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    host_sock.close()  # an RST, as a killed process with unread bytes sends
+    assert worker.readable(5.0)
+    with pytest.raises(ChannelClosed, match=r"went away \(\[Errno 104\] Connection reset by peer\)"):
+        worker.recv()
+    assert worker.peer_closed()
+    with pytest.raises(ChannelClosed):
+        for _ in range(100):  # the first writes may land in the kernel's buffer before it sees the reset
+            worker.send({"kind": "progress", "done": 2, "total": 3})
+    worker.close()

@@ -4,6 +4,11 @@
   download URL, target folder) that the frontend offers to download when they are missing;
 - an API-format JSON in `workflows/api/` (headless `POST /prompt`).
 
+Each template defaults to the files core's own H3 templates use and a Turbo LoRA at its step count, and every node
+carries `cnr_id` / `ver` (the pack's registry id and version, or comfy-core's); the core-sampler templates
+(`*_core`: the pack's Remote Encode, core 0.33's UNETLoader -> ModelSamplingMiniMaxH3 -> KSampler, the pack's Decode)
+need ComfyUI 0.33+. The API forms run the embedded tiny H3 (no LoRA).
+
 The UI form needs every node's sockets and widget order, which come from a live ComfyUI's
 `/object_info`, so the files cannot drift from the node definitions: the test suite regenerates
 them against the real server and fails if a committed file differs. The UI files are valid against
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import urllib.request
 import uuid
@@ -36,7 +42,41 @@ FL2VA = "fl2va (t2va, first/last frame)"
 REF2VA = "ref2va (references)"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8190"
 STEPS = 8  # the tiny model's demo setting (API workflows, the tiny form of the templates)
-RELEASE_STEPS = 50  # what the user templates, on the published files, sample with: the release setting
+
+
+def _pack_identity() -> tuple[str, str]:
+    """The pack's registry id and version (pyproject.toml [project] name / version): every template node of the
+    pack carries them as `cnr_id` / `ver`, as core's templates do, so the frontend knows which pack a node needs."""
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    project = text.split("[project]", 1)[1].split("\n[", 1)[0]
+    return (re.search(r'^name\s*=\s*"([^"]+)"', project, re.M).group(1),
+            re.search(r'^version\s*=\s*"([^"]+)"', project, re.M).group(1))
+
+
+PACK_ID, PACK_VERSION = _pack_identity()
+CORE_ID = "comfy-core"  # what core's templates put in a core node's cnr_id
+# A core node's `ver`: the oldest core the pack supports (0.3.75), or the core that added the node.
+CORE_VERSION, CORE_H3_VERSION = "0.3.75", "0.33.0"
+
+
+@dataclass(frozen=True)
+class Turbo:
+    """A Turbo LoRA (lightx2v's distillation, Comfy-Org's ComfyUI export) at the steps and shifts its card asks:
+    `forwards` DiT passes (core's KSampler `steps`); the pack's Sampler counts noise levels, forwards + 1."""
+
+    model: str  # its REAL_MODELS key
+    forwards: int
+    video_shift: float = 12.0
+    audio_shift: float = 3.0
+
+    @property
+    def sampler_steps(self) -> int:
+        return self.forwards + 1
+
+
+# What core's official H3 templates default to: FL2V 8-step v1.0 (544p) for t2va / fl2va, Ref2V 4-step v0.1.
+TURBO = {"fl2va": Turbo("lora fl2v_turbo_8step", 8), "ref2va": Turbo("lora ref2v_turbo_4step", 4)}
+CORE_SAMPLER = ("res_multistep", "simple")  # core's H3 templates' sampler and scheduler
 
 EXAMPLE_MEDIA = {
     "first": "h3_example_first_frame.png",
@@ -60,13 +100,23 @@ class ModelFile:
 
 
 # The frontend offers the missing files for download into models/<directory>/; it only accepts safetensors files.
+# The templates default to the files core's own H3 templates use (about 44.5 GB: the nvfp4-AWQ text encoder, the
+# pruned int8-ConvRot DiT, the int8-ConvRot video VAE, the fp32 audio VAE, a Turbo LoRA); their API twins run the
+# embedded tiny H3 (core's UNETLoader: the tiny Comfy-format DiT in models/diffusion_models).
 HF = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
 REAL_MODELS = {
-    "text_encoder": ModelFile("qwen3vl_32b_minimax_h3_bf16.safetensors", "text_encoders", TINY),
-    "vae": ModelFile("minimax_h3_video_vae_fp16.safetensors", "vae", TINY),
+    "text_encoder": ModelFile("qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "text_encoders", TINY),
+    "vae": ModelFile("minimax_h3_video_vae_int8_convrot.safetensors", "vae", TINY),
     "audio_vae": ModelFile("minimax_h3_audio_vae_fp32.safetensors", "vae", TINY),
-    "fl2va": ModelFile("minimax_h3_fl2va_bf16.safetensors", "diffusion_models", TINY),
-    "ref2va": ModelFile("minimax_h3_ref2va_bf16.safetensors", "diffusion_models", TINY),
+    "fl2va": ModelFile("minimax_h3_fl2va_pruned_int8_convrot.safetensors", "diffusion_models", TINY),
+    "ref2va": ModelFile("minimax_h3_ref2va_pruned_int8_convrot.safetensors", "diffusion_models", TINY),
+    "core fl2va": ModelFile("minimax_h3_fl2va_pruned_int8_convrot.safetensors", "diffusion_models",
+                            "minimax_h3_tiny_fl2va_fp32.safetensors"),
+    "core ref2va": ModelFile("minimax_h3_ref2va_pruned_int8_convrot.safetensors", "diffusion_models",
+                             "minimax_h3_tiny_ref2va_fp32.safetensors"),
+    # No tiny stand-in: the tiny forms leave the LoRA out (the Sampler's `lora` empty, no LoraLoaderModelOnly).
+    "lora fl2v_turbo_8step": ModelFile("minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", "loras", ""),
+    "lora ref2v_turbo_4step": ModelFile("minimax_h3_ref2v_turbo_4step_v0.1_comfyui_bf16.safetensors", "loras", ""),
     "text_encoder int8_convrot": ModelFile("qwen3vl_32b_minimax_h3_int8_convrot.safetensors", "text_encoders",
                                            TINY_FILE + "qwen3vl_minimax_h3_tiny_int8_convrot.safetensors"),
     "text_encoder nvfp4_awq": ModelFile("qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "text_encoders",
@@ -78,13 +128,38 @@ REAL_MODELS = {
 }
 PARTITION_OF = {"fl2va": FL2VA, "ref2va": REF2VA}
 
-# The widget of each loader that names its file.
-LOADER_INPUT = {
+# The widget of each loader that names its file: the pack's (PACK_LOADERS: the embedded tiny H3 among their
+# choices, its badge when selected) and core's in the core-sampler templates.
+PACK_LOADERS = {
     "H3SplitTextEncoderLoader": "text_encoder",
     "H3SplitVideoVAELoader": "vae",
     "H3SplitAudioVAELoader": "audio_vae",
     "H3SplitDiTLoader": "dit",
 }
+LOADER_INPUT = {**PACK_LOADERS, "UNETLoader": "unet_name", "LoraLoaderModelOnly": "lora_name"}
+
+# Core 0.33's H3 node the core-sampler templates use, as 0.33's /object_info declares it (the parts the UI form
+# reads): the templates render the same against 0.3.75, which lacks it (tests/test_core033_comfyui.py checks this
+# copy against 0.33's server).
+CORE_033_SCHEMAS = {
+    "MiniMaxH3SigmaShift": {
+        "input": {"required": {
+            "model": ["MODEL", {}],
+            "shift_video": ["FLOAT", {"default": 12.0, "min": 0.01, "max": 100.0, "step": 0.01}],
+            "shift_audio": ["FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.01}],
+        }},
+        "input_order": {"required": ["model", "shift_video", "shift_audio"]},
+        "output": ["MODEL"],
+        "output_name": ["MODEL"],
+    },
+}
+
+
+def node_identity(class_type: str) -> dict:
+    """`cnr_id` / `ver` of a template node: the pack's for its nodes, comfy-core's for core's (Note included)."""
+    if class_type.startswith("H3Split"):
+        return {"cnr_id": PACK_ID, "ver": PACK_VERSION}
+    return {"cnr_id": CORE_ID, "ver": CORE_H3_VERSION if class_type in CORE_033_SCHEMAS else CORE_VERSION}
 
 
 def model_entry(key: str) -> dict:
@@ -102,6 +177,10 @@ class Node:
     before: Node | None = None  # a note: the node it sits above
     column: int | None = None  # canvas column (None: one after its inputs)
     published: dict = field(default_factory=dict)  # widget values of the form on the published files
+    extra_models: tuple = ()  # REAL_MODELS keys a widget of `published` selects (a Sampler's Turbo LoRA)
+
+    def model_keys(self) -> list[str]:
+        return ([self.model] if self.model is not None else []) + list(self.extra_models)
 
     def inputs_for(self, tiny: bool) -> dict:
         """The inputs with a loader's file: the published one, or (tiny) the embedded tiny H3's stand-in."""
@@ -145,12 +224,14 @@ class Graph:
     key: str  # the API file's name and the workflow's identity (its UUID)
     title: str  # the template's name in ComfyUI's template browser: what its search reads
     description: str
+    tiny: bool = False  # built for the tiny forms (API workflow, tiny UI): no node that needs a published file only
     nodes: list[Node] = field(default_factory=list)
     notes: list[Node] = field(default_factory=list)  # numbered after the nodes: the API form keeps its ids
 
     def add(self, class_type: str, title: str | None = None, model: str | None = None, column: int | None = None,
-            **inputs) -> Node:
-        node = Node(len(self.nodes) + 1, class_type, inputs, title, model, column=column)
+            named: dict | None = None, **inputs) -> Node:
+        """A node; `named`: inputs whose names clash with this method's (core's `model` sockets)."""
+        node = Node(len(self.nodes) + 1, class_type, {**(named or {}), **inputs}, title, model, column=column)
         self.nodes.append(node)
         return node
 
@@ -204,10 +285,11 @@ class Graph:
                 entries[node.id] = {
                     "id": node.id, "type": NOTE, "size": [NODE_WIDTH[NOTE], estimated_height(NOTE, 0, 0, 0, text)],
                     "flags": {}, "order": len(order) + node.id, "mode": 0, "inputs": [], "outputs": [],
-                    "properties": {"text": ""}, "widgets_values": [text], "color": "#432", "bgcolor": "#653",
+                    "properties": {**node_identity(NOTE), "text": ""}, "widgets_values": [text], "color": "#432",
+                    "bgcolor": "#653",
                 }  # fmt: skip
                 continue
-            info = object_info.get(node.class_type)
+            info = CORE_033_SCHEMAS.get(node.class_type) or object_info.get(node.class_type)
             if info is None:
                 raise KeyError(f"{node.class_type} is not registered in this ComfyUI (is the pack loaded?)")
             inputs = node.inputs_for(tiny)
@@ -260,11 +342,11 @@ class Graph:
                 "mode": 0,
                 "inputs": sockets,
                 "outputs": outputs,
-                "properties": {"Node name for S&R": node.class_type},
+                "properties": {**node_identity(node.class_type), "Node name for S&R": node.class_type},
                 "widgets_values": widgets,
             }
-            if node.model is not None:
-                entry["properties"]["models"] = [model_entry(node.model)]
+            if node.model_keys():
+                entry["properties"]["models"] = [model_entry(key) for key in node.model_keys()]
             if node.title:
                 entry["title"] = node.title
             entries[node.id] = entry
@@ -319,7 +401,7 @@ class Graph:
 
     def models(self) -> list[dict]:
         """The published files this graph's loaders select, in node order, once each."""
-        return [model_entry(key) for key in dict.fromkeys(n.model for n in self.nodes if n.model is not None)]
+        return [model_entry(key) for key in dict.fromkeys(k for n in self.nodes for k in n.model_keys())]
 
     def _order(self) -> list[int]:
         depth = self._depths()
@@ -340,9 +422,16 @@ def _is_link(value) -> bool:
 # --- the shipped graphs ------------------------------------------------------------------------
 
 MODELS_NOTE = (
-    "The loaders select the published MiniMax H3 files (the Missing Models dialog downloads them into models/). "
-    "To try this graph without them, set each loader to '[embedded] tiny H3 (noise)': a built-in miniature with "
-    "random weights, so the output is noise."
+    "The loaders select the published MiniMax H3 files core's own H3 templates use (the Missing Models dialog "
+    "downloads them into models/), and the Sampler a Turbo LoRA at its step count (empty its `lora` and set steps "
+    "to 50 for the release setting). To try this graph without them, set each loader to '[embedded] tiny H3 "
+    "(noise)' and the LoRA to none: a built-in miniature with random weights, so the output is noise."
+)
+CORE_NOTE = (
+    "Needs ComfyUI 0.33+ (core's own MiniMax H3 nodes). MiniMax H3 Remote Encode runs the 32B text encoder and the "
+    "VAE encoders on another machine (`python -m h3_core serve` at the endpoint; list it in H3_ENCODER_URLS, the "
+    "token in H3_ENCODER_TOKEN); this machine loads the DiT in core's UNETLoader with core's Turbo LoRA, samples in "
+    "core's KSampler (cfg 1) and decodes with MiniMax H3 VAE Decode. Canvas and length come from the conditioning."
 )
 AUDIO_NOTE = (
     "Reference tags count each kind in order: <Picture 1> is the image, <Video 1> the video. Audio is numbered "
@@ -373,7 +462,10 @@ def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str, column
         video_shift=12.0,
         audio_shift=3.0,
     )
-    latent.published = {"steps": RELEASE_STEPS}
+    turbo = TURBO[_partition_of(dit)]
+    latent.published = {"steps": turbo.sampler_steps, "lora": REAL_MODELS[turbo.model].name, "lora_strength": 1.0,
+                        "video_shift": turbo.video_shift, "audio_shift": turbo.audio_shift}
+    latent.extra_models = (turbo.model,)
     decoded = graph.add("H3SplitDecode", latent=(latent, 0), vae=(vae, 0), audio_vae=(audio_vae, 0), column=column + 1)
     if image:
         graph.add("SaveImage", images=(decoded, DECODE_IMAGE_OUTPUT), filename_prefix=f"h3/{prefix}",
@@ -381,6 +473,36 @@ def _finish(graph: Graph, dit, conditioning, vae, audio_vae, prefix: str, column
         return
     graph.add("SaveVideo", video=(decoded, 0), filename_prefix=f"h3/{prefix}", format="mp4", codec="h264",
               column=column + 1)
+
+
+def _partition_of(dit: Node) -> str:
+    """"fl2va" or "ref2va": the partition of a DiT loader (the pack's or core's UNETLoader) by its model key."""
+    return next(part for part in PARTITION_OF if part in dit.model.split())
+
+
+def _core_stage_1(graph: Graph, conditioning: Node, partition: str, vae, audio_vae, prefix: str, column: int):
+    """Core 0.33's stage 1 on the pack's conditioning, as core's H3 templates sample: UNETLoader (the pruned int8
+    DiT) -> LoraLoaderModelOnly (the Turbo LoRA; not in the tiny forms) -> ModelSamplingMiniMaxH3 -> KSampler (cfg
+    1, the negative ConditioningZeroOut, Turbo's step count) on MiniMax H3 Empty Latent from Conditioning, then the
+    pack's Decode and SaveVideo."""
+    turbo = TURBO[partition]
+    unet = graph.add("UNETLoader", model=f"core {partition}", weight_dtype="default", column=0)
+    model = unet
+    if not graph.tiny:
+        model = graph.add("LoraLoaderModelOnly", model=turbo.model, named={"model": (unet, 0)}, strength_model=1.0,
+                          column=column)
+    shifted = graph.add("MiniMaxH3SigmaShift", named={"model": (model, 0)},
+                        shift_video=turbo.video_shift, shift_audio=turbo.audio_shift, column=column)
+    latent = graph.add("H3SplitEmptyLatentFromConditioning", conditioning=(conditioning, 0), column=column)
+    negative = graph.add("ConditioningZeroOut", conditioning=(conditioning, 0), column=column)
+    sampler, scheduler = CORE_SAMPLER
+    sampled = graph.add("KSampler", named={"model": (shifted, 0)}, seed=0, steps=turbo.forwards, cfg=1.0,
+                        sampler_name=sampler, scheduler=scheduler, positive=(conditioning, 0), negative=(negative, 0),
+                        latent_image=(latent, 0), denoise=1.0, column=column + 1)
+    decoded = graph.add("H3SplitDecode", latent=(sampled, 0), vae=(vae, 0), audio_vae=(audio_vae, 0),
+                        column=column + 2)
+    graph.add("SaveVideo", video=(decoded, 0), filename_prefix=f"h3/{prefix}", format="mp4", codec="h264",
+              column=column + 2)
 
 
 def _references(graph: Graph):
@@ -419,20 +541,25 @@ FL2VA_PROMPT = "The test card slides into the night sky; a low hum rises."
 REF2VA_PROMPT = "<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>."
 
 
-def build_graphs() -> list[Graph]:
+def build_graphs(tiny: bool = False) -> list[Graph]:
     """The shipped graphs. Titles start with "MiniMax H3", then the graph's short name, then what it does: frontend
     1.32.9's template search reads only a custom node template's file name (the title is the file name), and its
-    fuzzy match scores a word by how far from the start it stands (a word past ~40 characters is not found)."""
+    fuzzy match scores a word by how far from the start it stands (a word past ~40 characters is not found).
+    tiny: the graphs of the tiny forms (the API workflows, the tiny UI variants): the core-sampler graphs without
+    their Turbo LoRA loader (the tiny H3 has no LoRA)."""
     graphs = []
 
-    g = Graph("t2va", "MiniMax H3 t2va - text to video with audio",
+    def new(*args) -> Graph:
+        return Graph(*args, tiny=tiny)
+
+    g = new("t2va", "MiniMax H3 t2va - text to video with audio",
               "MiniMax H3 text to video with stereo audio: a prompt in, a 5 s mp4 with sound out (FL2VA DiT).")
     te, vae, audio_vae, dit = _models(g, "fl2va")
     cond = _text_encode(g, te, T2VA_PROMPT, "t2va")
     _finish(g, dit, cond, vae, audio_vae, "t2va", column=2)
     graphs.append(g)
 
-    g = Graph("t2i", "MiniMax H3 t2i - text to image",
+    g = new("t2i", "MiniMax H3 t2i - text to image",
               "MiniMax H3 text to image: a prompt in, one still frame out (the first frame of the shortest, 5-frame "
               "clip, as ComfyUI core's text to image; the audio is discarded) (FL2VA DiT).")
     te, vae, audio_vae, dit = _models(g, "fl2va")
@@ -440,7 +567,7 @@ def build_graphs() -> list[Graph]:
     _finish(g, dit, cond, vae, audio_vae, "t2i", column=2, image=True)
     graphs.append(g)
 
-    g = Graph("fl2va", "MiniMax H3 fl2va - first and last frame to video",
+    g = new("fl2va", "MiniMax H3 fl2va - first and last frame to video",
               "MiniMax H3 image to video with audio: the clip starts on the first image and ends on the last "
               "(FL2VA DiT).")
     te, vae, audio_vae, dit = _models(g, "fl2va")
@@ -450,7 +577,7 @@ def build_graphs() -> list[Graph]:
     _finish(g, dit, cond, vae, audio_vae, "fl2va", column=3)
     graphs.append(g)
 
-    g = Graph("ref2va", "MiniMax H3 ref2va - reference image, video and audio to video",
+    g = new("ref2va", "MiniMax H3 ref2va - reference image, video and audio to video",
               "MiniMax H3 reference to video with audio: the prompt names an image, a video with its soundtrack "
               "and an audio clip as <Picture 1>, <Video 1>, <Audio 2> (Ref2VA DiT).")
     te, vae, audio_vae, dit = _models(g, "ref2va")
@@ -461,7 +588,7 @@ def build_graphs() -> list[Graph]:
     _finish(g, dit, cond, vae, audio_vae, "ref2va", column=4)
     graphs.append(g)
 
-    g = Graph(
+    g = new(
         "ref2va_remote",
         "MiniMax H3 ref2va_remote - references to video with a remote encoder",
         "MiniMax H3 reference to video with every encoder on a remote H3 encoder endpoint "
@@ -484,7 +611,7 @@ def build_graphs() -> list[Graph]:
     _finish(g, dit, cond, vae, audio_vae, "ref2va_remote", column=4)
     graphs.append(g)
 
-    g = Graph(
+    g = new(
         "t2va_pruned_int8",
         "MiniMax H3 t2va_pruned_int8 - text to video on int8 files",
         "MiniMax H3 text to video with audio on quantised files: the pruned int8 (ConvRot) DiT and the int8 text "
@@ -495,7 +622,7 @@ def build_graphs() -> list[Graph]:
     _finish(g, dit, cond, vae, audio_vae, "t2va_pruned_int8", column=2)
     graphs.append(g)
 
-    g = Graph(
+    g = new(
         "fl2va_pruned_fp8_nvfp4",
         "MiniMax H3 fl2va_pruned_fp8_nvfp4 - first and last frame on fp8 and NVFP4 files",
         "MiniMax H3 first and last frame to video on the smallest files: the pruned fp8 DiT (about 21 GB) and "
@@ -507,6 +634,32 @@ def build_graphs() -> list[Graph]:
     cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0), column=2)
     _finish(g, dit, cond, vae, audio_vae, "fl2va_pruned_fp8_nvfp4", column=3)
     graphs.append(g)
+
+    # ComfyUI 0.33+: the pack's Remote Encode (the 32B text encoder and the VAE encoders on another machine) in place
+    # of core's text and reference encoding, core's own H3 stage 1 (DiT, Turbo LoRA, KSampler), the pack's Decode.
+    for key, task, what in (("t2va_core", "t2va", "text to video"),
+                            ("fl2va_core", "fl2va", "first and last frame to video"),
+                            ("ref2va_core", "ref2va", "references to video")):
+        partition = "ref2va" if task == "ref2va" else "fl2va"
+        g = new(key, f"MiniMax H3 {key} - remote encode, core sampler ({what})",
+                f"MiniMax H3 {what} with audio in ComfyUI 0.33+'s own H3 nodes: MiniMax H3 Remote Encode runs the "
+                "32B text encoder (and the VAE encoders) on an encoder endpoint (`python -m h3_core serve`), core's "
+                "UNETLoader, Turbo LoRA, ModelSamplingMiniMaxH3 and KSampler sample, MiniMax H3 VAE Decode decodes. "
+                "The token, if the server needs one, comes from the H3_ENCODER_TOKEN environment variable.")
+        vae = g.add("H3SplitVideoVAELoader", model="vae", column=0)
+        audio_vae = g.add("H3SplitAudioVAELoader", model="audio_vae", column=0)
+        g.note(CORE_NOTE, before=vae)
+        media, column = None, 1
+        if task == "fl2va":
+            media, column = _keyframes(g), 3
+        elif task == "ref2va":
+            media, column = _references(g), 3
+        prompt = {"t2va": T2VA_PROMPT, "fl2va": FL2VA_PROMPT, "ref2va": REF2VA_PROMPT}[task]
+        inputs = {"media": (media, 0)} if media is not None else {}
+        cond = g.add("H3SplitRemoteEncode", prompt=prompt, width=0, height=0, length=124, endpoint=DEFAULT_ENDPOINT,
+                     **inputs, task=task, column=column)
+        _core_stage_1(g, cond, partition, vae, audio_vae, key, column=column + 1)
+        graphs.append(g)
     return graphs
 
 
@@ -616,17 +769,17 @@ def render_all(object_info: dict) -> dict[str, str | bytes]:
     """Repo-relative path -> content of every generated workflow file: the UI form and its thumbnail in
     example_workflows/, the API form in workflows/api/."""
     files: dict[str, str | bytes] = {}
-    for graph in build_graphs():
+    for graph, tiny in zip(build_graphs(), build_graphs(tiny=True)):
         files[f"{TEMPLATES}/{graph.title}.json"] = json.dumps(graph.ui(object_info), indent=2) + "\n"
         files[f"{TEMPLATES}/{graph.title}.jpg"] = render_thumbnail(graph)
-        files[f"workflows/api/{graph.key}.json"] = json.dumps(graph.api(), indent=2) + "\n"
+        files[f"workflows/api/{graph.key}.json"] = json.dumps(tiny.api(), indent=2) + "\n"
     return files
 
 
 def tiny_templates(object_info: dict) -> dict[str, dict]:
     """Key -> the UI workflow with every loader on the embedded tiny H3: what the tests run through the frontend
     (built from the same graphs as the shipped templates, never written to example_workflows/)."""
-    return {graph.key: graph.ui(object_info, tiny=True) for graph in build_graphs()}
+    return {graph.key: graph.ui(object_info, tiny=True) for graph in build_graphs(tiny=True)}
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@ import http.client
 import logging
 import os
 import random
+import re
 import ssl
 import threading
 import time
@@ -162,12 +163,19 @@ class EncoderClient:
 
     def encode(self, request: EncodeRequest, cancel: threading.Event | None = None,
                progress: ProgressFn | None = None,
-               on_server_progress: Callable[[dict], None] | None = None) -> H3Conditioning:
+               on_server_progress: Callable[[dict], None] | None = None,
+               on_status: Callable[[dict], None] | None = None) -> H3Conditioning:
         """Encode remotely; bit-identical to `EncoderStage.encode(request)` on the same weights (lossless media).
 
         `progress(done, 10)` counts the steps in `polling.STEPS` (never backwards; called from helper threads);
         `on_server_progress(event)` gets each server phase passed, as a dict (`phase`, `at_s`, `queue_position`
         while queued). Both are fed only by servers that publish progress; others go from step 2 to 9.
+        `on_status(event)` gets what the client itself does, from any server: `{"event": "sending", "url",
+        "bytes"}` before the upload, `{"event": "receiving", "url", "bytes"}` when the answer's body starts,
+        `{"event": "retrying", "url", "reason"}` after a failed attempt, and last `{"event": "done", "url",
+        "seconds", "bytes", "cache", "components", "queue_s", "encode_s"}` (the answer's X-H3-Cache,
+        X-H3-Cache-Components as {part: tier or "miss"}, X-H3-Queue-Seconds and X-H3-Encode-Seconds; None where the
+        server sent none). Called from helper threads too; an exception it raises is logged, never fatal.
         Raises `Cancelled` when `cancel` is set, `RemoteEncodeError` (or a subclass) on failure, and
         `h3_core.rules.H3InputError` for requests that break H3's rules (checked locally first).
         """
@@ -185,14 +193,16 @@ class EncoderClient:
         started = time.monotonic()
         deadline = self._deadline(started)
         tried = _AttemptLog()
+        status = _Status(on_status)
         for endpoint, delay in self._attempts(tried, deadline, cancel):
             self._sleep(delay, cancel, deadline)
             try:
                 caps = self._handshake(endpoint, cancel, deadline)
                 self._check_request_fits(endpoint, caps, needs, size)
                 report(1, steps)
-                conditioning = self._encode_once(endpoint, caps, body_json, content_type, buffers, cancel, report,
-                                                 deadline, answer_cap, on_server_progress)
+                status(event="sending", url=endpoint.url, bytes=size)
+                conditioning, headers = self._encode_once(endpoint, caps, body_json, content_type, buffers, cancel,
+                                                          report, deadline, answer_cap, on_server_progress, status)
             except (ProtocolMismatchError, ModelMismatchError) as error:
                 tried.skipped[endpoint.url] = error  # this endpoint can never serve it: no retry is used up
                 continue
@@ -204,11 +214,14 @@ class EncoderClient:
             except Transient as transient:
                 tried.failed(endpoint, transient)
                 endpoint.capabilities = None  # re-handshake: a restarted server may serve other weights
+                status(event="retrying", url=endpoint.url, reason=short(str(transient), 120))
                 continue
             _check_geometry(conditioning, request, task, endpoint.url)
             with self._lock:
                 self._preferred = self.endpoints.index(endpoint) if endpoint in self.endpoints else 0
             report(steps, steps)
+            status(event="done", url=endpoint.url, seconds=round(time.monotonic() - started, 3), bytes=size,
+                   **answer_facts(headers))
             return conditioning
         failures = tried.failures
         summary = "; ".join(failures[-4:]) or "no attempt made within total_timeout"
@@ -339,7 +352,9 @@ class EncoderClient:
 
     def _encode_once(self, endpoint: Endpoint, caps: dict, body_json: dict, content_type: str,
                      buffers: list[bytes], cancel: threading.Event | None, report: polling.Monotonic,
-                     deadline: float, answer_cap: int, on_event: Callable[[dict], None] | None) -> H3Conditioning:
+                     deadline: float, answer_cap: int, on_event: Callable[[dict], None] | None,
+                     status: "_Status | None" = None) -> tuple[H3Conditioning, Any]:
+        """One POST: the conditioning and the answer's headers."""
         server_deadline = self.deadline_s or max(1.0, self.read_timeout - 1.0)
         server_max = caps["deadline_s"].get("max")
         if isinstance(server_max, (int, float)) and server_max > 0:
@@ -358,9 +373,14 @@ class EncoderClient:
             if poller is not None:
                 poller.start()
 
+        def on_body(length: int):
+            if status is not None:
+                status(event="receiving", url=endpoint.url, bytes=length)
+            return Receiving.new(length)
+
         try:
             reply = self._call(endpoint, "POST", protocol.ENCODE_PATH, payload, headers, cancel,
-                               self.read_timeout, deadline, answer_cap, on_sent=sent, on_body=Receiving.new)
+                               self.read_timeout, deadline, answer_cap, on_sent=sent, on_body=on_body)
         finally:
             if poller is not None:
                 poller.stop()
@@ -379,7 +399,7 @@ class EncoderClient:
         if self._pinned is not None and model is not None and model != self._pinned:
             raise ModelMismatchError(f"{endpoint.url} encoded with model {short(str(model))}, expected "
                                      f"{self._pinned}", url=endpoint.url)
-        return conditioning
+        return conditioning, reply.headers
 
     def _poller(self, endpoint: Endpoint, caps: dict, report: polling.Monotonic,
                 on_event: Callable[[dict], None] | None, cancel: threading.Event | None,
@@ -487,6 +507,52 @@ def _checked_capabilities(body: bytes, url: str) -> dict:
     protocol_info = dict(caps["protocol"], versions=versions)
     return dict(caps, protocol=protocol_info, model=model, limits=caps.get("limits", {}),
                 deadline_s=caps.get("deadline_s", {}))
+
+
+class _Status:
+    """The caller's `on_status` hook, or nothing; a hook that raises is logged, so it never breaks an encode (it
+    also runs on the HTTP helper thread, where an exception would be taken for the answer's failure)."""
+
+    def __init__(self, hook: Callable[[dict], None] | None):
+        self.hook = hook
+
+    def __call__(self, **event: Any) -> None:
+        if self.hook is None:
+            return
+        try:
+            self.hook(event)
+        except Exception as error:  # noqa: BLE001 - reporting must not change the encode
+            log.debug("on_status hook failed: %s", error)
+
+
+MAX_COMPONENTS = 64  # parts listed from one X-H3-Cache-Components header (a server cannot make the summary grow)
+_TOKEN = re.compile(r"[a-z][a-z0-9_.]{0,31}")
+
+
+def answer_facts(headers: Any) -> dict[str, Any]:
+    """What an answer's headers say about how it was made (docs/PROTOCOL.md, headers): the whole answer's cache
+    outcome, each encoder part's tier or miss, the server's queue and encode seconds. Whatever does not parse is
+    None: these are informative only, and come from the server, so nothing is taken as it came."""
+    def header(name: str) -> str:
+        value = headers.get(name) if headers is not None else None
+        return value.strip() if isinstance(value, str) else ""
+
+    cache = header(protocol.H_CACHE).lower()
+    components: dict[str, str] = {}
+    for item in header(protocol.H_CACHE_COMPONENTS).split(",")[:MAX_COMPONENTS]:
+        label, _, outcome = (part.strip().lower() for part in item.partition("="))
+        if _TOKEN.fullmatch(label) and _TOKEN.fullmatch(outcome):
+            components[label] = outcome
+    return {"cache": cache if _TOKEN.fullmatch(cache) else None, "components": components or None,
+            "queue_s": _number(header(protocol.H_QUEUE_S)), "encode_s": _number(header(protocol.H_ENCODE_S))}
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 <= value < 1e7 else None  # also refuses nan and inf
 
 
 class _AttemptLog:

@@ -239,20 +239,7 @@ def _check_key(key: str) -> None:
 
 def _subdirs(dir_fd: int) -> list[tuple[str, os.stat_result]]:
     """(name, lstat) of the real directories (never links) directly in `dir_fd`."""
-    found = []
-    try:
-        with os.scandir(dir_fd) as it:
-            names = [entry.name for entry in it]
-    except OSError:
-        return []
-    for name in names:
-        try:
-            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except OSError:
-            continue
-        if stat.S_ISDIR(info.st_mode):
-            found.append((name, info))
-    return found
+    return private_dir.entries(dir_fd, lambda info: stat.S_ISDIR(info.st_mode))
 
 
 class _Corrupt(Exception):

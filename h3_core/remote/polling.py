@@ -143,3 +143,75 @@ class Poller:
 
 def _seconds(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+# --- the same, in the user's words (the Remote Encode node's progress text; any client may show them) -----------
+
+_SERVER_TEXT = {
+    "receiving": "the server is checking the request",
+    "decode": "decoding the media on the server",
+    "text": "encoding text",
+    "video": "encoding video",
+    "audio": "encoding audio",
+    "serialise": "the server is writing the conditioning",
+    "sending": "receiving the conditioning",
+}
+_COMPONENT_ORDER = ("text", "video", "audio")
+
+
+def megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f} MB" if count >= 100_000 else f"{count / 1e3:.0f} kB"
+
+
+def describe(event: dict) -> str | None:
+    """One line for an event of `EncoderClient.encode`'s `on_server_progress` (a `phase`) or `on_status` (an
+    `event`), or None for one that says nothing new (`done`: see `summary`)."""
+    kind = event.get("event")
+    if kind == "sending":
+        return f"sending {megabytes(int(event.get('bytes') or 0))}"
+    if kind == "receiving":
+        return f"receiving the conditioning ({megabytes(int(event.get('bytes') or 0))})"
+    if kind == "retrying":
+        return f"retrying: {event.get('url')} failed ({event.get('reason')})"
+    phase = event.get("phase")
+    if phase == "queued":
+        position = event.get("queue_position")
+        # queue_position counts the jobs ahead, the running one included: 0 means next
+        ahead = position if isinstance(position, int) and position > 0 else 0
+        return "queued on the server" + (f" ({ahead} ahead)" if ahead else "")
+    if phase not in _SERVER_TEXT:
+        return None  # a phase a newer server added: the previous line stays
+    done, total = event.get("done"), event.get("total")
+    counted = isinstance(done, int) and isinstance(total, int) and total > 1
+    if phase == "text" and counted:
+        return f"encoding text: layer {done}/{total}"
+    if phase in ("video", "audio") and counted:
+        return f"encoding {phase} {done}/{total}"
+    return _SERVER_TEXT[phase]
+
+
+def summary(done: dict) -> str:
+    """'encoded on http://host:port in 8.2 s (text: cache hit, video: miss)' from the `done` status event."""
+    seconds = float(done.get("seconds") or 0)
+    took = f"{seconds * 1000:.0f} ms" if seconds < 0.1 else f"{seconds:.1f} s"
+    where = f"encoded on {done.get('url')} in {took}"
+    cache, components = done.get("cache"), done.get("components") or {}
+    if cache == "hit":
+        return f"{where} (cache hit: the whole conditioning)"
+    parts: dict[str, list[str]] = {}
+    for label, outcome in components.items():
+        parts.setdefault(label.partition(".")[0], []).append(outcome)
+    words = []
+    for kind in _COMPONENT_ORDER:
+        outcomes = parts.get(kind)
+        if not outcomes:
+            continue
+        hits = sum(outcome != "miss" for outcome in outcomes)
+        words.append(f"{kind}: " + ("miss" if hits == 0 else "cache hit" if hits == len(outcomes)
+                                    else f"{hits}/{len(outcomes)} from the cache"))
+    if cache == "joined":
+        words.insert(0, "joined an identical request")
+    queue_s = done.get("queue_s")
+    if isinstance(queue_s, float) and queue_s >= 0.05:
+        words.append(f"queued {queue_s:.1f} s")
+    return f"{where} ({', '.join(words)})" if words else where

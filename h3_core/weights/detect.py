@@ -49,6 +49,13 @@ class Detection:
     header: Header = field(default=None, repr=False, compare=False)
     source: Source = field(default=None, repr=False, compare=False)
     quant: QuantPlan | None = field(default=None, repr=False, compare=False)
+    # (device, inode, size, mtime) of each weight file, taken before its header was read: `current()`.
+    stamp: tuple = field(default=(), repr=False, compare=False)
+
+    def current(self) -> bool:
+        """Whether every weight file is still the one this detection read (same inode, size and mtime), so a load
+        may take the detection as it is instead of reading the headers again (`loaders.load`)."""
+        return bool(self.stamp) and _stamp(self.files) == self.stamp
 
     @property
     def dense_shapes(self) -> dict:
@@ -70,6 +77,13 @@ class Detection:
             f"{self.component}{partition}: {self.layout} layout, {self.key_format} keys, {self.format} weights, "
             f"{self.num_tensors} tensors, {self.total_bytes / 2**30:.2f} GiB [{dtypes}] in {len(self.files)} file(s)"
         )
+
+
+def _stamp(files) -> tuple:
+    try:
+        return tuple((info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) for info in map(os.stat, files))
+    except OSError:
+        return ()  # a file gone: nothing to reuse
 
 
 def _layout(family: KeyFamily, source: Source) -> str:
@@ -118,6 +132,7 @@ def detect(path: str) -> Detection:
             f"{path} is a folder of {len(loose)} separate checkpoints; use scan() or point at one file"
         )
     source = component_source(loose[0] if loose else path)
+    stamp = _stamp(source.files)  # before the headers: a file changed while they are read is read again later
     header = read_header(source.files)
     weight_format = detect_format(header, source.path)
     quant = read_plan(header, os.path.basename(os.path.normpath(source.path)))  # refuses unknown formats by name
@@ -141,6 +156,7 @@ def detect(path: str) -> Detection:
         header=header,
         source=source,
         quant=quant,
+        stamp=stamp,
     )
 
 

@@ -1,7 +1,8 @@
 """Which weight files a loaded module's tensors may still share pages with, and whether they changed in place.
 
-Weights are read through `safetensors.safe_open`, which memory-maps the file: on the CPU (and for weights streamed
-from host memory) the parameters stay views of the file's pages. A file replaced by a rename (a new inode: what
+Weights are read through `safetensors.safe_open`, and GGUF tensors through `np.memmap(mode="c")`
+(`gguf_file.read_tensor`): both map the file, so on the CPU (and for weights streamed from host memory) the
+parameters stay views of the file's pages. A file replaced by a rename (a new inode: what
 `cp --remove-destination`, `mv`, downloaders and ComfyUI's model manager do) does not touch them: the old inode lives
 until the mapping goes. A file rewritten or truncated *in place* does: its pages change under the model, and a
 page past a new end of file kills the process with SIGBUS the next time it is read - no Python code can catch

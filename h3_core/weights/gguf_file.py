@@ -3,8 +3,9 @@
 A file is GGUF when it starts with the GGUF magic, whatever its name. Its tensor directory (names,
 GGML types, shapes, offsets) is parsed by the pack's bounded reader (`gguf_header`: every count checked against the
 file before anything is allocated, cached by path, size and mtime; the `gguf` package's reader trusts the counts it
-reads, and one 96-byte file hung ComfyUI's model lists); a tensor's bytes are read later with plain reads at its
-offset (no mapping kept), and every block scale or dense value read is checked finite (`quant.ggml.non_finite`).
+reads, and one 96-byte file hung ComfyUI's model lists); a tensor's bytes are later mapped from the file, not copied
+(`read_tensor`: the pages stay the page cache's, as `safe_open` keeps safetensors weights), and every block scale or
+dense value is checked finite before it is mapped (`quant.ggml.non_finite`).
 
 Names are the Comfy safetensors names, as ComfyUI-GGUF's converter writes them (its loader also strips a
 `model.diffusion_model.` prefix, and so do we), or llama.cpp's names for a Qwen3-VL text encoder and its
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -130,10 +133,29 @@ def projector_for(path: str) -> list[str]:
     return found
 
 
-def read_file_header(path: str):
-    """`({name: TensorInfo}, metadata)` of one GGUF file (see the module docstring)."""
+_HEADERS: OrderedDict = OrderedDict()  # id(directory) -> (directory, tensors, metadata): `read_file_header`
+_HEADERS_SIZE = 16  # as `gguf_header`'s cache: one load's file and its neighbours
+_HEADERS_LOCK = threading.Lock()
 
+
+def read_file_header(path: str):
+    """`({name: TensorInfo}, metadata)` of one GGUF file (see the module docstring); described once per directory
+    `gguf_header` parsed (so once per file version): pairing a projector and reading the pair's header both ask."""
     found = directory(path)
+    with _HEADERS_LOCK:
+        entry = _HEADERS.get(id(found))
+        if entry is not None and entry[0] is found:  # the entry holds its directory: an id is never reused in it
+            _HEADERS.move_to_end(id(found))
+            return dict(entry[1]), dict(entry[2])
+    tensors, metadata = _describe(found, path)
+    with _HEADERS_LOCK:
+        _HEADERS[id(found)] = (found, tensors, metadata)
+        while len(_HEADERS) > _HEADERS_SIZE:
+            _HEADERS.popitem(last=False)
+    return dict(tensors), dict(metadata)
+
+
+def _describe(found, path: str):
     orig_shapes, metadata, values = _fields(found)
     names = [t.name for t in found.tensors]
     strip = any(name.startswith(PREFIX) for name in names)
@@ -206,22 +228,86 @@ def _from_llama_names(tensors: dict, metadata: dict, values: dict, path: str):
 
 
 def read_tensor(info) -> torch.Tensor:
-    """One tensor's stored bytes as a CPU tensor of its `TensorInfo` dtype and (stored) shape: a plain read."""
+    """One tensor's stored bytes as a CPU tensor of its `TensorInfo` dtype and (stored) shape: a view of the file's
+    pages (`_mapped`), as ComfyUI-GGUF and `safe_open` hold weights, never a private copy of them."""
     from ..safetensors_header import DTYPES
 
     if info.parts:
         return torch.stack([read_tensor(part) for part in info.parts], dim=gguf_llama_names.TEMPORAL_DIM)
-    raw = bytearray(info.nbytes)
-    with open(info.file, "rb") as handle:
-        handle.seek(info.offset)
-        if handle.readinto(raw) != info.nbytes:
-            raise IncompleteFileError(f"{info.file}: tensor data ends early (interrupted download?)")
-    if ggml.non_finite(np.frombuffer(raw, dtype=np.uint8), info.ggml_type):  # the bytes are in hand: a cheap pass
+    dtype = DTYPES[info.dtype]
+    if not info.nbytes:
+        return torch.empty(info.shape, dtype=dtype)
+    # A view of another dtype needs its start aligned to that dtype; GGUF aligns data to `general.alignment` (32 by
+    # default), so only a hostile or odd file lands here, and pays a plain read instead.
+    if info.offset % dtype.itemsize:
+        raw = _copied(info)
+        bad = ggml.non_finite(raw, info.ggml_type)
+    else:
+        bad = _non_finite_read(info)
+        raw = None if bad else _mapped(info)
+    if bad:
         raise H3WeightsError(f"{info.file}: {_name_at(info)} ({info.ggml_type}) holds NaN or infinite "
                              f"{'values' if info.ggml_type in ggml.DENSE_TYPES else 'block scales'} (a corrupted or "
                              "hostile file; every output of that layer would be NaN)")
-    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return flat.view(DTYPES[info.dtype]).reshape(info.shape)
+    return torch.from_numpy(raw).view(dtype).reshape(info.shape)
+
+
+_PIECE = 16 << 20  # bytes tested at a time by `_non_finite_read` (rounded down to whole blocks)
+
+
+def _non_finite_read(info) -> bool:
+    """`ggml.non_finite` over the tensor's bytes read in bounded pieces of whole blocks. Read, not through the
+    mapping: reads leave the pages in the page cache only, while touching them through the mapping would count the
+    whole file in this process's RSS at load (the pages a forward touches come in as it runs)."""
+    block = 1 if info.ggml_type in ggml.DENSE_TYPES else ggml.block_sizes(info.ggml_type)[1]
+    step = max(block, _PIECE // block * block)
+    buffer = bytearray(min(step, info.nbytes))
+    try:
+        with open(info.file, "rb") as handle:
+            handle.seek(info.offset)
+            for start in range(0, info.nbytes, step):
+                count = min(step, info.nbytes - start)
+                view = memoryview(buffer)[:count]
+                if handle.readinto(view) != count:
+                    raise IncompleteFileError(f"{info.file}: tensor data ends early (interrupted download?)")
+                if ggml.non_finite(np.frombuffer(view, dtype=np.uint8), info.ggml_type):
+                    return True
+    except OSError as exc:
+        raise H3WeightsError(f"{info.file}: cannot read tensor data ({exc.strerror or exc})") from None
+    return False
+
+
+def _mapped(info) -> np.ndarray:
+    """The tensor's bytes as a private (copy-on-write, `mode="c"`) mapping of its range of the file.
+
+    Why a mapping: a copy doubles what a 9-13 GB GGUF costs while it loads and keeps it as anonymous memory for as
+    long as the model lives; mapped, the weights are the page cache's clean file pages, shared with any other
+    process reading the file and dropped under pressure. Why copy-on-write rather than read-only: `torch.from_numpy`
+    refuses a read-only array, and nothing writes weights in place (casts and device moves make new tensors); were
+    anything to, its write would land in a private page, never in the operator's file. The cost is safetensors'
+    (`safe_open` maps too): a file truncated in place under a live mapping kills the process with SIGBUS on the next
+    read of a lost page, so `file_identity` (the loaders remember every weight file) refuses a file rewritten in
+    place before the next run. One mapping a tensor: freeing a tensor unmaps its range."""
+    try:
+        return np.memmap(info.file, dtype=np.uint8, mode="c", offset=info.offset, shape=(info.nbytes,))
+    except ValueError:  # "mmap length is greater than file size": cut since its header (and its check) was read
+        raise IncompleteFileError(f"{info.file}: tensor data ends early (interrupted download?)") from None
+    except OSError as exc:
+        raise H3WeightsError(f"{info.file}: cannot map tensor data ({exc.strerror or exc})") from None
+
+
+def _copied(info) -> np.ndarray:
+    """The tensor's bytes read into a private buffer (a start the dtype cannot be viewed at)."""
+    raw = np.empty(info.nbytes, dtype=np.uint8)
+    try:
+        with open(info.file, "rb") as handle:
+            handle.seek(info.offset)
+            count = handle.readinto(memoryview(raw))
+    except OSError as exc:
+        raise H3WeightsError(f"{info.file}: cannot read tensor data ({exc.strerror or exc})") from None
+    if count != info.nbytes:
+        raise IncompleteFileError(f"{info.file}: tensor data ends early (interrupted download?)")
+    return raw
 
 
 def _name_at(info) -> str:

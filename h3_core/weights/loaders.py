@@ -155,11 +155,28 @@ def _single_file_reader(det: Detection):
     return det.handler.load_single_file
 
 
-def load(path, component: str, dtype: torch.dtype = torch.float32, partition: str | None = None) -> torch.nn.Module:
+def _reusable(detection: Detection | None, path, component: str, partition: str | None) -> bool:
+    """Whether a caller's earlier detection of `path` (`ModelSource.for_file` / `from_path` detect before they load)
+    answers this load: the same single-file component, its files unchanged since (`Detection.current`). A folder is
+    detected again: its config files are not stamped."""
+    if detection is None or detection.component != component or detection.source is None:
+        return False
+    if detection.source.container != "file" or os.path.abspath(detection.path) != os.path.abspath(os.fspath(path)):
+        return False
+    wanted = {"t2va": "fl2va"}.get(partition, partition)
+    if wanted is not None and detection.partition not in (wanted, None):
+        return False
+    return detection.current()
+
+
+def load(path, component: str, dtype: torch.dtype = torch.float32, partition: str | None = None, *,
+         detection: Detection | None = None) -> torch.nn.Module:
     """The `component` (a key of `components.HANDLERS`) at `path` as a ready, eval-mode module.
 
-    `partition` ('fl2va' / 't2va' / 'ref2va') picks the DiT where a root holds both."""
-    det = resolve(path, component, partition)
+    `partition` ('fl2va' / 't2va' / 'ref2va') picks the DiT where a root holds both. `detection`: what the caller
+    already detected at `path`; taken as it is when it still describes the file (`_reusable`), so one load reads
+    each header once, else the path is detected again."""
+    det = detection if _reusable(detection, path, component, partition) else resolve(path, component, partition)
     handler = det.handler
     checked = check_detection(det)  # header only: a wrong file fails here, before any weight is read
     checked.raise_if_failed()
@@ -176,7 +193,9 @@ def load(path, component: str, dtype: torch.dtype = torch.float32, partition: st
         converted, unexpected = components.to_model_names(det, tensors, checked.config)
         if unexpected:  # already excluded by the check; kept as a guard for future converters
             raise H3WeightsError(f"{det.path}: unexpected tensors {unexpected[:5]}")
-        converted, _ = quant_route.install(checked.model, converted)  # the check installed them: drops markers
+        # The check installed the QuantLinears on this model: this pass drops the markers and dequantises only a
+        # GGUF layer of a module that is not a Linear (it was a meta tensor during the check).
+        converted, _ = quant_route.install(checked.model, converted)
         model = _assign(checked.model, det, converted, dtype)
     if stats:
         model.register_to_config(**stats)

@@ -112,6 +112,9 @@ class ComfyInstall:
 CORE033_SITE = Path(sys.prefix) / "h3-comfyui-0.33-site"
 COMFY_0375 = ComfyInstall("0.3.75", COMFY_DIR)
 CORE_033 = ComfyInstall("0.33.0", COMFY033_DIR, (CORE033_SITE,))
+#: The ComfyUI every test runs in unless it names one (`install=`): 0.3.75, or core 0.33 with H3_COMFY=0.33 (how the
+#: whole ComfyUI tier is tried on 0.33: `H3_COMFY=0.33 bash scripts/test.sh -m comfyui`).
+DEFAULT_INSTALL = CORE_033 if os.environ.get("H3_COMFY") == "0.33" else None
 
 
 def chromium_path() -> str | None:
@@ -478,6 +481,7 @@ def start_comfy(
     """Lay out base_dir (make_base_dir), start `.comfyui/main.py --cpu` (or `install`'s tree, e.g. CORE_033) on
     127.0.0.1 with this venv's python, wait for /system_stats, check that the pack imported. Raises ComfyError with
     the log tail if the server dies, takes longer than start_timeout, or the pack failed."""
+    install = install or DEFAULT_INSTALL
     ok, reason = comfy_available() if install is None else install.available()
     if not ok:
         raise ComfyError(reason)
@@ -611,6 +615,7 @@ def shared_comfy(
     """The session's server for this configuration: started on first use (base dir under
     tmp_root), reused afterwards, stopped at session end. Skips (fails in CI) without ComfyUI.
     install: another ComfyUI tree (CORE_033); None is 0.3.75, as before."""
+    install = install or DEFAULT_INSTALL
     env = dict(env or {})
     extra_args = tuple(extra_args)
     key = (str(models_src), tuple(sorted(env.items())), extra_args)

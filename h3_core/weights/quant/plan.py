@@ -9,6 +9,7 @@ statement of how a layer is stored. A dense checkpoint has no plan (None).
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -112,6 +113,32 @@ def _read_markers(header: Header, keys: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
+_OPTIONS: dict = {}  # marker bytes -> their options (what `markers.parse` returns for them)
+_OPTIONS_SIZE = 256  # distinct markers of one model: a format and its options (GGUF: a GGML type, a shape) each
+
+
+def marker_options(marker: torch.Tensor, where: str) -> dict:
+    """`markers.parse`, once per distinct marker: a split copies a layer's marker to every part and the check and
+    the load both read them, while a model holds only a few distinct ones (a GGUF plan's own markers are never
+    parsed: `_gguf_plan` remembers the options it encoded). Anything `parse` would refuse before reading (not a small
+    1-D uint8 CPU tensor) goes to it uncached, so its size bound holds before any byte is hashed."""
+    if (marker.device.type != "cpu" or marker.dtype != torch.uint8 or marker.dim() != 1
+            or marker.numel() > markers.MAX_MARKER_BYTES):
+        return markers.parse(marker, where)
+    raw = marker.numpy().tobytes()
+    found = _OPTIONS.get(raw)
+    if found is None:
+        found = _remember(raw, markers.parse(marker, where))
+    return copy.deepcopy(found)  # callers own theirs (a LayerSpec keeps its marker)
+
+
+def _remember(raw: bytes, options: dict) -> dict:
+    if len(_OPTIONS) >= _OPTIONS_SIZE:
+        _OPTIONS.clear()
+    _OPTIONS[raw] = options
+    return options
+
+
 def _gguf_plan(header: Header, where: str) -> QuantPlan | None:
     """A GGUF file's block-quantised tensors as layers, each with a synthetic marker (`formats.GGUF.marker`): the
     file states their types in its tensor directory, not in markers."""
@@ -127,7 +154,9 @@ def _gguf_plan(header: Header, where: str) -> QuantPlan | None:
         info, layer = header.tensors[key], key[: -len(".weight")]
         marker = gguf.marker(info.ggml_type, info.dense_shape)
         specs[layer] = layouts.describe(f"{where}: {layer}", marker, {"weight": (info.dtype, tuple(info.shape))})
-        made[f"{layer}{_MARKER_TAIL}"] = markers.encode(marker)
+        made[f"{layer}{_MARKER_TAIL}"] = encoded = markers.encode(marker)
+        # The options are JSON's own types, flat: exactly what parsing the encoded bytes gives back.
+        _remember(encoded.numpy().tobytes(), copy.deepcopy(marker))
     return QuantPlan(layers=specs, markers=made) if specs else None
 
 

@@ -9,7 +9,10 @@
    `QuantLinear` (an `nn.Embedding` into an `Int8Embedding` where the format allows it; another module's
    layer is dequantised at load where the format asks for it: GGUF) whose parameters are the stored tensors,
    and the marker is consumed. The model's state dict then names exactly the converted tensors, so the
-   usual zero-missing / zero-unexpected / equal-shapes check covers quantised files too.
+   usual zero-missing / zero-unexpected / equal-shapes check covers quantised files too. The check installs on
+   its meta model and the load assigns into that model: the load's pass skips installed modules before reading
+   their markers, and each distinct marker is parsed once (`plan.marker_options`; a GGUF plan's, never), however
+   many layers and passes carry it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ...safetensors_header import DTYPE_TAGS
 from ..errors import H3WeightsError
 from . import layouts, markers
 from .linear import Int8Embedding, QuantLinear
-from .plan import QuantPlan, split_side
+from .plan import QuantPlan, marker_options, split_side
 
 _MARKER_TAIL = "." + markers.MARKER_SUFFIX
 
@@ -34,7 +37,7 @@ def follow_rows(state: dict, layer: str, suffix: str, tensor: torch.Tensor, op, 
     marker = state.get(f"{layer}{_MARKER_TAIL}")
     if marker is None or marker.device.type == "meta":
         raise H3WeightsError(f"{layer}.{suffix}: side tensor of a layer without a readable .comfy_quant marker")
-    fmt = layouts.layer_format(markers.parse(marker, layer)["format"])
+    fmt = layouts.layer_format(marker_options(marker, layer)["format"])
     aligned = fmt.row_aligned(suffix, tuple(tensor.shape))
     if aligned is None:  # a blocked layout: the format re-tiles it, or refuses
         return fmt.follow_rows(layer, suffix, state[f"{layer}.weight"], tensor, op, count)
@@ -85,8 +88,6 @@ def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
     mismatched = []
     for key in marker_keys:
         name = key[: -len(_MARKER_TAIL)]
-        family = {suffix: (DTYPE_TAGS[t.dtype], tuple(t.shape)) for suffix, t in families.get(name, {}).items()}
-        spec = layouts.describe(name, markers.parse(converted[key], key), family)
         parent_name, _, attr = name.rpartition(".")
         try:
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -94,7 +95,11 @@ def install(model: nn.Module, converted: dict) -> tuple[dict, list]:
         except AttributeError:
             continue  # no such module: `compare` reports its tensors as unexpected
         if isinstance(current, (QuantLinear, Int8Embedding)):
-            continue  # installed by an earlier pass (the check), the loaders assign into it
+            # Installed, and its family judged, by the check on this model: the load's pass only drops the marker
+            # (a module the check left dense, a GGUF conv or table, still gets its weight dequantised below).
+            continue
+        family = {suffix: (DTYPE_TAGS[t.dtype], tuple(t.shape)) for suffix, t in families.get(name, {}).items()}
+        spec = layouts.describe(name, marker_options(converted[key], key), family)
         fmt = spec.layer_format
         if fmt.non_linear == "dequantise" and not isinstance(current, nn.Linear):
             out[f"{name}.weight"] = _dense_at_load(spec, out[f"{name}.weight"])  # a conv / embedding (GGUF)
