@@ -142,6 +142,12 @@ class Throttle:
         return False
 
 
+def last_step(text: str) -> bool:
+    """Whether a progress line reports a phase's last step ("DiT forward 7/7"): always shown."""
+    match = re.search(r"(\d+)/(\d+)\s*$", text)
+    return bool(match) and match.group(1) == match.group(2)
+
+
 async def _follow(ws, graph: dict, prompt_id: str) -> tuple[dict, bool]:
     """Print the prompt's progress until it ends; its outputs (node id -> output dict) and whether it failed."""
     import aiohttp
@@ -157,7 +163,7 @@ async def _follow(ws, graph: dict, prompt_id: str) -> tuple[dict, bool]:
                 node_id, text = data[8:8 + length].decode("utf-8", "replace"), data[8 + length:].decode("utf-8",
                                                                                                      "replace")
                 talking.add(node_id)
-                if text and show(f"text {node_id}", text):
+                if text and show(f"text {node_id}", text, final=last_step(text)):
                     print(f"  {_node_label(graph, node_id)}: {text}", flush=True)
             continue
         if message.type != aiohttp.WSMsgType.TEXT:

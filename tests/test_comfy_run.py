@@ -44,7 +44,7 @@ def test_files_that_are_not_api_workflows_are_refused_with_what_to_do(tmp_path):
     assert comfy_run.load_workflow(body, [])["6"]["class_type"] == "H3SplitSampler"
 
 
-def test_progress_prints_each_phase_its_last_step_and_a_line_every_two_seconds():
+def test_progress_prints_each_phase_itslast_step_and_a_line_every_two_seconds():
     now = [0.0]
     show = comfy_run.Throttle(clock=lambda: now[0])
     lines = ["reading the weights: 5%", "reading the weights: 6%", "decoding audio (one pass) - 1 s"]
@@ -52,6 +52,8 @@ def test_progress_prints_each_phase_its_last_step_and_a_line_every_two_seconds()
     assert [show("n6", "1/8"), show("n6", "2/8"), show("n6", "8/8", final=True)] == [True, False, True]
     now[0] = 2.5
     assert show("n3", "decoding audio (one pass) - 3 s")  # the same phase, two seconds later
+    assert [comfy_run.last_step(line) for line in ("DiT forward 7/7", "DiT forward 3/7", "tile 0/7", "done")] == [
+        True, False, False, False]
 
 
 def test_no_comfyui_at_the_url_is_exit_code_3(tmp_path, capsys):

@@ -45,6 +45,8 @@ BLOCKS = {
         "unexpected": "synopsis: PATH and DIR stand for real weights (tests/test_weights_detect_check.py and "
         "tests/test_planner.py run both commands)",
         ". .venv/bin/activate": None,  # two blocks start so: told apart by their second line, below
+        "bash scripts/lock.sh    # rewrites requirements-lock.txt": "rewrites the committed lock from a fresh resolve "
+        "(minutes, the registry); tests/test_lock.py checks the set-up environment is the lock it wrote",
         "bash scripts/test.sh --fast    # the fast tier: tests marked none of slow, comfyui, ray, process": "a part of "
         "this suite, which CI runs whole (.ci/run); tests/test_layout.py checks every module is in a tier",
         "# text encoder on GPU 0, the DiT sequence-parallel on GPUs 1 and 2 (CUDA)": "CUDA GPUs and real weights "

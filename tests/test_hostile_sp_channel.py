@@ -265,7 +265,8 @@ def _closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
 
 def test_one_deadline_for_the_whole_hello_on_the_gates_clock_and_workers_pass_meanwhile():
     clock = _Clock()
-    gate = _Gate(clock=clock)
+    admitted = threading.Event()
+    gate = _Gate(clock=clock, on_accepted=lambda count: admitted.set())
     trickler = socket.create_connection(("127.0.0.1", gate.port))
     sent = 0
     for byte in preamble(gate.token)[:20]:  # a right-looking start, a byte at a time
@@ -275,6 +276,9 @@ def test_one_deadline_for_the_whole_hello_on_the_gates_clock_and_workers_pass_me
         time.sleep(0.02)
     assert not _closed_by_peer(trickler, 0.5)  # still pending: its deadline has not passed
     first = gate.hello(0)  # a real worker is admitted while the trickler is pending
+    # Only once the gate has admitted it is the clock moved on: on a busy machine its hello could otherwise still be
+    # unread when the clock passes its own deadline too (which the gate then rightly enforces).
+    assert admitted.wait(60.0), "the real worker's hello was not admitted"
     clock.now += HELLO_TIMEOUT_S  # past the trickler's deadline (it was accepted by half of it), bytes or not
     trickler.sendall(preamble(gate.token)[sent:sent + 1])
     assert _closed_by_peer(trickler, 10.0)
