@@ -167,6 +167,12 @@ def _env(workdir: Path) -> dict[str, str]:
     return env
 
 
+def _ray_crashed(output: str) -> bool:
+    """Whether a block's output holds a crash of Ray's own C++ processes (raylet, GCS, workers): a fatal log line
+    with its stack, or a fatal signal."""
+    return bool(re.search(r"\] logging\.cc:\d+:|\*\*\* SIG[A-Z]+|Check failed:", output))
+
+
 def _blocks_to_run(kind: str) -> list[tuple[str, str]]:
     return [(name, block) for name in DOCS for block in _bash_blocks(name) if _classified(name, block) == kind]
 
@@ -178,7 +184,14 @@ def test_the_readme_blocks_bring_up_both_engines_and_answer_the_same_bytes(workd
     outputs = []
     for name, block in _blocks_to_run(RUN):
         started = time.monotonic()
-        outputs.append(_run(block, workdir, env, timeout=1500))
+        output = _run(block, workdir, env, timeout=1500)
+        if "--engine ray" in block and "Ray Serve: 2 encoder replica(s)" not in output and _ray_crashed(output):
+            # Ray's own processes crashed while starting (a C++ fatal log with a stack, seen once in a clean-clone CI
+            # run while this block had passed in the run before): the block is run once more, as an operator would,
+            # and the crash is printed. A second crash fails the test.
+            print(f"\n[{name}] Ray crashed while starting; the block runs once more. Its output:\n{output[-6000:]}")
+            output = _run(block, workdir, env, timeout=1500)
+        outputs.append(output)
         print(f"\n[{name}] block ran in {time.monotonic() - started:.0f} s")
     tiny_run, ray_run = outputs
     assert "h3 encoder listening on http://127.0.0.1:8190" in tiny_run
