@@ -6,6 +6,8 @@ streamed text-encoder forward, each measured peak next to the planner's predicti
     python bench/gpu_check.py --sp 1,2,4              # the DiT sequence-parallel on 1, 2, 4 GPUs: scaling
     python bench/gpu_check.py --small --models DIR --sp 1,2   # the same on CPU with gloo ranks (a test runs it)
     python bench/gpu_check.py --cache --models DIR    # step-cache presets vs off at 1344x768x124 (bench/step_cache.py)
+    python bench/gpu_check.py --dynamic-vram          # the streamed int8 DiT under core 0.33's dynamic VRAM (aimdo)
+    python bench/gpu_check.py --dynamic-vram --small --models DIR   # as far as CPU reaches (a test runs it)
 
 Weights (`--weights release`, the default): the pruned int8 + ConvRot DiT and the int8 + ConvRot text
 encoder, as the synthetic release-size headers describe them (`weights.release_headers`), written as sparse
@@ -19,6 +21,18 @@ copies stay pageable and are pinned per transfer (pinned copies of 20-66 GB besi
 not fit everywhere). Measured peak: `torch.cuda.max_memory_allocated` over the timed forward (the CUDA
 context is outside it). Planned peak: `planner.plan_component(...)` on the same file's header (its 1 GiB
 reserve covers the context and the allocator's slack). Bytes moved per step: every streamed tensor once.
+
+Dynamic VRAM (`--dynamic-vram`, issue 39.7): the same quantised DiT, made streamable by the pack's own ComfyUI bridge
+(`nodes/comfy_bridge.managed(..., stream=True)`: `nodes/low_vram.py`), under ComfyUI core 0.33's model patcher with
+comfy-aimdo's dynamic VRAM switched on as core's main.py does it (`comfy_aimdo.control.init` / `init_devices`, then
+`CoreModelPatcher = ModelPatcherDynamic`, `aimdo_enabled`), loaded through `load_models_gpu` as the Sampler node
+does, then a few DiT forwards (steps) timed; it reports the patcher class core gave, the time per step and the peak
+VRAM: torch's allocator peak and the device's used memory (`cudaMemGetInfo`, which also sees aimdo's own
+allocations). It runs in a child Python with core first on its path and core's pinned packages (the overlay
+scripts/setup_comfyui.sh installs) before the venv's. Feature-detected: a core without `ModelPatcherDynamic` or
+without comfy-aimdo (0.3.75) is reported as unavailable (exit 2); without CUDA the mode refuses (exit 2), and
+`--small` runs what CPU reaches: core's class construction, which reroutes a CPU load device to the plain
+ModelPatcher, the pack's streamed layers under it, `load_models_gpu` and the forwards.
 """
 
 from __future__ import annotations
@@ -363,7 +377,19 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=50, help="with --cache: sigma points (default 50)")
     parser.add_argument("--presets", default="quality,balanced,fast,every:2,every:3",
                         help="with --cache: comma-separated presets (h3_core/step_cache.py)")
+    parser.add_argument("--dynamic-vram", action="store_true",
+                        help="instead: the streamed int8 DiT under ComfyUI core 0.33's model patcher with "
+                        "comfy-aimdo's dynamic VRAM (CUDA; --small: the tiny twin on CPU, as far as CPU reaches)")
+    parser.add_argument("--comfyui", help="with --dynamic-vram: the ComfyUI tree (default: $H3_COMFY033_DIR, else "
+                        ".comfyui-0.33 beside this script's repository)")
+    parser.add_argument("--dit-steps", type=int, default=4, help="with --dynamic-vram: DiT forwards timed (default 4)")
+    parser.add_argument("--dynamic-vram-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.dynamic_vram_worker:
+        print(json.dumps(_dynamic_worker(json.loads(args.dynamic_vram_worker)), default=str))
+        return 0
+    if args.dynamic_vram:
+        return _dynamic_main(args, parser)
     if args.cache:
         return _cache_main(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu"))
@@ -423,6 +449,181 @@ def _cache_main(args) -> int:
         with open(args.out, "w", encoding="utf-8") as handle:
             handle.write(text + "\n")
     return 0
+
+
+# --- dynamic VRAM under ComfyUI core 0.33 (--dynamic-vram) ----------------------------------------------------------
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORE033_DIR = os.environ.get("H3_COMFY033_DIR", os.path.join(REPO_DIR, ".comfyui-0.33"))
+CORE033_SITE = os.path.join(sys.prefix, "h3-comfyui-0.33-site")  # core 0.33's pins (scripts/setup_comfyui.sh)
+UNAVAILABLE_EXIT = 2
+
+
+def _dynamic_main(args, parser) -> int:
+    import subprocess
+
+    cuda = torch.cuda.is_available() and not args.small and args.device != "cpu"
+    if not cuda and not args.small:
+        parser.error("--dynamic-vram needs CUDA: comfy-aimdo's dynamic VRAM pages a model's weights into GPU memory, "
+                     "and on a CPU core 0.33 uses its plain ModelPatcher; --small --models DIR runs that CPU path on "
+                     "the tiny twin")
+    if args.small and not args.models:
+        parser.error("--dynamic-vram --small needs --models (a tiny build with the quantised twins)")
+    core = os.path.abspath(args.comfyui or CORE033_DIR)
+    if not os.path.isfile(os.path.join(core, "main.py")):
+        parser.error(f"--dynamic-vram: no ComfyUI at {core} (scripts/setup_comfyui.sh sets up core 0.33)")
+    site = [CORE033_SITE] if args.comfyui is None and os.path.isdir(CORE033_SITE) else []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*site, REPO_DIR, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    spec = {"core": core, "cuda": cuda, "small": bool(args.small), "models": args.models, "steps": args.dit_steps,
+            "workdir": args.workdir}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--dynamic-vram-worker", json.dumps(spec)],
+                          cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"--dynamic-vram: the worker failed (exit {proc.returncode})")
+    result = json.loads(lines[-1])
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+    return 0 if result.get("available") else UNAVAILABLE_EXIT
+
+
+def _init_aimdo_control() -> None:
+    """comfy-aimdo's process-wide init, as core 0.33's main.py runs it: before comfy.model_management is imported
+    (its three protocol versions)."""
+    import comfy_aimdo.control as control
+
+    try:
+        control.init(simple_vram_headroom=None, nvml_pressure=True)
+    except TypeError:
+        try:
+            control.init(simple_vram_headroom=None)
+        except TypeError:
+            control.init()
+
+
+def _init_aimdo(devices) -> bool:
+    """comfy-aimdo's devices, as main.py after importing model management; True if it took."""
+    import comfy_aimdo.control as control
+    from comfy.cli_args import args
+
+    headroom = int(float(getattr(args, "vram_headroom", 0) or 0) * 1024**3)  # main.py's --vram-headroom (GB)
+    try:
+        return bool(control.init_devices((d.index, headroom) for d in devices))
+    except TypeError:
+        return bool(control.init_devices(d.index for d in devices))
+
+
+def _pack_bridge():
+    """The pack's nodes/comfy_bridge.py as ComfyUI imports it (a package above nodes/ and h3_core/), without running
+    the pack's or nodes/' __init__ (every node)."""
+    import importlib
+    import types
+
+    for name, path in (("h3_pack", REPO_DIR), ("h3_pack.nodes", os.path.join(REPO_DIR, "nodes"))):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [path]
+            sys.modules[name] = package
+    return importlib.import_module("h3_pack.nodes.comfy_bridge"), importlib.import_module("h3_pack.nodes.low_vram")
+
+
+def _dynamic_worker(spec: dict) -> dict:
+    """In a child Python: core first on the path, its args parsed as main.py would (`--cpu` off CUDA)."""
+    import importlib.metadata
+    import importlib.util
+
+    sys.path.insert(0, spec["core"])
+    sys.argv = ["main.py", *([] if spec["cuda"] else ["--cpu"])]
+    import comfy.options
+
+    comfy.options.enable_args_parsing()
+    aimdo_control = spec["cuda"] and importlib.util.find_spec("comfy_aimdo") is not None
+    if aimdo_control:
+        _init_aimdo_control()
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    version = {}
+    exec(open(os.path.join(spec["core"], "comfyui_version.py")).read(), version)  # noqa: S102 - core's own file
+    result = {"mode": "dynamic_vram", "core": version.get("__version__"), "device": "cpu", "torch": torch.__version__}
+    dynamic = getattr(comfy.model_patcher, "ModelPatcherDynamic", None)
+    has_aimdo = importlib.util.find_spec("comfy_aimdo") is not None
+    result["aimdo"] = importlib.metadata.version("comfy-aimdo") if has_aimdo else None
+    result["core_has_dynamic_patcher"] = dynamic is not None
+    if dynamic is None or not has_aimdo or importlib.util.find_spec("comfy.memory_management") is None:
+        missing = "ModelPatcherDynamic" if dynamic is None else "comfy-aimdo"
+        result.update(available=False, reason=f"ComfyUI {result['core']} has no {missing}: no dynamic VRAM here "
+                                              "(core 0.33 with comfy-aimdo has it)")
+        return result
+    import comfy.memory_management
+    if spec["cuda"]:
+        result["device"] = torch.cuda.get_device_name(mm.get_torch_device())
+        if not _init_aimdo(mm.get_all_torch_devices()):
+            result.update(available=False, reason="comfy-aimdo did not initialise on this device (init_devices)")
+            return result
+        comfy.memory_management.aimdo_enabled = True
+    comfy.model_patcher.CoreModelPatcher = dynamic  # what main.py does once aimdo took (on CPU: the class asked for)
+    result["patcher_requested"] = dynamic.__name__
+    result["aimdo_enabled"] = bool(comfy.memory_management.aimdo_enabled)
+
+    bridge, low_vram = _pack_bridge()
+    load_device, offload_device = mm.get_torch_device(), mm.unet_offload_device()
+    device = torch.device(load_device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    tiny = spec["small"]
+    job = {"width": 64, "height": 64, "frames": 124, "text_tokens": 16} if tiny else \
+        {"width": 1344, "height": 768, "frames": 124, "text_tokens": 512}
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="h3-gpu-check-", dir=spec.get("workdir")) as workdir:
+        path = release_path("transformer", workdir, spec["models"] if tiny else None)
+        started = time.perf_counter()
+        model = load_release("transformer", path, dtype, device if device.type == "cuda" else torch.device("cpu"))
+        result["host_load_s"] = round(time.perf_counter() - started, 2)
+        plan = _dit_plan(model, path, device, dtype, job)
+        patcher = bridge.managed(model, load_device, offload_device, stream=True)
+        result.update(weights=os.path.basename(path), job=job, weights_bytes=offload.module_bytes(model),
+                      patcher=type(patcher).__name__,
+                      patcher_is_dynamic=bool(getattr(patcher, "is_dynamic", lambda: False)()),
+                      streamable_layers=sum(isinstance(m, low_vram.Streamable) for m in model.modules()),
+                      planned_activation_bytes=plan.activation)
+        inputs, _ = dit_inputs(model.config, device=device, dtype=dtype, **job)
+        _free(device)
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            used_before = total - torch.cuda.mem_get_info(device)[0]
+        started = time.perf_counter()
+        bridge.use(patcher, memory_required=plan.activation)  # as the Sampler node: core decides what is resident
+        _sync(device)
+        result["load_models_gpu_s"] = round(time.perf_counter() - started, 3)
+        steps, peak_used = [], 0
+        with torch.no_grad():
+            for step in range(spec["steps"]):
+                t = 1.0 - step / max(spec["steps"], 1)
+                inputs["timestep"] = torch.tensor([t, min(1.0, t + 0.1)], device=device)
+                started = time.perf_counter()
+                out = model(**inputs)
+                _sync(device)
+                steps.append(round(time.perf_counter() - started, 4))
+                if device.type == "cuda":
+                    peak_used = max(peak_used, total - torch.cuda.mem_get_info(device)[0] - used_before)
+        first = out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+        first = first[0] if isinstance(first, (tuple, list)) else first
+        result.update(
+            available=True, steps_s=steps, seconds_per_step=round(sorted(steps)[len(steps) // 2], 4),
+            output_finite=bool(torch.isfinite(first.float()).all()),
+            loaded_size_bytes=int(patcher.loaded_size()), model_size_bytes=int(patcher.model_size()),
+            peak_torch_allocated_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            peak_device_used_bytes=peak_used if device.type == "cuda" else None,
+            note=("CUDA: peaks over load + steps; the device's used memory also counts aimdo's own allocations"
+                  if device.type == "cuda" else
+                  "CPU: core reroutes ModelPatcherDynamic to ModelPatcher for a CPU load device; no VRAM figures"))
+    return result
 
 
 if __name__ == "__main__":

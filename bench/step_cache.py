@@ -3,9 +3,14 @@
     python bench/step_cache.py [--models DIR] [--steps 20] [--pairs 3] [--presets every:2,fast] [--threads 1]
 
 Per preset (h3_core/step_cache.py): wall time / `off` (median of per-round ratios, all arms interleaved ABBA after a
-warm-up round), block passes computed / total, latent relative error (video and audio, L2) and decoded-video PSNR
-against `off` (same seed; the decode is deterministic). Prints JSON; `bench/run.py --sections cache` runs the same
-and adds the targets: `every:2` <= 0.6x the wall time of `off` with <= 0.55 of the block passes.
+warm-up round, with its spread: min / median / max of the per-round ratios), block passes computed / total, latent
+relative error (video and audio, L2) and decoded-video PSNR against `off` (same seed; the decode is deterministic).
+Prints JSON; `bench/run.py --sections cache` runs the same and adds the targets: `every:2` <= 0.6x the wall time
+of `off` with <= 0.55 of the block passes.
+
+Which figure is which: the wall ratio here is the tiny H3's (2 DiT blocks, random weights, 64x64 on CPU), where the
+fixed per-step costs outside the blocks dominate (`TINY_NOTE`); what the cache saves on the real 33B DiT follows the
+block passes ratio, and `bench/gpu_check.py --cache` measures it at full size on a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +27,19 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 CASE = "t2va-64x64-seed0"  # 64 x 64 x 124 frames: the split section's job
+TINY_NOTE = ("The wall ratio is the tiny H3's: its 2 DiT blocks are a small part of a step, and the per-step costs "
+             "outside the blocks (embedders, token refiner, output heads, scheduler, cache bookkeeping), which every "
+             "preset still pays, dominate; on the real 33B DiT its blocks (50 in the pruned release) are nearly all "
+             "of a step, so the wall ratio there approaches the block passes ratio (bench/gpu_check.py --cache "
+             "measures it on a GPU).")
+
+
+def spread(ratios) -> dict:
+    """min / median / max of the per-round wall ratios (the median is the one the target reads)."""
+    ordered = sorted(ratios)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return {"min": ordered[0], "median": median, "max": ordered[-1], "n": len(ordered)}
 
 
 def psnr(a, b) -> float:
@@ -72,6 +90,7 @@ def run(models, *, steps: int = 20, pairs: int = 3, presets=None, threads: int =
         rows[name] = {
             "wall_s": common.summary(timed[name]["wall"]),
             "wall_ratio": common.paired(timed[step_cache.OFF]["wall"], timed[name]["wall"]),
+            "wall_ratio_spread": spread([w / o for o, w in zip(timed[step_cache.OFF]["wall"], timed[name]["wall"])]),
             "passes_computed": latents.passes.computed,
             "passes_total": latents.passes.total,
             "passes_ratio": latents.passes.computed / latents.passes.total,
@@ -79,22 +98,26 @@ def run(models, *, steps: int = 20, pairs: int = 3, presets=None, threads: int =
             "audio_latent_rel_err": rel_err(latents.audio, off.audio),
             "video_psnr_db": psnr(video, off_video),
         }
-        common.log(f"  {name}: wall x{rows[name]['wall_ratio']['median_ratio']:.3f}, {latents.passes}, "
+        sp = rows[name]["wall_ratio_spread"]
+        common.log(f"  {name}: wall x{sp['median']:.3f} (min {sp['min']:.3f}, max {sp['max']:.3f} over {sp['n']} "
+                   f"rounds), {latents.passes}, "
                    f"latent rel err {rows[name]['latent_rel_err']:.2e}, PSNR {rows[name]['video_psnr_db']:.1f} dB")
-    return {"case": CASE, "steps": steps, "pairs": pairs, "threads": threads, "presets": rows}
+    return {"case": CASE, "steps": steps, "pairs": pairs, "threads": threads, "presets": rows, "note": TINY_NOTE}
 
 
 def table(results: dict) -> list[str]:
-    """Markdown rows: preset | wall / off | block passes | latent rel err | decoded-video PSNR vs off."""
-    lines = ["| preset | wall / off (95 % CI) | block passes computed | latent rel. err (video / audio) | "
-             "video PSNR vs off |", "|---|---|---|---|---|"]
+    """Markdown rows: preset | wall / off (median, min-max over the rounds) | block passes | latent rel err |
+    decoded-video PSNR vs off; then the sentence saying whose wall ratio it is (`TINY_NOTE`)."""
+    lines = ["| preset | wall / off, tiny H3 (median; min-max over rounds) | block passes computed | latent rel. err "
+             "(video / audio) | video PSNR vs off |", "|---|---|---|---|---|"]
     for name, row in results["presets"].items():
-        ratio = row["wall_ratio"]
-        lo, hi = ratio["ci95"]
+        sp = row.get("wall_ratio_spread") or spread(row["wall_ratio"]["ratios"])
         db = "identical" if math.isinf(row["video_psnr_db"]) else f"{row['video_psnr_db']:.1f} dB"
-        lines.append(f"| {name} | {ratio['median_ratio']:.3f} ({lo:.3f}-{hi:.3f}) | {row['passes_computed']}/"
+        lines.append(f"| {name} | {sp['median']:.3f} ({sp['min']:.3f}-{sp['max']:.3f}, {sp['n']} rounds) | "
+                     f"{row['passes_computed']}/"
                      f"{row['passes_total']} ({row['passes_ratio']:.2f}) | {row['latent_rel_err']:.2e} / "
                      f"{row['audio_latent_rel_err']:.2e} | {db} |")
+    lines += ["", results.get("note", TINY_NOTE)]
     return lines
 
 

@@ -309,9 +309,10 @@ def working_bytes(arm: dict) -> list[float]:
 
 
 def compare(models, threads: int, *, sizes=(384, 768, 1536), frames: int = 22, rounds: int = 5,
-            arms: tuple[str, ...] = ARMS) -> dict:
+            arms: tuple[str, ...] = ARMS, timing_process: bool = True) -> dict:
     """Every arm at every canvas (a process per canvas); peak ratios against the first canvas, time ratios of the
-    streamed arms against diffusers' at each canvas."""
+    streamed arms against diffusers' at each canvas. `timing_process=False` (bench/smoke.py) takes the times from the
+    peak process too (pinned allocator), one process per canvas instead of two."""
     points = []
     for size in sizes:
         common.log(f"vae compare: {size}x{size}, {frames} frames, {rounds} rounds of {', '.join(arms)}")
@@ -320,12 +321,13 @@ def compare(models, threads: int, *, sizes=(384, 768, 1536), frames: int = 22, r
         # Two processes per canvas: peaks with glibc's mmap threshold pinned (live memory, whatever ran before),
         # times with the default allocator (what users run; pinned, every large buffer is faulted in afresh)
         point = common.run_worker("vae", spec, threads, timeout=3600, env=common.LIVE_MEMORY_ENV)
-        timed = common.run_worker("vae", spec, threads, timeout=3600)
+        timed = common.run_worker("vae", spec, threads, timeout=3600) if timing_process else point
         point["bit_exact_warmup"] = point["bit_exact_warmup"] and timed["bit_exact_warmup"]
         for name in arms:
             m, t = point["arms"][name], timed["arms"][name]
             m["time_s_pinned_allocator"], m["time_s"] = m["time_s"], t["time_s"]
-            m["peak_bytes_default_allocator"] = t["peak_bytes"]
+            if timing_process:
+                m["peak_bytes_default_allocator"] = t["peak_bytes"]
             common.log(f"vae compare:   {name}: peak {common.summary(m['peak_bytes'])['median'] / common.MB:.0f} MB "
                        f"(default allocator {common.summary(t['peak_bytes'])['median'] / common.MB:.0f} MB), "
                        f"{common.summary(m['time_s'])['median']:.2f} s")

@@ -23,4 +23,4 @@ all call the same functions.
 docs/ARCHITECTURE.md is the map.
 """
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"

@@ -48,11 +48,13 @@ class Resolved(NeedsEncoders):
     keyframe_anchors: tuple
     references: tuple[H3Reference, ...]
     encoders: tuple[str, ...]  # EncodeRequest.needed_encoders()
+    guide_entries: tuple = ()  # contract H3Guide per guide (frame, video rows?, audio rows?)
 
     @classmethod
     def of(cls, prepared: Prepared) -> Resolved:
         return cls(prepared.task, prepared.width, prepared.height, prepared.num_frames,
-                   tuple(prepared.keyframe_anchors), references_table(prepared), prepared.encoders)
+                   tuple(prepared.keyframe_anchors), references_table(prepared), prepared.encoders,
+                   prepared.guide_entries)
 
 
 class _Normalised:
@@ -96,7 +98,7 @@ class EncodingParts:
         if self.missing:
             raise IncompleteConditioning(incomplete_message(self))
         return assemble(
-            self.resolved,  # assemble reads the canvas, anchors and reference kinds only
+            self.resolved,  # assemble reads the canvas, anchors, guide entries and reference kinds only
             self.prompt_embeds,
             self.text_token_tags,
             list(self.condition_latents or ()),

@@ -70,10 +70,51 @@ def _cmd_tiny(args) -> int:
     return 0
 
 
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+_AUDIO_SUFFIXES = (".wav", ".mp3", ".flac", ".ogg", ".m4a", ".aac", ".opus")
+
+
+def _guide(spec: str):
+    """`--guide FRAME:PATH[:video|:audio]`: an image, a clip (with its soundtrack) or an audio at output frame FRAME
+    (negative from the end); `:video` / `:audio` keeps only that part of a clip."""
+    from . import guides, media
+
+    frame, sep, path = spec.partition(":")
+    keep = "both"
+    if path.endswith((":video", ":audio")):
+        path, keep = path.rsplit(":", 1)
+    try:
+        index = int(frame)
+    except ValueError:
+        index = None
+    if not sep or not path or index is None:
+        raise ValueError(f"--guide takes FRAME:PATH[:video|:audio] (e.g. 60:still.png, -1:end.png, 0:clip.mp4), got "
+                         f"{spec!r}")
+    suffix = Path(path).suffix.lower()
+    if suffix in _IMAGE_SUFFIXES:
+        return guides.GuideMedia(index, frames=media.read_image(path)[None])
+    if suffix in _AUDIO_SUFFIXES:
+        waveform, rate = media.read_audio(path, max_seconds=facts.MAX_AUDIO_CLIP_S + 1)
+        return guides.GuideMedia(index, audio=waveform, sample_rate=rate)
+    clip = media.read_video(path, max_frames=guides.MAX_GUIDE_FRAMES, truncate=True, fps=None)
+    keep_audio = keep != "video" and clip.audio is not None
+    return guides.GuideMedia(index, frames=None if keep == "audio" else clip.frames,
+                             audio=clip.audio if keep_audio else None, sample_rate=clip.sample_rate if keep_audio
+                             else None)
+
+
+def _continuation(path: str, overlap: int):
+    """`--continue CLIP`: the clip's last --overlap frames and their soundtrack, anchored at frame 0."""
+    from . import guides, media
+
+    clip = media.read_video(path)
+    return guides.continuation(clip.frames, clip.fps, clip.audio, clip.sample_rate, overlap)
+
+
 def _build_request(args):
     from .request import EncodeRequest
 
-    return EncodeRequest.from_sources(
+    request = EncodeRequest.from_sources(
         args.prompt,
         task=args.task,
         width=args.width,
@@ -85,6 +126,9 @@ def _build_request(args):
         ref_videos=args.ref_video,
         ref_audios=args.ref_audio,
     )
+    request.guides = ([_continuation(args.continue_clip, args.overlap)] if args.continue_clip else []) + \
+        [_guide(spec) for spec in args.guide]
+    return request
 
 
 def _cmd_encode(args) -> int:
@@ -133,36 +177,38 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _generate(args, layout=None, rank: int = 0) -> None:
-    """Sample and (on rank 0) decode and write; with a sequence-parallel `layout`, this is one rank of it."""
+def _generate(args, pool=None) -> None:
+    """Sample, decode and write; with a sequence-parallel worker `pool` (`generate --sp N`) the DiT samples on its
+    ranks (which load the LoRAs from their files) and this process decodes and writes."""
     from . import media
     from .contract import H3Conditioning
     from .diffusion import DiffusionStage, SamplingOptions
-    from .lora import stack_for_run
+    from .lora import parse_spec, stack_for_run
 
     cond = H3Conditioning.load(args.cond)
-    placement = devices.stage_kwargs(args, "transformer")
-    if layout is not None:
-        placement["device"] = layout.device_of(rank)
-    stage = DiffusionStage(component_args.model_source(args, cond.task), parallel=layout, **placement)
+    stage = DiffusionStage(component_args.model_source(args, cond.task), **devices.stage_kwargs(args, "transformer"))
     start = time.perf_counter()
-    lead = rank == 0  # only rank 0 reports, decodes and writes: every rank ends the loop with the same latents
+    lora_files = [parse_spec(spec) for spec in args.lora or ()]
     options = SamplingOptions(
         steps=args.steps,
         seed=args.seed,
         video_shift=args.video_shift,
         audio_shift=args.audio_shift,
-        progress=_progress("denoise") if lead else None,
-        lora=stack_for_run(args.lora or (), steps=args.steps, video_shift=args.video_shift,
-                           audio_shift=args.audio_shift, audio=not args.lora_skip_audio, log=_log if lead else None),
+        progress=_progress("denoise"),
+        lora=None if pool is not None else stack_for_run(
+            lora_files, steps=args.steps, video_shift=args.video_shift, audio_shift=args.audio_shift,
+            audio=not args.lora_skip_audio, log=_log),
         lora_strength=args.lora_strength,
         cache=args.cache,
     )
-    if not lead:
-        stage.sample(cond, options)
-        return
     with progress.reporting(loadbar.wrap(_phase_printer())):
-        latents = stage.sample(cond, options)
+        if pool is None:
+            latents = stage.sample(cond, options)
+        else:  # the options cross to the ranks in one place (SamplingOptions.to_wire), the LoRAs as their files
+            for path, strength in lora_files:
+                _log(f"lora: {path} at strength {strength:g} (loaded by each rank)")
+            latents = pool.sample(cond, options, lora_files, lora_audio=not args.lora_skip_audio)
+            pool.close()  # the ranks' DiT copies go before this process decodes
         _log(f"cache: {latents.passes}")
         if _wants_image(args):  # text to image: the first frame, as a PNG
             stage.decode_to_png(latents, args.out)
@@ -183,36 +229,39 @@ def _generate(args, layout=None, rank: int = 0) -> None:
             },
             args.dump,
         )
-    ranks = f" on {layout.degree} sequence-parallel ranks" if layout is not None else ""
+    ranks = f" on {pool.layout.degree} sequence-parallel ranks" if pool is not None else ""
     _log(f"generated {cond.num_frames} frames in {time.perf_counter() - start:.2f} s{ranks}")
 
 
 def _generate_parallel(args) -> None:
-    """`generate --sp N`: check the request against the machine and the DiT, then start the N ranks and wait."""
-    from . import sequence_parallel
+    """`generate --sp N`: check the request against the machine and the DiT, then sample on N ranks of the one
+    sequence-parallel engine, the worker pool of the Sampler's `gpus` (sequence_parallel_workers.WorkerPool: ranks
+    forked warm by one launcher, an authenticated loopback channel each); decode and write here."""
+    from . import sequence_parallel, sequence_parallel_workers
     from .contract import H3Conditioning
     from .models import PARTITION_OF_TASK
 
     task = H3Conditioning.load(args.cond).task
-    dit = component_args.model_source(args, task).paths.get(PARTITION_OF_TASK[task])
+    source = component_args.model_source(args, task)
+    component = PARTITION_OF_TASK[task]
+    dit = source.paths.get(component)
     heads = sequence_parallel.dit_heads(dit) if dit is not None else None
     layout = sequence_parallel.check(args.sp, args.sp_mode, devices.parse_device(args.device), heads)
+    placement = devices.stage_kwargs(args, "transformer")
+    recipe = sequence_parallel_workers.DiTRecipe.of(source, component, placement["dtype"],
+                                                    offload=placement["offload"])
     _log(f"starting {layout.degree} sequence-parallel ranks ({layout.mode}, {layout.backend})")
-    sequence_parallel.launch(_generate_rank, layout, args)
 
+    def started(stage: str, done: int, total: int) -> None:
+        if done == total:
+            _log(f"{total} ranks " + ("connected" if stage == "connect" else "ready"))
 
-def _generate_rank(rank: int, layout, port: int, args) -> None:
-    """One rank of `generate --sp N` (a torch.multiprocessing worker)."""
-    import torch
-
-    from . import sequence_parallel
-
-    torch.set_num_threads(sequence_parallel.worker_threads(layout))
-    sequence_parallel.init_rank(layout, rank, port)
+    pool = sequence_parallel_workers.WorkerPool(recipe, layout)
     try:
-        _generate(args, layout, rank)
+        pool.start(on_start=started)
+        _generate(args, pool)
     finally:
-        sequence_parallel.shutdown()
+        pool.close()
 
 
 def _cmd_check(args) -> int:
@@ -265,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--ref-image", action="append", default=[], help="reference image (ref2va, <= 9)")
     encode.add_argument("--ref-video", action="append", default=[], help="reference video, soundtrack kept (<= 3)")
     encode.add_argument("--ref-audio", action="append", default=[], help="reference audio (<= 3)")
+    encode.add_argument("--guide", action="append", default=[], metavar="FRAME:PATH[:video|:audio]",
+                        help="anchor an image, a clip (with its soundtrack) or an audio at output frame FRAME "
+                        "(negative: from the end), as core's Add Guide; repeatable (fl2va)")
+    encode.add_argument("--continue", dest="continue_clip", metavar="CLIP",
+                        help="continue a video: its last --overlap frames and their soundtrack start the new one")
+    encode.add_argument("--overlap", type=int, default=22,
+                        help="with --continue: frames of the clip the new video starts with, 17k+5 (default 22)")
     encode.add_argument(
         "--timeout",
         type=float,

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from . import dtypes, facts, previews, progress, rules, step_cache, vae_stream
+from . import dtypes, facts, guide_layout, previews, progress, rules, step_cache, vae_stream
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning
 from .lora import LoRA
@@ -230,9 +230,6 @@ class DiffusionStage:
             self._audio_vae = self._load("audio_vae")
         return self._audio_vae
 
-    def _pipeline(self, task: str, prefixes: tuple[str, ...], components: dict):
-        return pipeline_for(workflow_blocks(task, prefixes), components, self.pipeline_config)
-
     # --- sampling --------------------------------------------------------------------------------
 
     def sample(self, cond: H3Conditioning, options: SamplingOptions) -> AVLatents:
@@ -245,11 +242,16 @@ class DiffusionStage:
         )
 
         # `cond` validated itself on construction / receipt; here only its fit to the loaded DiT is left.
-        untrained = rules.trained_range_warning(cond.num_frames)
-        if untrained:  # allowed (ComfyUI core allows it too), but said where every caller's log shows it
-            logging.getLogger("h3_core").warning("MiniMax H3: %s", untrained)
+        for untrained in (rules.trained_range_warning(cond.num_frames),
+                          rules.canvas_trained_warning(cond.width, cond.height)):
+            if untrained:  # allowed (ComfyUI core allows it too), but said where every caller's log shows it
+                logging.getLogger("h3_core").warning("MiniMax H3: %s", untrained)
+        # sizes `--offload auto`: every row that is not the generated video's or audio's counts like a text row
+        # (keyframes, references and guides: up to 16 clips of 345 frames add as many rows as the video itself)
+        condition_rows = sum(lat.shape[2] * (lat.shape[3] // 2) * (lat.shape[4] // 2) for lat in cond.condition_latents)
+        condition_rows += sum(rows.shape[0] for rows in cond.audio_condition_latents)
         self._job = {"width": cond.width, "height": cond.height, "frames": cond.num_frames,
-                     "text_tokens": int(cond.prompt_embeds.shape[1])}  # sizes `--offload auto`
+                     "text_tokens": int(cond.prompt_embeds.shape[1]) + int(condition_rows)}
         transformer = self.transformer(cond.task)
         file_identity.check_unchanged(transformer, "DiT")  # an in-place rewrite of a mapped file: refuse, not SIGBUS
         cond.check_compatible(text_dim=transformer.config.text_dim, latent_channels=transformer.config.in_channels)
@@ -259,7 +261,10 @@ class DiffusionStage:
             "scheduler": video_scheduler,
             "audio_scheduler": MiniMaxH3Scheduler(shift=_or(options.audio_shift, facts.AUDIO_SHIFT)),
         }
-        pipe = self._pipeline(cond.task, ("denoise",), components)
+        blocks = workflow_blocks(cond.task, ("denoise",))
+        if cond.guides:  # guides at any frame: the pack's layout (h3_core/guide_layout.py), diffusers' other blocks
+            blocks = guide_layout.guided_blocks(blocks)
+        pipe = pipeline_for(blocks, components, self.pipeline_config)
 
         inputs = {
             "prompt_embeds": cond.prompt_embeds.to(self.device),  # the DiT never moves its text input itself
@@ -274,6 +279,10 @@ class DiffusionStage:
             inputs["condition_latents"] = list(cond.condition_latents)
         if cond.task == "fl2va":
             inputs["keyframe_anchors"] = tuple(cond.keyframe_anchors)
+        if cond.guides:
+            inputs["keyframe_anchors"] = ()  # the anchors are among the guide rows
+            inputs["guide_rows"] = guide_layout.entries_of(cond)
+            inputs["audio_condition_latents"] = list(cond.audio_condition_latents)
         if cond.task == "ref2va":
             inputs["audio_condition_latents"] = list(cond.audio_condition_latents)
             # Stage 1 reads only each reference's kind and has_audio (never their media): stand-ins.

@@ -27,9 +27,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import component_cache, facts, media, progress, rules
+from . import component_cache, facts, guides, media, progress, rules
 from .blocks import pipeline_for, run_blocks, workflow_blocks
 from .contract import H3Conditioning, H3Reference
+from .contract.conditioning import H3Guide
 from .models import ModelSource
 from .offload import activation_estimate, place
 from .progress import ProgressFn, check_cancel
@@ -55,6 +56,18 @@ class Prepared(NeedsEncoders):
     keyframe_anchors: tuple = ()
     references: list = field(default_factory=list)  # diffusers Minimax reference dataclasses (ref2va)
     encoders: tuple[str, ...] = ("text",)  # EncodeRequest.needed_encoders() of the request this was prepared from
+    guides: list = field(default_factory=list)  # guides.PreparedGuide on the canvas (fl2va), after the keyframes
+
+    @property
+    def guide_entries(self) -> tuple[H3Guide, ...]:
+        """The contract's guide entries: each guide's frame and which rows it brings."""
+        return tuple(H3Guide(g.frame, g.pixels is not None, g.audio is not None) for g in self.guides)
+
+    @property
+    def text_task(self) -> str:
+        """The workflow whose text step presents the prompt: guides add no vision block (core's AddGuide encodes
+        them with the VAEs only), so a guided request without keyframes presents as t2va."""
+        return "t2va" if self.task == "fl2va" and not self.keyframes else self.task
 
 
 def _to_diffusers_references(request: EncodeRequest) -> list:
@@ -92,12 +105,13 @@ def prepare(request: EncodeRequest, pipeline_config: dict) -> Prepared:
     """Validate the request and normalise its media exactly as diffusers' `before_encode` block does."""
     task = request.validate()
     width, height = request.width, request.height
-    if task == "t2va":
+    if task == "t2va" or (task == "fl2va" and request.first_frame is None and request.last_frame is None):
         if width is None:
             width, height = rules.resolve_canvas(
                 16, 9, pipeline_config["canvas_short_edge"], pipeline_config["canvas_max_pixels"]
             )
-        return Prepared(task, request.prompt, width, height, request.num_frames, encoders=request.needed_encoders())
+        return Prepared(task, request.prompt, width, height, request.num_frames, encoders=request.needed_encoders(),
+                        guides=guides.prepare(request.guides, width, height, request.num_frames))
 
     inputs: dict = {"height": height, "width": width, "num_frames": request.num_frames}
     if task == "fl2va":
@@ -110,16 +124,19 @@ def prepare(request: EncodeRequest, pipeline_config: dict) -> Prepared:
         state = run_blocks(pipe, **inputs)
     except ValueError as error:  # diffusers' own rule checks: same message, our error type
         raise rules.H3InputError(str(error)) from None
+    width, height = int(state.get("width")), int(state.get("height"))
+    num_frames = int(state.get("num_frames") or request.num_frames)
     return Prepared(
         task=task,
         prompt=request.prompt,
-        width=int(state.get("width")),
-        height=int(state.get("height")),
-        num_frames=int(state.get("num_frames") or request.num_frames),
+        width=width,
+        height=height,
+        num_frames=num_frames,
         keyframes=list(state.get("keyframes") or []),
         keyframe_anchors=tuple(state.get("keyframe_anchors") or ()),
         references=list(state.get("normalized_references") or []),
         encoders=request.needed_encoders(),
+        guides=guides.prepare(request.guides, width, height, num_frames),
     )
 
 
@@ -206,14 +223,14 @@ class EncoderStage:
         address, cached = self._lookup("text", "text", lambda: self._text_key(prepared))
         if cached is not None:
             return cached["prompt_embeds"], cached["text_token_tags"]
-        blocks = workflow_blocks(prepared.task, ("text_encoder",))
+        blocks = workflow_blocks(prepared.text_task, ("text_encoder",))
         pipe = pipeline_for(
             blocks,
             {"text_encoder": self.text_encoder, "tokenizer": self.tokenizer, "processor": self.processor},
             self.pipeline_config,
         )
         inputs = {"prompt": prepared.prompt}
-        if prepared.task == "fl2va":
+        if prepared.text_task == "fl2va":
             inputs["keyframes"] = prepared.keyframes
         elif prepared.task == "ref2va":
             inputs["normalized_references"] = prepared.references
@@ -239,6 +256,7 @@ class EncoderStage:
                 # Snap *down* to 17k+5 so the VAE encodes without padding (diffusers' reference step).
                 count = rules.snap_frames_down(ref.frames.shape[0])
                 pixels.append(torch.from_numpy(np.ascontiguousarray(ref.frames[:count])).permute(3, 0, 1, 2)[None])
+        pixels += [guide.pixels for guide in prepared.guides if guide.pixels is not None]  # after the keyframes
         found = [self._lookup("video", f"video.{index}", lambda p=p: self._video_key(p))
                  for index, p in enumerate(pixels)]
         # One unit per temporal clip (a keyframe or an image is one): a long reference moves the bar as it encodes.
@@ -266,20 +284,27 @@ class EncoderStage:
         mean = torch.tensor(config.latents_mean).view(1, 1, -1)
         std = torch.tensor(config.latents_std).view(1, 1, -1)
         audios = [ref.audio for ref in prepared.references if ref.has_audio]
+        caps = [None] * len(audios)
+        for guide in prepared.guides:
+            if guide.audio is not None:
+                audios.append(torch.from_numpy(guide.audio))
+                caps.append(guide.audio_cap)  # core's rule: cut to what the output leaves after the guide's frame
         found = [self._lookup("audio", f"audio.{index}", lambda audio=audio: self._audio_key(audio))
                  for index, audio in enumerate(audios)]
         rows = []
         computed = sum(1 for _, cached in found if cached is None)
         counter = progress.Counter("audio_vae", computed) if computed else None
-        for audio, (address, cached) in zip(audios, found):
+        for audio, cap, (address, cached) in zip(audios, caps, found):
             if cached is not None:
-                rows.append(cached["rows"])
+                rows.append(cached["rows"] if cap is None else guides.crop_audio_rows(cached["rows"], cap))
                 continue
             # Stereo channels are the batch of the mono audio VAE; references use the posterior mean.
             posterior = self.audio_vae.encode(audio.to(self.device)[:, None], return_dict=False)[0]
             latents = posterior.mode().float().cpu().transpose(1, 2)
             rows.append(((latents - mean) / std).reshape(-1, config.latent_channels))
             component_cache.store(address, {"rows": rows[-1]})
+            if cap is not None:
+                rows[-1] = guides.crop_audio_rows(rows[-1], cap)
             counter.advance()
         return rows
 
@@ -301,7 +326,7 @@ class EncoderStage:
         """The prompt, the canvas and every vision input the presentation shows (keyframes, references)."""
         vision = [component_cache.digest(image) for image in prepared.keyframes]
         vision += [_reference_digest(ref) for ref in prepared.references]
-        params = {"task": prepared.task, "prompt": prepared.prompt, "width": prepared.width,
+        params = {"task": prepared.text_task, "prompt": prepared.prompt, "width": prepared.width,
                   "height": prepared.height, "num_frames": prepared.num_frames,
                   "anchors": list(prepared.keyframe_anchors), "pipeline": self.pipeline_config}
         return component_cache.key("text", self._identity("text", self.text_encoder), params,
@@ -420,4 +445,5 @@ def assemble(
         keyframe_anchors=prepared.keyframe_anchors if prepared.task == "fl2va" else (),
         references=references_table(prepared) if prepared.task == "ref2va" else (),
         metadata=dict(metadata or {}),
+        guides=prepared.guide_entries,
     )

@@ -26,14 +26,18 @@ MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
 # The trained canvas: diffusers' canvas rule (`resolve_canvas_size` with the pipeline's `canvas_short_edge` 768 and
 # `canvas_max_pixels` 768*1344 at release) scales an aspect ratio to a 768 px short edge, shrinks it to the area cap
 # and rounds each axis to the nearest 32 px. Over the allowed aspects 1:4..4:1 the largest canvas it yields is
-# 1856x576 (the cap plus rounding) and the longest edge 2016 (2016x512 at 4:1), so no canvas H3 generates at has
-# more pixels or a longer edge. Every contract read and every entry point (CLI, node widgets, the encoder server)
-# refuses more: a file claiming 65536x65536 must not make a sampler allocate gigabytes. Pinned against diffusers'
-# rule by tests/test_facts.py.
+# 1856x576 (the cap plus rounding) and the longest edge 2016 (2016x512 at 4:1): H3's trained canvases. Pinned against
+# diffusers' rule by tests/test_facts.py. A larger canvas runs with a warning (rules.canvas_trained_warning), as
+# ComfyUI core lets one (its widgets go to 16384 px), up to an absolute bound every contract read and every entry
+# point holds (CLI, node widgets, the encoder server, whose default stays the trained size): 4096 px a side and
+# 4096x2304 px (4K UHD fits; 8.8x the trained area), so a file claiming 65536x65536 cannot make a sampler allocate
+# gigabytes. Beyond that a canvas is refused by name.
 CANVAS_SHORT_EDGE = 768
 CANVAS_MAX_PIXELS = 768 * 1344
-MAX_CANVAS_PIXELS = 1856 * 576  # 1,069,056
-MAX_CANVAS_EDGE = 2016
+TRAINED_CANVAS_PIXELS = 1856 * 576  # 1,069,056
+TRAINED_CANVAS_EDGE = 2016
+MAX_CANVAS_PIXELS = 4096 * 2304  # 9,437,184
+MAX_CANVAS_EDGE = 4096
 
 # --- the frame grid -----------------------------------------------------------------------------
 # The video VAE encodes 17-frame clips into 5 latent frames (plus a 5-frame head -> 2 latents), so the
@@ -59,6 +63,7 @@ IMAGE_FRAMES = MIN_FRAMES
 
 # --- references (ref2va) ------------------------------------------------------------------------
 MAX_KEYFRAMES = 2  # fl2va: first and/or last frame
+MAX_GUIDES = 16  # guides at any frame (core's AddGuide chains any number; each is more rows): the pack's cap
 MAX_REF_IMAGES, MAX_REF_VIDEOS, MAX_REF_AUDIOS, MAX_REFS = 9, 3, 3, 12
 MIN_AUDIO_CLIP_S, MAX_AUDIO_CLIP_S = 2.0, 15.0  # every reference clip, soundtrack or standalone
 MIN_REFERENCE_VIDEO_S = 2.0

@@ -16,21 +16,23 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from . import facts, rules
+from . import facts, guides, rules
+from .guides import GuideMedia
 
 
 def needed_encoders(*, keyframes: int = 0, images: int = 0, videos: int = 0, audios: int = 0,
-                    soundtracks: int = 0) -> tuple[str, ...]:
+                    soundtracks: int = 0, guide_frames: int = 0, guide_audios: int = 0) -> tuple[str, ...]:
     """The encoders a request with these media needs: the one rule every caller reads.
 
     Every request needs the text encoder; keyframes, reference images and reference videos go through the video
     VAE; reference audios and video soundtracks through the audio VAE. `soundtracks` counts the reference videos
-    that carry one (or may: the encoder server counts a soundtrack it can only learn by decoding).
+    that carry one (or may: the encoder server counts a soundtrack it can only learn by decoding). Guides
+    (`guides.py`) need the video VAE for their frames and the audio VAE for their audio.
     """
     needs = ["text"]
-    if keyframes or images or videos:
+    if keyframes or images or videos or guide_frames:
         needs.append("video")
-    if audios or soundtracks:
+    if audios or soundtracks or guide_audios:
         needs.append("audio")
     return tuple(needs)
 
@@ -101,6 +103,7 @@ class EncodeRequest:
     ref_images: list[np.ndarray] = field(default_factory=list)
     ref_videos: list[VideoInput] = field(default_factory=list)
     ref_audios: list[AudioInput] = field(default_factory=list)
+    guides: list[GuideMedia] = field(default_factory=list)  # at any frame (guides.py): fl2va
 
     @classmethod
     def from_sources(
@@ -149,6 +152,7 @@ class EncodeRequest:
             video_ref_seconds=tuple(video.seconds for video in self.ref_videos),
             soundtrack_seconds=tuple(video.soundtrack_seconds for video in self.ref_videos),
             audio_ref_seconds=tuple(audio.seconds for audio in self.ref_audios),
+            guides=len(self.guides),
         )
 
     def needed_encoders(self) -> tuple[str, ...]:
@@ -159,6 +163,8 @@ class EncodeRequest:
             videos=len(self.ref_videos),
             audios=len(self.ref_audios),
             soundtracks=sum(video.audio is not None for video in self.ref_videos),
+            guide_frames=sum(guide.frames is not None for guide in self.guides),
+            guide_audios=sum(guide.audio is not None for guide in self.guides),
         )
 
     def resolved_task(self) -> str:
@@ -168,6 +174,7 @@ class EncodeRequest:
         """Check every rule that needs no model; returns the resolved task."""
         task = self.resolved_task()
         rules.check_request(task, self.prompt, self.summary(), self.num_frames)
+        guides.check(self.guides, self.num_frames)
         if (self.width is None) != (self.height is None):
             raise rules.H3InputError("width and height must be given together, or neither")
         if self.width is not None:

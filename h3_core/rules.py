@@ -90,10 +90,22 @@ def check_canvas(width: int, height: int, multiple: int = facts.CANVAS_MULTIPLE)
 
 
 def canvas_size_error(width: int, height: int) -> str | None:
-    """Why a canvas is larger than H3 was trained for (`facts.MAX_CANVAS_EDGE`, `MAX_CANVAS_PIXELS`), or None."""
+    """Why a canvas is larger than any the pack runs (`facts.MAX_CANVAS_EDGE`, `MAX_CANVAS_PIXELS`: the absolute bound,
+    8.8x H3's trained area), or None."""
     if max(width, height) > facts.MAX_CANVAS_EDGE or width * height > facts.MAX_CANVAS_PIXELS:
-        return (f"canvas {width}x{height} is larger than H3's trained range (at most {facts.MAX_CANVAS_EDGE} px a side "
-                f"and {facts.MAX_CANVAS_PIXELS} pixels, e.g. 1344x768, 1856x576 or 2016x512)")
+        return (f"canvas {width}x{height} is larger than the pack runs (at most {facts.MAX_CANVAS_EDGE} px a side and "
+                f"{facts.MAX_CANVAS_PIXELS} pixels, e.g. 4096x2304; H3 was trained up to {facts.TRAINED_CANVAS_EDGE} "
+                f"px a side and {facts.TRAINED_CANVAS_PIXELS} pixels, e.g. 1344x768)")
+    return None
+
+
+def canvas_trained_warning(width: int, height: int) -> str | None:
+    """A canvas beyond H3's trained size (`facts.TRAINED_CANVAS_EDGE`, `TRAINED_CANVAS_PIXELS`): it runs (ComfyUI core
+    allows it too), with this warning; None within it."""
+    if max(width, height) > facts.TRAINED_CANVAS_EDGE or width * height > facts.TRAINED_CANVAS_PIXELS:
+        return (f"canvas {width}x{height} is beyond H3's trained size (at most {facts.TRAINED_CANVAS_EDGE} px a side "
+                f"and {facts.TRAINED_CANVAS_PIXELS} pixels, e.g. 1344x768, 1856x576 or 2016x512): it runs, but its "
+                "quality is untested and it needs more memory (`plan` says whether it fits)")
     return None
 
 
@@ -126,13 +138,14 @@ class MediaSummary:
     video_ref_seconds: tuple[float, ...] = ()  # duration of each reference video
     soundtrack_seconds: tuple[float | None, ...] = ()  # per reference video: its soundtrack, or None
     audio_ref_seconds: tuple[float, ...] = ()  # duration of each standalone reference audio
+    guides: int = 0  # guides at any frame (h3_core/guides.py)
 
 
 def infer_task(summary: MediaSummary) -> str:
-    """The implicit task: video or audio references -> ref2va, images -> fl2va, else t2va."""
+    """The implicit task: video or audio references -> ref2va, keyframes or guides -> fl2va, else t2va."""
     if summary.video_ref_seconds or summary.audio_ref_seconds or summary.image_refs:
         return "ref2va"
-    if summary.keyframes:
+    if summary.keyframes or summary.guides:
         return "fl2va"
     return "t2va"
 
@@ -146,16 +159,20 @@ def check_request(task: str, prompt: str, summary: MediaSummary, num_frames: int
     check_output_frames(num_frames)
     n_videos, n_audios = len(summary.video_ref_seconds), len(summary.audio_ref_seconds)
     n_refs = summary.image_refs + n_videos + n_audios
-    if task == "t2va" and (summary.keyframes or n_refs):
-        raise H3InputError("t2va takes a prompt only: no keyframes or references (use fl2va or ref2va)")
+    if task == "t2va" and (summary.keyframes or n_refs or summary.guides):
+        raise H3InputError("t2va takes a prompt only: no keyframes, guides or references (use fl2va or ref2va, or "
+                           "task auto)")
     if task == "fl2va":
         if n_refs:
-            raise H3InputError("fl2va takes first/last keyframes only; references need task ref2va")
-        if not 1 <= summary.keyframes <= facts.MAX_KEYFRAMES:
-            raise H3InputError(f"fl2va needs 1 or 2 keyframes (first and/or last frame), got {summary.keyframes}")
+            raise H3InputError("fl2va takes first/last keyframes and guides only; references need task ref2va")
+        if summary.keyframes > facts.MAX_KEYFRAMES or not (summary.keyframes or summary.guides):
+            raise H3InputError(f"fl2va needs 1 or 2 keyframes (first and/or last frame) or a guide, got "
+                               f"{summary.keyframes} keyframes")
     if task == "ref2va":
         if summary.keyframes:
             raise H3InputError("ref2va takes references, not keyframes; keyframes need task fl2va")
+        if summary.guides:
+            raise H3InputError("ref2va takes references, not guides; guides at any frame need task fl2va (or auto)")
         check_reference_counts(summary.image_refs, n_videos, n_audios)
         check_reference_durations(summary, num_frames)
 

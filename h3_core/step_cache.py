@@ -132,8 +132,13 @@ class Passes:
     def total(self) -> int:
         return self.forwards * self.blocks
 
-    def __str__(self) -> str:
-        return f"{self.computed}/{self.total} block passes computed"
+    @property
+    def skipped_percent(self) -> int:
+        """Share of the DiT's block runs the cache skipped, in whole percent (0 before any forward)."""
+        return round(100 * (self.total - self.computed) / self.total) if self.total else 0
+
+    def __str__(self) -> str:  # in a ComfyUI user's words: the Sampler's progress text and `generate`'s log
+        return f"computed {self.computed} of {self.total} DiT block runs ({self.skipped_percent}% skipped)"
 
 
 PassesFn = Callable[[Passes], None]

@@ -2,6 +2,7 @@
 
     loaders.py          Load MiniMax H3 Text Encoder / Video VAE / Audio VAE / DiT
     media.py            MiniMax H3 Keyframes, MiniMax H3 References (the order the prompt's tags use)
+    guides.py           MiniMax H3 Guide (any frame), MiniMax H3 Continue Video (guides in the media bundle)
     encode.py           MiniMax H3 Text Encode -> MiniMax H3 Video VAE Encode -> MiniMax H3 Audio VAE Encode
     remote.py           MiniMax H3 Remote Encode (the same conditioning from an encoder endpoint)
     encode_ahead.py     the next queued prompt's remote encodes started while the current prompt runs
@@ -22,9 +23,20 @@ Node ids start with `H3Split` and never change; new widgets are appended, never 
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import conditioning_io, core_latent, decode, encode, error_names, loaders, media, sample, validation_errors
+from . import (
+    conditioning_io,
+    core_latent,
+    decode,
+    encode,
+    error_names,
+    guides,
+    loaders,
+    media,
+    sample,
+    validation_errors,
+)
 
-NODE_MODULES = [loaders, media, encode, sample, decode, conditioning_io, core_latent]
+NODE_MODULES = [loaders, media, guides, encode, sample, decode, conditioning_io, core_latent]
 try:  # the remote node needs only h3_core.remote; keep the pack usable if it fails to import
     from . import encode_ahead, remote
 

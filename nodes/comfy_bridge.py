@@ -217,11 +217,15 @@ class InterruptFlag:
         return True
 
 
-def progress_callback(node_id: str | None):
+def progress_callback(node_id: str | None, *, every_step: bool = False):
+    """A `report(done, total, preview=None)` driving the node's progress bar. Core >= 0.33 throttles a bar's updates
+    (one per 100 ms, later ones in between dropped, not delayed): right for the DiT's steps, wrong for a few phases
+    that matter each (Remote Encode's: a dropped "text" step hid a 20 s phase), so `every_step` gives each update a
+    fresh bar, whose first update core always sends (0.3.75 has no throttle: the same bar either way)."""
     bar = {}
 
     def report(done: int, total: int, preview=None) -> None:
-        if "bar" not in bar:
+        if "bar" not in bar or every_step:
             bar["bar"] = comfy.utils.ProgressBar(total, node_id=node_id)
         bar["bar"].update_absolute(done, total, preview)
 
@@ -265,10 +269,35 @@ def rgb_factors():
     return previews.TINY_RGB_FACTORS, previews.TINY_RGB_BIAS, "pack (tiny H3 fit)"
 
 
+def core_tae_name() -> str | None:
+    """The tiny decoder core previews H3 with (core 0.33: `latent_formats.MiniMaxH3Video.taesd_decoder_name`,
+    "taeh3", one of latent_preview's video TAEs), or None where the running core has none (0.3.75)."""
+    import comfy.latent_formats as formats
+    import latent_preview
+
+    fmt = getattr(formats, "MiniMaxH3Video", None)
+    name = getattr(fmt, "taesd_decoder_name", None)
+    return name if isinstance(name, str) and name in getattr(latent_preview, "VIDEO_TAES", ()) else None
+
+
+def core_tae_previewer():
+    """Core's own H3 previewer, decoding with its tiny decoder: only with `--preview-method taesd`, a core that
+    has one (`core_tae_name`) and its file in models/vae_approx; else None (the pack's linear map previews)."""
+    name = core_tae_name() if preview_method() == "taesd" else None
+    if name is None or not any(f.startswith(name) for f in folder_paths.get_filename_list("vae_approx")):
+        return None
+    import comfy.latent_formats as formats
+    import latent_preview
+
+    previewer = latent_preview.get_previewer(mm.get_torch_device(), formats.MiniMaxH3Video())
+    return previewer if isinstance(previewer, latent_preview.TAESDPreviewerImpl) else None
+
+
 def preview_callback(node_id: str | None, report):
     """An h3_core `PreviewFn` sending ComfyUI's own preview with each step's progress, or None when the
-    user's preview method is `none`. H3 has no TAESD here: `taesd` falls back to the linear map (as core's
-    previewer does when it finds no TAESD decoder)."""
+    user's preview method is `none`. With `taesd`, core's own H3 tiny decoder (taeh3) where core has one and its
+    file is in models/vae_approx (`core_tae_previewer`); otherwise the linear map (as core's previewer falls back
+    when it finds no TAESD decoder)."""
     if preview_method() in ("none", "nopreviews", ""):
         return None
     from comfy.cli_args import args
@@ -276,8 +305,13 @@ def preview_callback(node_id: str | None, report):
 
     factors, bias, _ = rgb_factors()
     max_size = int(getattr(args, "preview_size", 512) or 512)
+    tae = core_tae_previewer()
 
     def send(done: int, total: int, video: torch.Tensor) -> None:
+        if tae is not None:  # the same latent frame the linear map shows (the middle one), decoded by core's TAE
+            middle = video.shape[2] // 2
+            report(done, total, tae.decode_latent_to_preview_image("JPEG", video[:1, :, middle:middle + 1]))
+            return
         image = Image.fromarray(previews.preview_rgb(video, factors, bias))
         report(done, total, ("JPEG", image, max_size))
 

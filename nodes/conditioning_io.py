@@ -15,7 +15,7 @@ from comfy_api.latest import io, ui
 
 from ..h3_core import assembly, safe_paths
 from ..h3_core.contract import H3Conditioning
-from .types import CONDITIONING_CATEGORY
+from .types import CONDITIONING_CATEGORY, Schema
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def listed_name(path: Path) -> str | None:
 class SaveConditioning(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return Schema(
             node_id="H3SplitSaveConditioning",
             display_name="MiniMax H3 Save Conditioning",
             category=CONDITIONING_CATEGORY,
@@ -213,7 +213,7 @@ class SaveConditioning(io.ComfyNode):
 class LoadConditioning(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return Schema(
             node_id="H3SplitLoadConditioning",
             display_name="MiniMax H3 Load Conditioning",
             category=CONDITIONING_CATEGORY,

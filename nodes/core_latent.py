@@ -24,7 +24,7 @@ from comfy_api.latest import io
 from ..h3_core import assembly, facts
 from ..h3_core.contract import COMFY_PACK_KEY
 from . import comfy_bridge as bridge
-from .types import LATENT_CATEGORY
+from .types import LATENT_CATEGORY, Schema
 
 CORE_EMPTY_LATENT = "Empty MiniMax H3 AV Latent (EmptyMiniMaxH3LatentAV)"
 
@@ -56,7 +56,7 @@ def empty_latent(conditioning) -> tuple[torch.Tensor, torch.Tensor, int, int, in
 class EmptyLatentFromConditioning(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return Schema(
             node_id="H3SplitEmptyLatentFromConditioning",
             display_name="MiniMax H3 Empty Latent from Conditioning",
             category=LATENT_CATEGORY,

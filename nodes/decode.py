@@ -8,13 +8,13 @@ from ..h3_core import facts
 from ..h3_core.diffusion import AVLatents, DiffusionStage
 from . import comfy_bridge as bridge
 from . import loaders, progress_text
-from .types import LATENT_CATEGORY, AudioVAE, VideoVAE
+from .types import LATENT_CATEGORY, AudioVAE, Schema, VideoVAE
 
 
 class Decode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return Schema(
             node_id="H3SplitDecode",
             display_name="MiniMax H3 VAE Decode (video + audio)",
             category=LATENT_CATEGORY,

@@ -21,7 +21,7 @@ from . import comfy_bridge as bridge
 from . import graph_checks, loaders, memory, progress_text
 from .input_checks import Problem, declared_problems, report
 from .media import MediaBundle
-from .types import CONDITIONING_CATEGORY, AudioVAE, Media, TextEncoder, VideoVAE
+from .types import CONDITIONING_CATEGORY, AudioVAE, Media, Schema, TextEncoder, VideoVAE
 
 TASKS = ["auto", "t2va", "fl2va", "ref2va"]
 TASK_TOOLTIP = ("What to make: t2va from the prompt alone, fl2va from first/last frames (MiniMax H3 Keyframes), "
@@ -85,20 +85,24 @@ def encode_problems(node_cls, values: dict, more: list[Problem] = ()) -> bool | 
     passed = {name: (None if name in blamed else values.get(name)) for name in ("width", "height", "length")}
     problems = declared + prompt_problems(values.get("prompt")) + numbers_problems(**passed)
     if "task" not in blamed:
-        problems += media_problems(node_cls, values.get("task", "auto"))
+        problems += media_problems(node_cls, values.get("task", "auto"), passed["length"])
     return report(problems + [problem for problem in more if problem[0] not in blamed])
 
 
 @graph_checks.guarded
-def media_problems(node_cls, task) -> list[Problem]:
+def media_problems(node_cls, task, length=None) -> list[Problem]:
     """`task` against the media the graph connects to this node (graph_checks): fl2va with no keyframes, t2va with
-    media, references with keyframes... On `task` when it is set, on `media` when it is auto."""
+    media, references with keyframes... On `task` when it is set, on `media` when it is auto. And each Guide's
+    frame_idx against `length` (on `media`)."""
     node_id = getattr(getattr(node_cls, "hidden", None), "unique_id", None)
     graph_ = graph_checks.graph()
     if graph_ is None or node_id is None:
         return []
-    problem = graph_checks.task_problem(task, graph_checks.media_of(graph_, node_id))
-    return [("media" if task == "auto" else "task", problem)] if problem else []
+    media = graph_checks.media_of(graph_, node_id)
+    problem = graph_checks.task_problem(task, media)
+    problems = [("media" if task == "auto" else "task", problem)] if problem else []
+    guide = graph_checks.guide_problem(media, length)
+    return problems + ([("media", guide)] if guide and not (problems and problems[0][0] == "media") else [])
 
 
 def check_numbers(width: int, height: int, length: int) -> bool | str:
@@ -116,8 +120,10 @@ def numbers_inputs() -> list:
             max=facts.MAX_CANVAS_EDGE,
             step=32,
             tooltip=f"Output width in px, a multiple of 32, at most {facts.MAX_CANVAS_EDGE} px and "
-            f"{facts.MAX_CANVAS_PIXELS} px in area (H3's trained range). 0 = automatic: 16:9, or the first "
-            "keyframe's aspect, at a 768 px short edge (64 px for the tiny model).",
+            f"{facts.MAX_CANVAS_PIXELS} px in area. H3 was trained up to {facts.TRAINED_CANVAS_EDGE} px a side and "
+            f"{facts.TRAINED_CANVAS_PIXELS} px (e.g. 1344x768): larger runs with a warning, quality untested, memory "
+            "grows with the area (python -m h3_core plan). 0 = automatic: 16:9, or the first keyframe's aspect, at a "
+            "768 px short edge (64 px for the tiny model).",
         ),
         io.Int.Input(
             "height", default=0, min=0, max=facts.MAX_CANVAS_EDGE, step=32,
@@ -146,6 +152,9 @@ def request_from(media, prompt, task, width, height, length):
     untrained = rules.trained_range_warning(length) if _is_int(length) else None
     if untrained:  # valid, as in ComfyUI core; said in the log, as the tooltip says it
         logging.getLogger("h3_core").warning("MiniMax H3: length %s", untrained)
+    large = rules.canvas_trained_warning(width, height) if _is_int(width) and _is_int(height) and width else None
+    if large:
+        logging.getLogger("h3_core").warning("MiniMax H3: %s", large)
     bundle = media if media is not None else MediaBundle()
     return bundle.to_request(
         prompt=prompt,
@@ -183,7 +192,7 @@ def _is_h3(conditioning) -> bool:
 class TextEncode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return Schema(
             node_id="H3SplitTextEncode",
             display_name="MiniMax H3 Text Encode",
             category=CONDITIONING_CATEGORY,
@@ -245,7 +254,7 @@ class _VAEEncode(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return Schema(
             node_id=cls.NODE_ID,
             display_name=cls.DISPLAY_NAME,
             category=CONDITIONING_CATEGORY,

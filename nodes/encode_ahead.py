@@ -113,6 +113,9 @@ def request_key(endpoint: str, request) -> str:
     for audio in request.ref_audios:
         add(audio.waveform)
         add(audio.sample_rate)
+    for guide in request.guides:  # two prompts that differ only in their guides are different encodes
+        for value in (guide.frame_index, guide.frames, guide.audio, guide.sample_rate):
+            add(value)
     return digest.hexdigest()
 
 

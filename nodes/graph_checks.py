@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..h3_core import facts, rules, step_cache
+from ..h3_core import facts, guides, rules, step_cache
 
 _GRAPH: contextvars.ContextVar[dict | None] = contextvars.ContextVar("h3_prompt_graph", default=None)
 
 TEXT_ENCODE, REMOTE_ENCODE = "H3SplitTextEncode", "H3SplitRemoteEncode"
 VIDEO_VAE_ENCODE, AUDIO_VAE_ENCODE = "H3SplitVideoVAEEncode", "H3SplitAudioVAEEncode"
 KEYFRAMES, REFERENCES = "H3SplitKeyframes", "H3SplitReferences"
+GUIDE, CONTINUE_VIDEO = "H3SplitGuide", "H3SplitContinueVideo"
 DIT_LOADER = "H3SplitDiTLoader"
 KEYFRAMES_NAME, REFERENCES_NAME = "MiniMax H3 Keyframes (first / last frame)", "MiniMax H3 References"
 
@@ -122,6 +123,8 @@ class Media:
     images: int = 0
     videos: int = 0
     audios: int = 0
+    guides: int = 0
+    guide_frames: tuple = ()  # each Guide's frame_idx widget value (Continue Video's: 0), where the graph fixes it
 
     def summary(self) -> rules.MediaSummary:
         # Durations are known only once the clips are decoded; the shortest valid ones keep the duration rules (run
@@ -132,6 +135,7 @@ class Media:
             video_ref_seconds=(facts.MIN_REFERENCE_VIDEO_S,) * self.videos,
             soundtrack_seconds=(None,) * self.videos,
             audio_ref_seconds=(facts.MIN_AUDIO_CLIP_S,) * self.audios,
+            guides=self.guides,
         )
 
 
@@ -157,7 +161,26 @@ def media_of(graph_: dict | None, node_id, name: str = "media", depth: int = 0) 
             return sum(_is_link(value) for socket, value in inputs.items() if socket.startswith(prefix))
 
         return Media(before.keyframes, before.images + count("ref_image_"), before.videos + count("ref_video_"),
-                     before.audios + count("ref_audio_"))
+                     before.audios + count("ref_audio_"), before.guides)
+    if kind in (GUIDE, CONTINUE_VIDEO) and depth < 64:
+        before = media_of(graph_, source_id, "media", depth + 1)
+        if before is None:
+            return None
+        frame = 0 if kind == CONTINUE_VIDEO else inputs.get("frame_idx")
+        frames = before.guide_frames + ((frame,) if isinstance(frame, int) and not isinstance(frame, bool) else ())
+        return replace(before, guides=before.guides + 1, guide_frames=frames)
+    return None
+
+
+def guide_problem(media: Media | None, length) -> str | None:
+    """A guide whose frame_idx lies outside the output (`length` frames): what the run would refuse, said at queue time
+    (a clip's own length is known only once its frames are, so the run checks that)."""
+    if media is None or not isinstance(length, int) or isinstance(length, bool):
+        return None
+    for frame in media.guide_frames:
+        problem = guides.fit_error(frame, 1, length)
+        if problem:
+            return f"MiniMax H3 Guide: {problem}: set its frame_idx within -{length}..{length - 1}, or raise length"
     return None
 
 
@@ -176,11 +199,15 @@ def task_problem(task, media: Media | None) -> str | None:
 
 def _next_step(task: str, media: Media) -> str:
     refs = media.images + media.videos + media.audios
+    if media.guides and refs:
+        return ("guides (MiniMax H3 Guide, Continue Video) and references cannot go together: guides make an fl2va "
+                "job, references a ref2va one")
     if task == "auto":
         return (f"keyframes and references cannot go together; connect either {KEYFRAMES_NAME} or "
                 f"{REFERENCES_NAME} to media")
     if task == "fl2va" and not media.keyframes and not refs:
-        return f"connect {KEYFRAMES_NAME} to media, with a first and/or last frame image, or set task to t2va or auto"
+        return (f"connect {KEYFRAMES_NAME} to media, with a first and/or last frame image, or a MiniMax H3 Guide, or "
+                "set task to t2va or auto")
     if task == "ref2va" and not media.keyframes and not media.images + media.videos:
         return (f"connect {REFERENCES_NAME} to media, with an image or video reference, or set task to t2va or "
                 "auto")

@@ -24,7 +24,7 @@ from ..h3_core.models import ModelSource
 from . import comfy_bridge as bridge
 from . import model_files, progress_text
 from .input_checks import declared_problems, report
-from .types import LOADERS_CATEGORY, AudioVAE, DiT, TextEncoder, VideoVAE
+from .types import LOADERS_CATEGORY, AudioVAE, DiT, Schema, TextEncoder, VideoVAE
 
 
 @dataclass
@@ -130,7 +130,7 @@ class _ComponentLoader(io.ComfyNode):
     def define_schema(cls):
         # Built on every /object_info and prompt validation: header reads are cached, the list bounded in time.
         listed = model_files.listing(cls.FOLDER, cls.FILE_COMPONENT or cls.COMPONENT)
-        return io.Schema(
+        return Schema(
             node_id=cls.NODE_ID,
             display_name=cls.DISPLAY_NAME,
             category=LOADERS_CATEGORY,

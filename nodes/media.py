@@ -14,10 +14,11 @@ import numpy as np
 from comfy_api.latest import io
 
 from ..h3_core import facts
+from ..h3_core.guides import GuideMedia
 from ..h3_core.request import AudioInput, EncodeRequest, VideoInput
 from ..h3_core.rules import H3InputError
 from . import comfy_bridge as bridge
-from .types import CONDITIONING_CATEGORY, Media
+from .types import CONDITIONING_CATEGORY, Media, Schema
 
 MAX_IMAGE_SOCKETS, MAX_VIDEO_SOCKETS, MAX_AUDIO_SOCKETS = (
     facts.MAX_REF_IMAGES,
@@ -33,6 +34,7 @@ class MediaBundle:
     ref_images: tuple[np.ndarray, ...] = ()
     ref_videos: tuple[VideoInput, ...] = ()
     ref_audios: tuple[AudioInput, ...] = ()
+    guides: tuple[GuideMedia, ...] = ()  # MiniMax H3 Guide / Continue Video (nodes/guides.py)
 
     def to_request(self, prompt: str, task: str | None, width: int | None, height: int | None, num_frames: int):
         return EncodeRequest(
@@ -46,13 +48,14 @@ class MediaBundle:
             ref_images=list(self.ref_images),
             ref_videos=list(self.ref_videos),
             ref_audios=list(self.ref_audios),
+            guides=list(self.guides),
         )
 
 
 class Keyframes(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return Schema(
             node_id="H3SplitKeyframes",
             display_name="MiniMax H3 Keyframes (first / last frame)",
             category=CONDITIONING_CATEGORY,
@@ -104,7 +107,7 @@ class References(io.ComfyNode):
             )
             for i in range(1, MAX_AUDIO_SOCKETS + 1)
         ]
-        return io.Schema(
+        return Schema(
             node_id="H3SplitReferences",
             display_name="MiniMax H3 References",
             category=CONDITIONING_CATEGORY,

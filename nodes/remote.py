@@ -39,7 +39,7 @@ from . import comfy_bridge as bridge
 from . import encode_ahead, progress_text
 from .encode import TASK_TOOLTIP, TASKS, encode_problems, numbers_inputs, request_from
 from .input_checks import check_declared
-from .types import CONDITIONING_CATEGORY, Media
+from .types import CONDITIONING_CATEGORY, Media, Schema
 
 MAX_ERROR_CHARS = 300  # of a server's own error message shown in the node's error
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -61,11 +61,32 @@ _CODE_STEPS = {  # (code, field): refusals the client makes itself from the serv
     ("component_not_loaded", None): "Start the encoder server with every encoder (no --components), or encode this "
                                     "request with the local encode nodes.",
     ("too_large", "body"): "Send shorter or smaller references, or raise the server's --max-body-mb.",
+    ("feature_not_supported", "guides"): "This encoder server predates guides: update it, or encode the guides "
+                                         "with the local encode nodes.",
 }
 _UNREACHABLE = {transport.CONNECTION_REFUSED, transport.HOST_NOT_FOUND, transport.NETWORK_ERROR}
 TOKEN_STEP = ("Set H3_ENCODER_TOKEN and H3_ENCODER_URLS (this endpoint's URL; comma-separated for several), or "
               "H3_ENCODER_TOKENS, in the environment ComfyUI starts from (never in a widget or the workflow), then "
               "restart ComfyUI: it reads them at start.")
+
+
+def token_step(url: str, env=None) -> str:
+    """The next step for a 401/403: set the variables when ComfyUI sent no token to `url`; when it sent one, the
+    server refused that token, so say which variable it came from and that it must match the server's. Names the
+    variable, never its value."""
+    try:
+        url = (credentials.split_urls(url) or [url])[0]  # the endpoint that answered (a failover list: its first)
+        policy = credentials.Policy.from_env(env)
+        key = credentials.origin(url)
+        sent = policy.token_for(url)
+    except (credentials.CredentialPolicyError, ValueError):
+        return TOKEN_STEP
+    if not sent:
+        return TOKEN_STEP
+    source = credentials.TOKENS_ENV if key in policy.per_origin else credentials.TOKEN_ENV
+    return (f"ComfyUI sent this endpoint the token from {source} and the server refused it: check that it is the "
+            "token the encoder server was started with (the server's H3_ENCODER_TOKEN, or the variable its "
+            "--token-env names), then restart ComfyUI: it reads the environment at start.")
 
 
 def _urls(endpoint: str) -> list[str]:
@@ -114,7 +135,7 @@ def _next_step(error: RemoteEncodeError, status: int | None, code: str | None, f
                shown: bool) -> str:
     """The sentence that says what to do about it."""
     if isinstance(error, RemoteAuthError):
-        return TOKEN_STEP
+        return token_step(url)
     if status is None and code in _UNREACHABLE:
         port = _port(url)
         return ("Start the encoder server on that machine: python -m h3_core serve --models DIR"
@@ -151,7 +172,7 @@ def _port(url: str) -> int | None:
 class RemoteEncode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return Schema(
             node_id="H3SplitRemoteEncode",
             display_name="MiniMax H3 Remote Encode",
             category=CONDITIONING_CATEGORY,
@@ -204,7 +225,7 @@ class RemoteEncode(io.ComfyNode):
             raise ValueError(declared)
         request.validate()  # the server checks again; failing here costs no upload
         client = _client(endpoint, timeout_s)
-        progress = bridge.progress_callback(cls.hidden.unique_id)
+        progress = bridge.progress_callback(cls.hidden.unique_id, every_step=True)  # ~11 phases, each one shown
         interrupt = bridge.InterruptFlag()  # as the Sampler: an interrupt cancels the work within 50 ms polls
         # the encode this prompt's node got while its prompt waited in the queue, if any
         ahead = bridge.run_interruptible(AHEAD.take, endpoint, request, interrupt.is_set)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from . import comfy_bridge as bridge
 from . import graph_checks, loaders, memory, model_files, progress_text
 from .input_checks import declared_problems, report
 from .loaders import DiTLoader
-from .types import SAMPLING_CATEGORY, DiT
+from .types import SAMPLING_CATEGORY, DiT, Schema
 
 NO_LORA = "none"
 EXTRA_LORA_SLOTS = (2, 3)
@@ -36,7 +37,7 @@ def partition_problem(task: str, partition: str) -> str | None:
 class Sampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return Schema(
             node_id="H3SplitSampler",
             display_name="MiniMax H3 Sampler",
             category=SAMPLING_CATEGORY,
@@ -106,8 +107,8 @@ class Sampler(io.ComfyNode):
                     "exact. quality / balanced / fast: cache-dit's adaptive DBCache, faster and further from off in "
                     "that order; these three need cache-dit, which the pack's requirements.txt does not install: "
                     f"{graph_checks.CACHE_DIT_INSTALL}{_CACHE_DIT_HERE[graph_checks.cache_dit_installed()]}. "
-                    "every:K: the stack every K-th step only (about 1/K of the block passes), nothing to install. "
-                    "The progress text shows block passes computed.",
+                    "every:K: the DiT's blocks on every K-th step only (about 1/K of the work), nothing to install. "
+                    "The progress text shows how much of the DiT's block runs the cache skipped.",
                 ),
                 io.Int.Input(
                     "gpus",
@@ -181,9 +182,12 @@ class Sampler(io.ComfyNode):
                   if name not in (None, NO_LORA)]
         # With gpus > 1 the workers load the LoRAs from their files (SamplingOptions.to_wire): none is loaded here.
         adapter = None if gpus > 1 else lora_stack(chosen, steps, video_shift, audio_shift, bool(lora_skip_audio))
-        # one tick and one "DiT forward k/n" line per forward: steps - 1 of them
+        # one tick and one "DiT forward k/n" line per forward: steps - 1 of them; with a step cache the same line
+        # ends with what it skipped so far (one line: the step count stays readable)
+        cached: dict = {}
         report = progress_text.with_text(bridge.progress_callback(cls.hidden.unique_id), cls.hidden.unique_id,
-                                         "denoise")
+                                         "denoise", suffix=lambda: cache_suffix(cached.get("passes")))
+        started = time.monotonic()
         options = SamplingOptions(
             steps=steps,
             seed=seed,
@@ -194,8 +198,8 @@ class Sampler(io.ComfyNode):
             cancel=bridge.InterruptFlag(),
             lora=adapter,
             cache=cache,
-            # the running block-pass count as the node's progress text (none for `off`: nothing is skipped)
-            on_cache=None if cache == step_cache.OFF else bridge.progress_text(cls.hidden.unique_id, "cache: {}"),
+            # the running count of the DiT's block runs, for the steps' line (none for `off`: nothing is skipped)
+            on_cache=None if cache == step_cache.OFF else lambda passes: cached.__setitem__("passes", passes),
         )
         if gpus > 1:
             latents = bridge.run_interruptible(_sample_parallel, dit, needed, gpus, cond, options, chosen,
@@ -208,7 +212,17 @@ class Sampler(io.ComfyNode):
             stage = DiffusionStage(modules={needed: dit.module}, pipeline_config=dit.pipeline_config, device=device,
                                    dtype=dit.dtype)
             latents = bridge.run_interruptible(stage.sample, cond, options)
+            # the last line says it is done (not a step count that looks stuck) and, cached, what the cache saved;
+            # with gpus > 1 the workers' line ("2 DiT workers warm: 2.2 GB") stays instead
+            passes = latents.passes if cache != step_cache.OFF else None
+            progress_text.leave(cls.hidden.unique_id, progress_text.sampler_summary(
+                time.monotonic() - started, max(steps - 1, 0), None if passes is None else passes.skipped_percent))
         return io.NodeOutput(bridge.av_latent(latents.video, latents.to_comfy_audio()))
+
+
+def cache_suffix(passes) -> str:
+    """What the steps' line adds during a cached run: the share of the DiT's block runs skipped so far."""
+    return "" if passes is None or not passes.total else f", cache skipped {passes.skipped_percent}%"
 
 
 def lora_stack(chosen, steps, video_shift, audio_shift, skip_audio: bool):
@@ -233,7 +247,8 @@ def _sample_parallel(dit, component: str, gpus: int, cond, options, loras, lora_
     layout = sequence_parallel.check(gpus, "ulysses", dit.patcher.load_device, heads, what="gpus")
     recipe = sequence_parallel_workers.DiTRecipe.of(dit.source, component, dit.dtype, dit.fingerprint)
     bridge.on_unload_models(POOL_UNLOAD_HOOK, lambda: sequence_parallel_workers.close_pool("ComfyUI unloaded models"))
-    with progress_text.PhaseText(node_id) as text:  # its heartbeat ends with the start, before the steps' text
+    # its heartbeat ends with the start, before the steps' text (no summary: the steps' first line follows)
+    with progress_text.PhaseText(node_id, summarize=False) as text:
         sequence_parallel_workers.warm_pool(recipe, layout, options.cancel,
                                             on_start=lambda stage, done, total: text.show(WORKER_START_TEXT[stage],
                                                                                           done, total))

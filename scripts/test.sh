@@ -32,8 +32,8 @@ if [[ $FAST == 1 ]]; then
 fi
 # Byte-compile the pack and ComfyUI once: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) no
 # process writes its .pyc, so each of the suite's Python processes (servers, ComfyUI, ranks, CLI runs) compiled them
-# again: 0.5-0.7 CPU-s a process (measured importing the pack, and ComfyUI), for about 3 CPU-s once here.
-"$VENV/bin/python" -m compileall -q -j 2 h3_core nodes bench workflows tests .comfyui >/dev/null
+# again: 0.5-0.7 CPU-s a process (measured importing the pack, and ComfyUI), for about 3 CPU-s once here (both ComfyUIs).
+"$VENV/bin/python" -m compileall -q -j 2 h3_core nodes bench workflows tests .comfyui $([[ -d .comfyui-0.33 ]] && echo .comfyui-0.33) >/dev/null
 # The 25 slowest tests at the end: where the suite's time goes, in every CI log.
 WORKERS=${H3_TEST_WORKERS:-2}
 if [[ $WORKERS == 0 ]]; then

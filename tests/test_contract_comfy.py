@@ -142,12 +142,17 @@ def test_core_unrepresentable_and_malformed():
     _core_error(_core_native_fl2va(), "not carried by core", "height")
 
     core = _core_native_fl2va()
-    core[0][1]["minimax_keyframes"][1]["resolved_frame_index"] = 60  # AddGuide interior frame
-    _core_error(core, "0 (first) or num_frames-1 = 123", "minimax_keyframes[1]", **canvas)
+    core[0][1]["minimax_keyframes"][1]["resolved_frame_index"] = 122  # a guide at 122 of 124 frames, but a clip
+    core[0][1]["minimax_keyframes"][1]["latent"] = _randn(1, 24, 2, 4, 4)  # of 5 frames would end past the video
+    _core_error(core, "does not fit in the video's 124 frames", "guides[0]", **canvas)
 
     core = _core_native_fl2va()
-    core[0][1]["minimax_keyframes"][0]["audio_latent"] = _randn(1, 32, 2, 100)
-    _core_error(core, "audio keyframes", "minimax_keyframes[0]", **canvas)
+    core[0][1]["minimax_keyframes"][0]["audio_latent"] = _randn(1, 32, 2, 300)  # more than the 207 left at frame 0
+    _core_error(core, "more than the 207 the output leaves", "guides[0]", **canvas)
+
+    core = _core_native_fl2va()
+    core[0][1]["minimax_keyframes"][0].pop("latent")
+    _core_error(core, "neither a video latent nor an audio latent", "minimax_keyframes[0]", **canvas)
 
     core = _core_native_fl2va()
     core[0][1]["minimax_visual_cond_noise_aug"] = 0.99
@@ -212,8 +217,8 @@ _FAULT_ORDER = [
     ("task", lambda core, x: x.update(minimax_h3_pack={**_PACK, "task": "t2va", "height": 32})),
     ("height", lambda core, x: x.update(minimax_h3_pack={**_PACK, "height": 32, "metadata": {"a": "b"}})),
     ("metadata", lambda core, x: (x.update(minimax_h3_pack={**_PACK, "metadata": {"a": "b"}}),
-                                  x["minimax_keyframes"][0].update(resolved_frame_index=60))),
-    ("minimax_keyframes[0]", lambda core, x: (x["minimax_keyframes"][0].update(resolved_frame_index=60),
+                                  x["minimax_keyframes"][0].update(resolved_frame_index="60"))),
+    ("minimax_keyframes[0]", lambda core, x: (x["minimax_keyframes"][0].update(resolved_frame_index="60"),
                                               x["minimax_keyframes"][1].update(latent=None))),
     ("minimax_keyframes[1]['latent']", lambda core, x: (x["minimax_keyframes"][1].update(latent="x"),
                                                         core[0].__setitem__(0, "not a tensor"))),

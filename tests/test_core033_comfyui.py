@@ -1,11 +1,14 @@
-"""The pack in ComfyUI core 0.33 (issue 39), a real server on CPU: core 0.33.0 at commit 783545f6, which has its own
-H3 (comfy/ldm/minimax/, comfy_extras/nodes_minimax_h3.py), set up by scripts/setup_comfyui.sh in `.comfyui-0.33/`
-with core's own pins (comfy-kitchen 0.2.31 included) first on the server's path.
+"""What is particular to ComfyUI core 0.33 (issue 39), a real server on CPU: core 0.33.0 at commit 783545f6, which has
+its own H3 (comfy/ldm/minimax/, comfy_extras/nodes_minimax_h3.py), set up by scripts/setup_comfyui.sh in
+`.comfyui-0.33/` with core's own pins (comfy-kitchen 0.2.31 included) first on the server's path.
+
+Core 0.33 is the ComfyUI of the whole ComfyUI tier (comfy_harness.DEFAULT_INSTALL; issue 39.1): the shipped API
+workflows, the templates in 0.33's frontend (1.49.6) and their rendering against 0.33's /object_info are checked by
+tests/test_nodes_comfyui.py there, on the same shared server this module uses (`core033`). Here, only what involves
+core's own H3:
 
 * the pack's requirements keep every pin of core 0.33's, and core 0.33's environment already meets them;
 * every pack node registers beside core's H3 nodes;
-* the shipped API workflows run to an mp4 (t2va, the int8 one on comfy-kitchen 0.2.31, ref2va_remote against a real
-  encoder endpoint);
 * the pack's stage 0 feeds core's own stage 1: the CONDITIONING of the pack's Text Encode (t2va), of Load
   Conditioning, and of the full fl2va and ref2va encode chains samples in core's nodes (UNETLoader on the tiny
   Comfy-format DiT -> ModelSamplingMiniMaxH3 -> KSampler / SamplerCustomAdvanced, on the latent of MiniMax H3 Empty
@@ -15,10 +18,9 @@ with core's own pins (comfy-kitchen 0.2.31 included) first on the server's path.
 * a conditioning core's sampler would take and mean nothing by (still missing an encoder: core would sample it
   without its references) is refused by name;
 * the core-sampler templates (t2va_core, fl2va_core, ref2va_core: the pack's Remote Encode, core's UNETLoader ->
-  ModelSamplingMiniMaxH3 -> KSampler, the pack's Decode) run as their tiny API twins against a real encoder endpoint
-  and render the same against 0.33's /object_info as the committed files (rendered against 0.3.75's, with
-  build_workflows' copy of core's H3 node, checked here); every template loads in 0.33's own frontend (1.49.6) with
-  no missing node type.
+  ModelSamplingMiniMaxH3 -> KSampler, the pack's Decode) run as their tiny API twins against a real encoder endpoint;
+  build_workflows' copy of core's H3 node (which renders them against 0.3.75) is 0.33's declaration, and its copy of
+  SaveVideo is the form 0.33's frontend reads; their tiny variants load in 0.33's frontend as dropped files.
 
 Whether core's and the pack's stage 1 agree numerically is not checked here.
 """
@@ -45,7 +47,7 @@ from support.comfy_harness import (
     ui_available,
     unavailable,
 )
-from support.comfy_pack import encoder_url  # noqa: F401  (module fixture: a real encoder endpoint)
+from support.comfy_pack import PACK_NODES, encoder_url  # noqa: F401  (module fixture: a real encoder endpoint)
 from support.core033 import (
     CORE_H3_NODES,
     TINY_DITS,
@@ -65,12 +67,6 @@ import build_workflows  # noqa: E402
 
 TINY = "[embedded] tiny H3 (noise)"
 PROMPT = "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps."
-PACK_NODES = (
-    "H3SplitTextEncoderLoader", "H3SplitVideoVAELoader", "H3SplitAudioVAELoader", "H3SplitDiTLoader",
-    "H3SplitKeyframes", "H3SplitReferences", "H3SplitTextEncode", "H3SplitVideoVAEEncode", "H3SplitAudioVAEEncode",
-    "H3SplitRemoteEncode", "H3SplitSampler", "H3SplitDecode", "H3SplitSaveConditioning", "H3SplitLoadConditioning",
-    "H3SplitEmptyLatentFromConditioning",
-)
 STEPS = 3
 CANVAS = (128, 64)  # the tiny H3's canvas for the shipped workflows' inputs (width, height)
 # The core-sampler templates (build_workflows) and the canvas of their tiny twins' output.
@@ -213,16 +209,6 @@ def test_pack_nodes_register_beside_core_h3_nodes(core033):
           f"the pack's import: {seconds} s (ComfyUI's import-times table)")
 
 
-@pytest.mark.parametrize("name", ["t2va", "t2va_pruned_int8", "ref2va_remote"])
-def test_shipped_api_workflow_runs_to_an_mp4(core033, request, name):
-    endpoint = request.getfixturevalue("encoder_url") if name == "ref2va_remote" else None
-    graph = api(name, endpoint)
-    graph[id_of(graph, "H3SplitSampler")]["inputs"]["steps"] = STEPS
-    result = core033.server.run_prompt(graph, timeout=600)
-    assert result.status == "success" and "execution_success" in result.types()
-    assert_mp4(only_mp4(result))
-
-
 # --- the pack's stage 0 into core's stage 1 ------------------------------------------------------------------------
 
 
@@ -338,24 +324,6 @@ def test_a_conditioning_still_missing_its_encoders_is_refused_by_name(core033):
 
 # --- the core-sampler templates: the pack's Remote Encode, core's stage 1 -------------------------------------------
 
-# SaveVideo as every shipped template writes it (0.3.75's: `format`, `codec` plain combos, widgets [prefix, "mp4",
-# "h264"]). 0.33 declares `format` a dynamic combo whose `codec` (and its own options) follow the chosen format; its
-# frontend reads the older widget list (the load test below), and its API takes the same inputs (the runs above).
-SAVE_VIDEO_AS_WRITTEN = {
-    "input": {"required": {"video": ["VIDEO", {}], "filename_prefix": ["STRING", {"default": "video/ComfyUI"}],
-                           "format": ["COMBO", {"default": "auto", "options": ["auto", "mp4"]}],
-                           "codec": ["COMBO", {"default": "auto", "options": ["auto", "h264"]}]}},
-    "input_order": {"required": ["video", "filename_prefix", "format", "codec"]},
-    "output": [], "output_name": [],
-}
-
-
-def as_written(info: dict) -> dict:
-    """0.33's /object_info with SaveVideo as the templates write it (above)."""
-    assert info["SaveVideo"]["input"]["required"]["format"][0] == "COMFY_DYNAMICCOMBO_V3"  # still 0.33's form
-    return {**info, "SaveVideo": SAVE_VIDEO_AS_WRITTEN}
-
-
 @pytest.mark.parametrize("name", sorted(CORE_TEMPLATES))
 def test_core_sampler_api_twin_runs_to_an_mp4(core033, encoder_url, name):
     """The template's tiny API twin (workflows/api/): Remote Encode on a real encoder endpoint -> core's UNETLoader
@@ -370,10 +338,11 @@ def test_core_sampler_api_twin_runs_to_an_mp4(core033, encoder_url, name):
     assert_mp4(only_mp4(result), canvas=CORE_TEMPLATES[name])
 
 
-def test_core_templates_render_the_same_against_core_033(core033):
-    """build_workflows' copy of core's H3 node is 0.33's declaration, and every core-sampler template (UI form, its
-    thumbnail, its API twin) renders against 0.33's /object_info exactly as committed (rendered against 0.3.75's;
-    SaveVideo in the form every template writes, which 0.33 reads)."""
+def test_build_workflows_copies_of_core_033_nodes_are_its_declarations(core033):
+    """build_workflows' copy of core's H3 node (the core-sampler templates render with it against 0.3.75, which lacks
+    the node) is 0.33's declaration; its copies of SaveVideo and SaveImage (the forms every template writes: 0.3.75's)
+    name inputs 0.33 still takes: SaveVideo's `format` 0.33 declares a dynamic combo, and both have an output there
+    (its frontend reads the written forms: the templates load in tests/test_nodes_comfyui.py)."""
     info = core033.server.object_info()
     for class_type, copied in build_workflows.CORE_033_SCHEMAS.items():
         live = info[class_type]
@@ -384,27 +353,27 @@ def test_core_templates_render_the_same_against_core_033(core033):
                 live_kind, *live_options = live["input"][section][name]
                 assert live_kind == kind, (class_type, name)
                 assert {k: (live_options or [{}])[0].get(k) for k in options} == options, (class_type, name)
-    rendered = build_workflows.render_all(as_written(info))
-    for graph in build_workflows.build_graphs():
-        if graph.key not in CORE_TEMPLATES:
-            continue
-        for path in (f"{build_workflows.TEMPLATES}/{graph.title}.json", f"workflows/api/{graph.key}.json"):
-            assert rendered[path] == (REPO / path).read_text(), f"{path} differs when rendered against 0.33"
+    save = info["SaveVideo"]
+    written = build_workflows.WRITTEN_SCHEMAS["SaveVideo"]
+    assert save["input"]["required"]["format"][0] == "COMFY_DYNAMICCOMBO_V3"  # still 0.33's form
+    assert save["input_order"]["required"][:3] == written["input_order"]["required"][:3]
+    image = build_workflows.WRITTEN_SCHEMAS["SaveImage"]  # 0.33 adds an output to chain to each; same inputs
+    assert info["SaveImage"]["input_order"]["required"] == image["input_order"]["required"]
+    assert (save["output"], info["SaveImage"]["output"]) == (["VIDEO"], ["IMAGE"])
+    assert written["output"] == image["output"] == []
 
 
-def test_templates_load_in_core_033_frontend(core033, tmp_path):
-    """Core 0.33's own frontend (the comfyui-frontend-package its requirements pin), served by the 0.33 server:
-    every template from the template browser, and each core-sampler template's tiny variant as a dropped file, load
-    with no missing node type and no dangling link (one browser session, tests/ui/load_templates.mjs)."""
+def test_core_sampler_tiny_variants_load_in_core_033_frontend(core033, tmp_path):
+    """Core 0.33's own frontend (the comfyui-frontend-package its requirements pin), served by the 0.33 server: each
+    core-sampler template's tiny variant, as a dropped file, loads with no missing node type, no dangling link, no
+    problem (one browser session, tests/ui/load_templates.mjs; the templates themselves load from the template
+    browser in tests/test_nodes_comfyui.py)."""
     ok, reason = ui_available()
     if not ok:
         unavailable(reason)
     server = core033.server
-    tiny = build_workflows.tiny_templates(as_written(server.object_info()))
-    titles = {graph.key: graph.title for graph in build_workflows.build_graphs()}
+    tiny = build_workflows.tiny_templates(server.object_info())
     argv = ["node", str(UI_DIR / "load_templates.mjs")]
-    for name in sorted(titles):
-        argv += ["--template", f"{PACK_NAME}/{titles[name]}"]
     for name in sorted(CORE_TEMPLATES):
         path = tmp_path / f"tiny_{name}.json"
         path.write_text(json.dumps(tiny[name]))
@@ -415,17 +384,10 @@ def test_templates_load_in_core_033_frontend(core033, tmp_path):
     assert lines, f"load_templates.mjs exited {done.returncode}\n{done.stderr[-3000:]}\n{server.log_tail()}"
     report = json.loads(lines[-1])
     assert "error" not in report, report["error"]
-    assert sorted(report["templates_listed"][PACK_NAME]) == sorted(titles.values())
     print(f"\nComfyUI 0.33's frontend: {report['frontend_version']}")
-    for name in sorted(set(titles) - set(CORE_TEMPLATES)):
-        load = report["loads"][f"{PACK_NAME}/{titles[name]}"]
+    for name in sorted(CORE_TEMPLATES):
+        load = report["loads"][f"tiny_{name}.json"]
         assert load["missing_types"] == [] and load["dangling_links"] == [], (name, load)
         assert load["node_count"] == load["expected_node_count"] > 0, (name, load)
-    for name in sorted(CORE_TEMPLATES):
-        for key, workflow in ((f"{PACK_NAME}/{titles[name]}", None), (f"tiny_{name}.json", tiny[name])):
-            load = report["loads"][key]
-            assert load["missing_types"] == [] and load["dangling_links"] == [], (key, load)
-            assert load["node_count"] == load["expected_node_count"] > 0, (key, load)
-            assert load["overlaps"] == [], (key, load["boxes"])
-            if workflow is not None:  # the tiny form: every file is here, nothing to mark
-                assert load["problems"] == [] and load["error_nodes"] == [], (key, load)
+        assert load["overlaps"] == [], (name, load["boxes"])
+        assert load["problems"] == [] and load["error_nodes"] == [], (name, load)

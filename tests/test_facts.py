@@ -52,10 +52,15 @@ def test_canvas_bound_is_the_largest_canvas_of_diffusers_rule():
     rule = (facts.CANVAS_MULTIPLE, facts.CANVAS_SHORT_EDGE, facts.CANVAS_MAX_PIXELS)
     canvases = {mp.resolve_canvas_size(w, h, *rule)
                 for w in range(1, 121) for h in range(1, 121) if facts.MIN_ASPECT <= w / h <= facts.MAX_ASPECT}
-    assert max(height * width for height, width in canvases) == facts.MAX_CANVAS_PIXELS
-    assert max(max(canvas) for canvas in canvases) == facts.MAX_CANVAS_EDGE
+    assert max(height * width for height, width in canvases) == facts.TRAINED_CANVAS_PIXELS
+    assert max(max(canvas) for canvas in canvases) == facts.TRAINED_CANVAS_EDGE
     for height, width in canvases:
         assert rules.check_canvas(width, height) == (width, height)
+        assert rules.canvas_trained_warning(width, height) is None
+    # beyond it a canvas runs with a warning, up to the absolute bound (4096 px a side, 4096x2304 px)
+    assert facts.MAX_CANVAS_EDGE == 4096 and facts.MAX_CANVAS_PIXELS == 4096 * 2304
+    assert "beyond H3's trained size" in rules.canvas_trained_warning(3840, 2176)
+    assert rules.check_canvas(3840, 2176) == (3840, 2176)
 
 
 def test_frame_grid(pipe):

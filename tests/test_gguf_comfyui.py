@@ -1,4 +1,4 @@
-"""GGUF files in a real ComfyUI (0.3.75, CPU, loopback): the DiT and text-encoder loaders list `.gguf` files from
+"""GGUF files in a real ComfyUI (core 0.33, CPU, loopback): the DiT and text-encoder loaders list `.gguf` files from
 ComfyUI-GGUF's folders (models/unet, models/clip: core's legacy names for diffusion_models / text_encoders), and a
 graph with a GGUF DiT and a GGUF text encoder runs to an mp4."""
 

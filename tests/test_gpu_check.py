@@ -80,5 +80,59 @@ def test_gpu_check_cache_small_runs_on_cpu_and_says_tiny(tiny_dir, tmp_path, cap
     assert result["tiny_model"] is True and result["note"].startswith("only the tiny H3 (2 blocks")
     assert result["job"] == {"width": 64, "height": 64, "frames": 124} and result["device"] == "cpu"
     off, every2 = result["presets"]["off"], result["presets"]["every:2"]
-    assert off["passes"] == "4/4 block passes computed" and every2["passes"] == "2/4 block passes computed"
+    assert off["passes"] == "computed 4 of 4 DiT block runs (0% skipped)"
+    assert every2["passes"] == "computed 2 of 4 DiT block runs (50% skipped)"
     assert every2["wall_ratio"] > 0 and 0 < every2["video_ssim"] <= 1 and every2["video_psnr_db"] > 20
+
+
+# --- --dynamic-vram: the streamed int8 DiT under core 0.33's model patcher with comfy-aimdo (issue 39.7) -------------
+
+
+def test_dynamic_vram_refuses_clearly_without_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the mode runs instead of refusing")
+    with pytest.raises(SystemExit) as info:
+        gpu_check.main(["--dynamic-vram"])
+    assert info.value.code == gpu_check.UNAVAILABLE_EXIT
+    assert "--dynamic-vram needs CUDA" in capsys.readouterr().err
+
+
+def test_dynamic_vram_small_reaches_core_033s_patcher_on_cpu(tiny_dir, tmp_path, capsys):
+    """`--dynamic-vram --small`: in a child Python with core 0.33 and its pins first, the pack's bridge streams the
+    quantised tiny twin under the class core's main.py installs with comfy-aimdo (ModelPatcherDynamic), which core
+    reroutes to ModelPatcher for a CPU load device; load_models_gpu and the DiT forwards run under it. The CUDA run
+    (aimdo on, VRAM peaks) is the same code with `python bench/gpu_check.py --dynamic-vram`."""
+    from support.comfy_harness import CORE_033, unavailable
+
+    ok, reason = CORE_033.available()
+    if not ok:
+        unavailable(reason)
+    if not (tiny_dir / gpu_check.TINY_TWINS["transformer"]).is_file():
+        pytest.skip("needs the tiny build's quantised twins")
+    out = tmp_path / "dynamic.json"
+    assert gpu_check.main(["--dynamic-vram", "--small", "--models", str(tiny_dir), "--dit-steps", "2",
+                           "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == result
+    assert (result["core"], result["core_has_dynamic_patcher"], result["available"]) == ("0.33.0", True, True)
+    assert result["aimdo"] and result["patcher_requested"] == "ModelPatcherDynamic"
+    assert (result["patcher"], result["patcher_is_dynamic"], result["aimdo_enabled"]) == ("ModelPatcher", False, False)
+    assert result["weights"] == "minimax_h3_tiny_fl2va_pruned_int8_convrot.safetensors"
+    assert result["streamable_layers"] > 0 and result["loaded_size_bytes"] == result["model_size_bytes"] > 0
+    assert len(result["steps_s"]) == 2 and result["output_finite"] and result["peak_device_used_bytes"] is None
+
+
+def test_dynamic_vram_is_feature_detected_on_core_0375(tiny_dir, capsys):
+    """ComfyUI 0.3.75 has neither ModelPatcherDynamic nor comfy-aimdo: the mode says so and exits 2."""
+    from support.comfy_harness import COMFY_0375
+
+    ok, reason = COMFY_0375.available()
+    if not ok:
+        pytest.skip(reason)
+    code = gpu_check.main(["--dynamic-vram", "--small", "--models", str(tiny_dir), "--comfyui",
+                           str(COMFY_0375.dir)])
+    result = json.loads(capsys.readouterr().out)
+    assert code == gpu_check.UNAVAILABLE_EXIT and result["available"] is False
+    assert result["core"] == "0.3.75" and "no ModelPatcherDynamic" in result["reason"]

@@ -1,7 +1,7 @@
 """The contract holds every conditioning to the largest one the encoder makes, wherever it comes from: a file, a wire
 payload, a graph's CONDITIONING.
 
-Before, a conditioning with a 512 x 512 reference latent (the encoder never makes one over 128 on its short side) or
+Before, a conditioning with a 512 x 512 reference latent (the encoder never makes one over 192 on its short side) or
 a 100,000-token prompt loaded, and sized the sampler's work (2 steps of the tiny H3: 14 s -> 50 s). The bounds come
 from facts (the reference image's 2048 px short edge, the 1:4..4:1 aspects, the VAE's /16, the request rules'
 16,384-character prompt, Qwen3-VL's 262,144 positions) and are pinned here against diffusers and the configs.
@@ -52,7 +52,8 @@ def test_bounds_stand_on_pinned_facts():
     text = configs.RELEASE_TEXT_ENCODER.get("text_config", configs.RELEASE_TEXT_ENCODER)
     assert text["max_position_embeddings"] == facts.TEXT_ENCODER_MAX_POSITIONS
     assert Limits().max_prompt_chars == facts.MAX_PROMPT_CHARS
-    assert (wire.MAX_LATENT_SHORT_SIDE, wire.MAX_LATENT_LONG_SIDE, wire.MAX_LATENT_FRAMES) == (128, 512, 102)
+    # short side: a keyframe on the largest canvas (4096x2304 px); long side: an image reference at 4:1 (8192 px)
+    assert (wire.MAX_LATENT_SHORT_SIDE, wire.MAX_LATENT_LONG_SIDE, wire.MAX_LATENT_FRAMES) == (192, 512, 102)
     # the richest presentation (9 images, 3 videos of the longest output, the longest prompt) fits Qwen3-VL
     kinds = ["image"] * facts.MAX_REF_IMAGES + ["video"] * facts.MAX_REF_VIDEOS
     assert wire.max_prompt_rows(kinds, 0, facts.MAX_FRAMES) < facts.TEXT_ENCODER_MAX_POSITIONS
@@ -64,10 +65,10 @@ def test_bounds_stand_on_pinned_facts():
 def test_the_largest_image_reference_latent_loads_and_a_larger_one_is_refused():
     largest = _image_ref2va(torch.zeros(1, 24, 1, 128, 512))  # a 2048 x 8192 px image (4:1)
     assert H3Conditioning.from_bytes(largest.to_bytes()) == largest
-    for h, w in ((512, 512), (130, 130), (128, 514), (2, 1024)):
+    for h, w in ((512, 512), (194, 194), (128, 514), (2, 1024)):
         error = _error(lambda h=h, w=w: _image_ref2va(torch.zeros(1, 1, 1, h, w)))
         assert error.field == "condition_latents[0]", error
-        assert "at most 128 on the short side and 512 on the long side" in str(error), error
+        assert "at most 192 on the short side and 512 on the long side" in str(error), error
 
 
 def test_video_reference_latents_are_held_to_the_canvas_and_the_output_length():
@@ -75,7 +76,7 @@ def test_video_reference_latents_are_held_to_the_canvas_and_the_output_length():
     image, video = base.condition_latents
     assert base.latent_t == 37
     for latent, fragment in ((torch.zeros(1, 24, 42, 4, 4), "at most the output's T=37"),
-                             (torch.zeros(1, 24, 2, 128, 128), "larger than H3's trained range"),
+                             (torch.zeros(1, 24, 2, 128, 128), "lies on a canvas of H3's canvas rule"),
                              (torch.zeros(1, 24, 107, 2, 2), "over the 102 of the longest reference video")):
         error = _error(lambda latent=latent: make("ref2va_video", condition_latents=[image, latent]))
         assert error.field == "condition_latents[1]" and fragment in str(error), error
@@ -162,7 +163,7 @@ def test_a_graph_conditioning_is_held_to_the_bounds():
     conditioning[0][1]["minimax_refs"][0]["latent"] = torch.zeros(1, 24, 1, 512, 512)
     conditioning[0][1]["minimax_refs"][0]["latent_h"] = conditioning[0][1]["minimax_refs"][0]["latent_w"] = 512
     error = _error(lambda: H3Conditioning.from_comfy(conditioning))
-    assert error.field == "condition_latents[0]" and "at most 128 on the short side" in str(error), error
+    assert error.field == "condition_latents[0]" and "at most 192 on the short side" in str(error), error
 
     long = _t2va(24).to_comfy()
     long[0][0] = torch.zeros(1, 100_000, D)

@@ -82,19 +82,26 @@ def test_a_file_that_changes_size_while_read_is_refused_clearly(tmp_path):
 # --- 2. the canvas and the frame count are bounded wherever a contract is read ---------------------------------
 
 
-@pytest.mark.parametrize(("width", "height"), [(65536, 65536), (131072, 131072), (8192, 8192), (2048, 512),
-                                               (1408, 768)])
-def test_a_canvas_beyond_the_trained_range_is_refused_on_every_read(width, height, tmp_path):
+@pytest.mark.parametrize(("width", "height"), [(65536, 65536), (131072, 131072), (8192, 8192), (4128, 512),
+                                               (4096, 2336)])
+def test_a_canvas_beyond_the_absolute_bound_is_refused_on_every_read(width, height, tmp_path):
     data = make("t2va").to_bytes()
     hostile = _retamper(data, lambda h: h.update(width=width, height=height))
     for read in (H3Conditioning.from_bytes, lambda b: H3Conditioning.load(_write(tmp_path, b))):
-        with pytest.raises(ContractError, match="larger than H3's trained range"):
+        with pytest.raises(ContractError, match="larger than the pack runs"):
             read(hostile)
     cond = make("t2va")
     comfy = cond.to_comfy()
     comfy[0][1]["minimax_h3_pack"] = dict(comfy[0][1]["minimax_h3_pack"], width=width, height=height)
-    with pytest.raises(ContractError, match="larger than H3's trained range"):
+    with pytest.raises(ContractError, match="larger than the pack runs"):
         H3Conditioning.from_comfy(comfy)
+
+
+@pytest.mark.parametrize(("width", "height"), [(2048, 512), (1408, 768), (3840, 2176), (4096, 2304), (2304, 4096)])
+def test_a_canvas_beyond_the_trained_size_reads_with_a_warning(width, height):
+    """As ComfyUI core: larger than H3 was trained for runs (the Sampler and `plan` warn), up to the absolute bound."""
+    make("t2va", width=width, height=height)
+    assert "beyond H3's trained size" in rules.canvas_trained_warning(width, height)
 
 
 def _write(tmp_path, data: bytes) -> Path:
@@ -117,12 +124,12 @@ def test_frames_beyond_the_longest_output_are_refused_on_read(frames):
         H3Conditioning.from_bytes(hostile)
 
 
-def test_cli_refuses_a_canvas_beyond_the_trained_range(tmp_path):
+def test_cli_refuses_a_canvas_beyond_the_absolute_bound(tmp_path):
     done = subprocess.run([sys.executable, "-m", "h3_core", "encode", "--models", str(tmp_path), "--prompt", "A fox.",
                            "--width", "8192", "--height", "8192", "--out", str(tmp_path / "c.safetensors")],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert done.returncode != 0 and "larger than H3's trained range" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and "larger than the pack runs" in done.stderr, done.stderr[-2000:]
 
 
 def _answer(data: bytes) -> bytes:
@@ -300,11 +307,13 @@ def test_finite_check_is_one_pass_in_bounded_pieces():
     assert math.isinf(float(t[-1]))
 
 
-def test_plan_refuses_a_canvas_beyond_the_trained_range(capsys):
+def test_plan_refuses_a_canvas_beyond_the_absolute_bound_and_warns_beyond_the_trained_size(capsys):
     from h3_core import cli
 
     assert cli.main(["plan", "--table", "--width", "8192", "--height", "8192"]) != 0
-    assert "larger than H3's trained range" in capsys.readouterr().err
+    assert "larger than the pack runs" in capsys.readouterr().err
+    assert cli.main(["plan", "--table", "--width", "2560", "--height", "1440"]) == 0
+    assert "warning: canvas 2560x1440 is beyond H3's trained size" in capsys.readouterr().out
 
 
 # --- 1b. model weights replaced under a running process ------------------------------------------------------

@@ -84,15 +84,15 @@ def test_a_conditioning_replaced_mid_sample_does_not_kill_comfyui(comfy):  # noq
     print(f"conditioning replaced mid-sample: prompt {result.status} in {result.elapsed_s:.1f} s, ComfyUI alive")
 
 
-def test_encode_widgets_stop_at_the_trained_range(comfy):  # noqa: F811
+def test_encode_widgets_stop_at_the_absolute_canvas_bound(comfy):  # noqa: F811
     inputs = comfy.object_info("H3SplitTextEncode")["input"]
     widgets = {**inputs.get("required", {}), **inputs.get("optional", {})}
     assert widgets["width"][1]["max"] == widgets["height"][1]["max"] == facts.MAX_CANVAS_EDGE
     assert widgets["length"][1]["max"] == facts.MAX_FRAMES
     graph = copy.deepcopy(_graph(2))
     graph["1"] = {"class_type": "H3SplitTextEncode", "inputs": {"text_encoder": ["9", 0], "prompt": "A fox.",
-                                                                 "width": 2016, "height": 2016, "length": 124,
+                                                                 "width": 4096, "height": 4096, "length": 124,
                                                                  "task": "t2va"}}
     graph["9"] = {"class_type": "H3SplitTextEncoderLoader", "inputs": {"text_encoder": TINY}}
     status, body = comfy.post_prompt_expect_error(graph)
-    assert status == 400 and "larger than H3's trained range" in json.dumps(body), body
+    assert status == 400 and "larger than the pack runs" in json.dumps(body), body

@@ -271,9 +271,10 @@ COMFY_PUBLIC = {"comfy_api.latest", "folder_paths"}
 COMFY_ROOTS = {"comfy", "comfy_api", "comfy_execution", "comfy_extras", "folder_paths", "server", "execution",
                "nodes", "latent_preview", "node_helpers", "app"}
 COMFY_INTERNALS = {
-    # model management, progress bars, previews, the VIDEO/AUDIO types, the prompt server's messages
+    # model management, progress bars, previews (core's own H3 tiny decoder via latent_preview, where core has one),
+    # the VIDEO/AUDIO types, the prompt server's messages
     "nodes/comfy_bridge.py": {"comfy.cli_args", "comfy.latent_formats", "comfy.model_management",
-                              "comfy.model_patcher", "comfy.nested_tensor", "comfy.utils", "server"},
+                              "comfy.model_patcher", "comfy.nested_tensor", "comfy.utils", "latent_preview", "server"},
     # the queue and executor state encode-ahead reads, feature-detected (off when it is not as expected)
     "nodes/comfy_queue_seam.py": {"comfy_execution", "comfy_execution.progress", "nodes", "server"},
     # the load / offload device of each loader

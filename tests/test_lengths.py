@@ -93,3 +93,15 @@ def test_two_latent_frames_decode_as_cores_padded_chunk(tiny_dir):
         vae_stream.decode_video(vae, padded, long)
     assert tuple(short.video.shape) == (5, 64, 64, 3) and tuple(long.video.shape) == (22, 64, 64, 3)
     assert torch.equal(short.video, long.video[:5])
+
+
+def test_a_canvas_beyond_the_trained_size_runs_with_a_warning(tiny_dir, tmp_path, caplog):
+    """As ComfyUI core: a 2048 px wide canvas (beyond H3's trained 2016 px edge) is encoded and sampled, with the
+    warning in the log, never refused; 5 frames keep the tiny job small."""
+    cond = tmp_path / "wide.safetensors"
+    assert cli.main(["encode", "--models", _models(tiny_dir), "--prompt", "a red fox in the snow", "--frames", "5",
+                     "--width", "2048", "--height", "512", "--out", str(cond)]) == 0
+    with caplog.at_level(logging.WARNING, logger="h3_core"):
+        assert _generate(tiny_dir, cond, tmp_path / "wide.png") == 0
+    assert "canvas 2048x512 is beyond H3's trained size" in caplog.text
+    assert media.read_image(tmp_path / "wide.png").shape == (512, 2048, 3)

@@ -1,4 +1,4 @@
-"""Low VRAM inside a real ComfyUI (0.3.75, CPU, loopback): the H3 DiT and text encoder stream their layers under
+"""Low VRAM inside a real ComfyUI (core 0.33, CPU, loopback): the H3 DiT and text encoder stream their layers under
 ComfyUI's own partial loading and give the fully loaded run's results bit for bit.
 
 On CPU, ComfyUI always loads a model whole; tests/support/comfy_lowvram_probe.py (a test-only extension in this server's
@@ -34,7 +34,7 @@ NVFP4_TE = "qwen3vl_minimax_h3_tiny_nvfp4_awq.safetensors"
 INT8_DIT = "minimax_h3_tiny_fl2va_int8_convrot.safetensors"
 PROMPT = "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps."
 CANVAS, FRAMES = (128, 64), 124  # the tiny H3's own t2va canvas (given: single files do not say they are tiny)
-# ComfyUI 0.3.75's minimum_inference_memory() on Linux without --reserve-vram: 0.8 GiB + its default 400 MiB reserve
+# ComfyUI's minimum_inference_memory() (0.3.75, 0.33) on Linux without --reserve-vram: 0.8 GiB + 400 MiB reserve
 COMFY_INFERENCE_MINIMUM = 0.8 * 1024**3 + 400 * 1024**2
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from support.comfy_harness import comfy_factory  # noqa: F401  (session fixture)
+from support.comfy_harness import comfy_factory, progress_as_sent  # noqa: F401  (comfy_factory: session fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 PREVIEW_IMAGE = 1  # ComfyUI's binary websocket event type for a preview picture
@@ -65,10 +65,12 @@ def test_every_long_node_reports_progress(ref2va_run):
     for node in ("1", "2", "3", "4"):  # loaders: bytes, start to end
         values = events[node]
         assert values[0][0] == 0 and values[-1][0] == values[-1][1] > 1000, (graph[node]["class_type"], values)
-    assert events["9"] == [(k, 51) for k in range(52)]  # text encode: one event per layer of the tiny stack
-    # video VAE: one unit for the reference image, one per 17-frame clip of the reference video (3 here)
-    assert events["10"] == [(k, 4) for k in range(5)]
-    assert events["11"] == [(0, 2), (1, 2), (2, 2)]  # audio VAE: the video's soundtrack and the reference audio
+    # One update per unit (core 0.33 sends a bar's updates 100 ms apart at most: progress_as_sent). Text encode: one
+    # per layer of the tiny stack; video VAE: one unit for the reference image, one per 17-frame clip of the reference
+    # video (3 here); audio VAE: the video's soundtrack and the reference audio.
+    assert progress_as_sent(events["9"], [(k, 51) for k in range(52)]), events["9"]
+    assert progress_as_sent(events["10"], [(k, 4) for k in range(5)]), events["10"]
+    assert progress_as_sent(events["11"], [(0, 2), (1, 2), (2, 2)]), events["11"]
     decode = events["13"]
     tiles = [value for value in decode if value[1] > 1]
     assert tiles[-1][0] == tiles[-1][1] and decode[-2:] == [(0, 1), (1, 1)]  # tiles, then the audio decode

@@ -68,8 +68,10 @@ def test_media_is_counted_from_the_sockets_connected(checks):
 
 
 @pytest.mark.parametrize("task, media, fragment", [
-    ("fl2va", None, "fl2va needs 1 or 2 keyframes (first and/or last frame), got 0: connect MiniMax H3 Keyframes"),
-    ("fl2va", REFERENCES, "fl2va takes first/last keyframes only; references need task ref2va: set task to ref2va"),
+    ("fl2va", None, "fl2va needs 1 or 2 keyframes (first and/or last frame) or a guide, got 0 keyframes: connect "
+                    "MiniMax H3 Keyframes"),
+    ("fl2va", REFERENCES, "fl2va takes first/last keyframes and guides only; references need task ref2va: set task "
+                          "to ref2va"),
     ("t2va", KEYFRAMES, "t2va takes a prompt only"),
     ("ref2va", None, "ref2va needs at least one image or video reference"),
     ("ref2va", KEYFRAMES, "ref2va takes references, not keyframes"),

@@ -81,8 +81,17 @@ def test_serve_max_frames_flag():
     with pytest.raises(ProtocolError, match="max_canvas_edge=1024") as info:
         request_schema.parse_request(body, lowered, max_deadline_s=600)
     assert info.value.status == 413
-    with pytest.raises(ServerConfigError, match="--max-canvas-edge must be within 32-2016"):
-        config_from_args(parser.parse_args(["serve", "--models", "m", "--max-canvas-edge", "4096"]), None)
+    assert (config_from_args(parser.parse_args(["serve", "--models", "m"]), None).limits.max_canvas_edge == 2016)
+    # ... or raise them up to the bound the contract holds (4096 px, 4096x2304), as ComfyUI core allows large canvases
+    raised = config_from_args(parser.parse_args(["serve", "--models", "m", "--max-canvas-edge", "4096",
+                                                 "--max-canvas-pixels", str(4096 * 2304)]), None).limits
+    large = {"protocol": 2, "prompt": "a fox", "width": 3840, "height": 2176}
+    assert request_schema.parse_request(large, raised, max_deadline_s=600).width == 3840
+    with pytest.raises(ProtocolError, match="serve --max-canvas-edge / --max-canvas-pixels up to 4096"):
+        request_schema.parse_request(large, config_from_args(parser.parse_args(["serve", "--models", "m"]),
+                                                             None).limits, max_deadline_s=600)
+    with pytest.raises(ServerConfigError, match="--max-canvas-edge must be within 32-4096"):
+        config_from_args(parser.parse_args(["serve", "--models", "m", "--max-canvas-edge", "8192"]), None)
 
 
 @pytest.mark.parametrize(

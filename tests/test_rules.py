@@ -129,7 +129,7 @@ def test_task_shapes():
         rules.check_request("t2va", "p", MediaSummary(keyframes=1), 124)
     with pytest.raises(H3InputError, match="fl2va needs 1 or 2 keyframes"):
         rules.check_request("fl2va", "p", MediaSummary(), 124)
-    with pytest.raises(H3InputError, match="fl2va takes first/last keyframes only"):
+    with pytest.raises(H3InputError, match="fl2va takes first/last keyframes and guides only"):
         rules.check_request("fl2va", "p", MediaSummary(keyframes=1, image_refs=1), 124)
     with pytest.raises(H3InputError, match="ref2va takes references, not keyframes"):
         rules.check_request("ref2va", "p", MediaSummary(keyframes=1, image_refs=1), 124)

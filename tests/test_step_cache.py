@@ -100,7 +100,7 @@ def test_every_2_computes_every_other_forward_and_is_reproducible(stage, cond):
     cached = _sample(stage, cond, "every:2", on_cache=lambda p: reports.append((p.forwards, p.computed)))
     blocks = len(stage.transformer("t2va").transformer_blocks)
     assert (cached.passes.computed, cached.passes.total) == (4 * blocks, 8 * blocks)
-    assert str(cached.passes) == f"{4 * blocks}/{8 * blocks} block passes computed"
+    assert str(cached.passes) == f"computed {4 * blocks} of {8 * blocks} DiT block runs (50% skipped)"
     assert reports == [(f, ((f + 1) // 2) * blocks) for f in range(1, 9)]  # live, after every forward
     assert not torch.equal(cached.video, off.video)
     assert _rel(cached.video, off.video) < 0.05 and _rel(cached.audio, off.audio) < 0.05  # audio stays in step
@@ -208,6 +208,7 @@ def test_cli_generate_prints_the_block_passes(tiny_dir, cond, tmp_path, capsys):
     args = ["generate", "--models", str(tiny_dir), "--cond", str(cond_path), "--out", str(tmp_path / "out.mp4"),
             "--steps", "5", "--seed", "1"]
     assert cli.main([*args, "--cache", "every:2"]) == 0
-    assert "cache: 4/8 block passes computed" in capsys.readouterr().err  # forwards 0 and 2 of 4, 2 blocks
+    # forwards 0 and 2 of 4, 2 blocks
+    assert "cache: computed 4 of 8 DiT block runs (50% skipped)" in capsys.readouterr().err
     assert cli.main([*args, "--cache", "every:0"]) == 1
     assert "every:K needs an integer K >= 2" in capsys.readouterr().err

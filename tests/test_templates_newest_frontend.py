@@ -1,4 +1,5 @@
-"""The shipped templates in the newest ComfyUI frontend, served by the ComfyUI the suite runs (0.3.75).
+"""The shipped templates in the newest ComfyUI frontend, served by ComfyUI 0.3.75 (with tests/test_comfy0375_smoke.py,
+the 0.3.75 smoke set every run keeps while the rest of the ComfyUI tier runs in core 0.33).
 
 The frontend is a separate PyPI package (comfyui-frontend-package); ComfyUI serves another one with
 `--front-end-root`. scripts/setup_comfyui.sh installs the newest one checked here beside ComfyUI, never into the
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from support.comfy_harness import (  # noqa: F401  (comfy_factory: session fixture)
+    COMFY_0375,
     COMFY_DIR,
     PACK_NAME,
     UI_DIR,
@@ -61,7 +63,7 @@ def newest(request, comfy_factory, tmp_path_factory):  # noqa: F811
     # H3_SHOW_TINY_TWINS: the loaders list the tiny's quantised twins, which the quantised graphs' tiny variants select
     # (this frontend holds combo values to their lists).
     server = comfy_factory(Path(tiny_dir) / "comfyui", {"H3_TINY_DIR": str(tiny_dir), "H3_SHOW_TINY_TWINS": "1"},
-                           ("--front-end-root", str(FRONTEND_ROOT)))
+                           ("--front-end-root", str(FRONTEND_ROOT)), install=COMFY_0375)
     tiny = build_workflows.tiny_templates(server.object_info())
     folder = tmp_path_factory.mktemp("tiny-templates")
     argv = ["node", str(UI_DIR / "load_templates.mjs")]

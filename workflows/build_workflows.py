@@ -153,6 +153,28 @@ CORE_033_SCHEMAS = {
         "output_name": ["MODEL"],
     },
 }
+# Core's save nodes as every template writes them, 0.3.75's declarations: SaveVideo's `format`, `codec` plain combos
+# (widgets [prefix, "mp4", "h264"]), no outputs. Core 0.33 declares SaveVideo's `format` a dynamic combo whose `codec`
+# follows the chosen format, and gives both an output to chain (`video`, `images`); its frontend reads these
+# forms and its API takes the same inputs, so the files render the same against either server.
+WRITTEN_SCHEMAS = {
+    "SaveImage": {
+        "input": {"required": {"images": ["IMAGE", {}], "filename_prefix": ["STRING", {"default": "ComfyUI"}]}},
+        "input_order": {"required": ["images", "filename_prefix"]},
+        "output": [],
+        "output_name": [],
+    },
+    "SaveVideo": {
+        "input": {"required": {
+            "video": ["VIDEO", {}], "filename_prefix": ["STRING", {"default": "video/ComfyUI"}],
+            "format": ["COMBO", {"default": "auto", "options": ["auto", "mp4"]}],
+            "codec": ["COMBO", {"default": "auto", "options": ["auto", "h264"]}],
+        }},
+        "input_order": {"required": ["video", "filename_prefix", "format", "codec"]},
+        "output": [],
+        "output_name": [],
+    },
+}
 
 
 def node_identity(class_type: str) -> dict:
@@ -289,7 +311,8 @@ class Graph:
                     "bgcolor": "#653",
                 }  # fmt: skip
                 continue
-            info = CORE_033_SCHEMAS.get(node.class_type) or object_info.get(node.class_type)
+            info = (CORE_033_SCHEMAS.get(node.class_type) or WRITTEN_SCHEMAS.get(node.class_type)
+                    or object_info.get(node.class_type))
             if info is None:
                 raise KeyError(f"{node.class_type} is not registered in this ComfyUI (is the pack loaded?)")
             inputs = node.inputs_for(tiny)
@@ -531,6 +554,13 @@ def _text_encode(graph: Graph, text_encoder, prompt: str, task: str, media=None,
     return graph.add("H3SplitTextEncode", **inputs, task=task, column=column)
 
 
+def _encode_all(graph: Graph, text_encoder, vae, audio_vae, prompt: str, task: str, media, column: int):
+    """Text Encode -> Video VAE Encode -> Audio VAE Encode on `media` (references, guides): the conditioning."""
+    text = _text_encode(graph, text_encoder, prompt, task, media=media, column=column)
+    video_cond = graph.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0), column=column)
+    return graph.add("H3SplitAudioVAEEncode", conditioning=(video_cond, 0), audio_vae=(audio_vae, 0), column=column)
+
+
 # Text to image, as ComfyUI core's: the shortest clip H3 makes (facts.IMAGE_FRAMES, 5 frames), its first frame
 # (MiniMax H3 VAE Decode's appended `image` output, its 4th), the audio discarded.
 IMAGE_FRAMES = 5
@@ -539,6 +569,8 @@ T2I_PROMPT = "A red fox sits in fresh snow at dawn, pine trees behind it, soft m
 T2VA_PROMPT = "A red fox trots through fresh snow at dawn; wind in the pines, crunching steps."
 FL2VA_PROMPT = "The test card slides into the night sky; a low hum rises."
 REF2VA_PROMPT = "<Picture 1> rolls across the floor like <Video 1>, to the rhythm of <Audio 2>."
+GUIDES_PROMPT = "The test card drifts into the night sky, holds still for a moment, then fades; a low hum rises."
+CONTINUE_PROMPT = "The ball keeps rolling, slows down and stops against the wall; the rhythm fades out."
 
 
 def build_graphs(tiny: bool = False) -> list[Graph]:
@@ -581,10 +613,7 @@ def build_graphs(tiny: bool = False) -> list[Graph]:
               "MiniMax H3 reference to video with audio: the prompt names an image, a video with its soundtrack "
               "and an audio clip as <Picture 1>, <Video 1>, <Audio 2> (Ref2VA DiT).")
     te, vae, audio_vae, dit = _models(g, "ref2va")
-    refs = _references(g)
-    text = _text_encode(g, te, REF2VA_PROMPT, "ref2va", media=refs, column=3)
-    video_cond = g.add("H3SplitVideoVAEEncode", conditioning=(text, 0), vae=(vae, 0), column=3)
-    cond = g.add("H3SplitAudioVAEEncode", conditioning=(video_cond, 0), audio_vae=(audio_vae, 0), column=3)
+    cond = _encode_all(g, te, vae, audio_vae, REF2VA_PROMPT, "ref2va", _references(g), column=3)
     _finish(g, dit, cond, vae, audio_vae, "ref2va", column=4)
     graphs.append(g)
 
@@ -660,6 +689,32 @@ def build_graphs(tiny: bool = False) -> list[Graph]:
                      **inputs, task=task, column=column)
         _core_stage_1(g, cond, partition, vae, audio_vae, key, column=column + 1)
         graphs.append(g)
+
+    # Guides at any frame and continuation (core's MiniMaxH3AddGuide semantics): guides ride in the media bundle, the
+    # VAE encode nodes encode their frames and their audio.
+    g = new("guides", "MiniMax H3 guides - images and sound at any frame",
+            "MiniMax H3 guided video with audio: a first frame, an image held at frame 62 and an audio starting at "
+            "frame 24, each anchored where the Guide node says (negative frames count from the end) (FL2VA DiT).")
+    te, vae, audio_vae, dit = _models(g, "fl2va")
+    first = g.add("LoadImage", image=EXAMPLE_MEDIA["first"], column=1)
+    middle = g.add("LoadImage", image=EXAMPLE_MEDIA["last"], column=1)
+    sound = g.add("LoadAudio", audio=EXAMPLE_MEDIA["audio"], column=1)
+    keyframes = g.add("H3SplitKeyframes", first_frame=(first, 0), column=2)
+    held = g.add("H3SplitGuide", media=(keyframes, 0), frame_idx=62, image=(middle, 0), column=2)
+    guided = g.add("H3SplitGuide", media=(held, 0), frame_idx=24, audio=(sound, 0), column=2)
+    cond = _encode_all(g, te, vae, audio_vae, GUIDES_PROMPT, "fl2va", guided, column=3)
+    _finish(g, dit, cond, vae, audio_vae, "guides", column=4)
+    graphs.append(g)
+
+    g = new("continue", "MiniMax H3 continue - extend a video and its sound",
+            "MiniMax H3 video continuation: the last 22 frames of a clip and the sound under them start the new "
+            "video, the prompt says what happens next (FL2VA DiT).")
+    te, vae, audio_vae, dit = _models(g, "fl2va")
+    source = g.add("LoadVideo", file=EXAMPLE_MEDIA["video"], column=1)
+    tail = g.add("H3SplitContinueVideo", video=(source, 0), overlap_frames=22, column=2)
+    cond = _encode_all(g, te, vae, audio_vae, CONTINUE_PROMPT, "fl2va", tail, column=3)
+    _finish(g, dit, cond, vae, audio_vae, "continue", column=4)
+    graphs.append(g)
     return graphs
 
 

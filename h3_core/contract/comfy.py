@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import xxhash
 
+from .. import facts
 from .errors import check_tensor, fail, is_int, shape
 from .layout import audio_latent_to_rows, audio_rows_to_latent
 from .wire import FORMAT_ID, FORMAT_VERSION, identity_fields
@@ -66,7 +67,7 @@ def encode(cond) -> list:
         extras["minimax_keyframes"] = [
             {"resolved_frame_index": 0 if anchor == "first" else cond.num_frames - 1, "latent": lat}
             for anchor, lat in zip(cond.keyframe_anchors, cond.condition_latents, strict=False)
-        ]
+        ] + _guide_entries(cond)
     elif cond.task == "ref2va":
         refs = []
         visual = iter(cond.condition_latents)
@@ -96,12 +97,30 @@ def encode(cond) -> list:
     return [[cond.prompt_embeds, extras]]
 
 
+def _guide_entries(cond) -> list[dict]:
+    """Core's AddGuide entries for the conditioning's guides: `resolved_frame_index`, and `latent` / `audio_latent`
+    where the guide has them (core's node leaves a key out rather than setting it None)."""
+    video = iter(cond.condition_latents[len(cond.keyframe_anchors):])
+    audio = iter(cond.audio_condition_latents)
+    entries = []
+    for guide in cond.guides:
+        entry: dict[str, Any] = {"resolved_frame_index": guide.frame}
+        if guide.video:
+            entry["latent"] = next(video)
+        if guide.audio:
+            entry["audio_latent"] = audio_rows_to_latent(next(audio))
+        entries.append(entry)
+    return entries
+
+
 def media_signature(cond) -> torch.Tensor:
     """`[1, 16]` float32 in 1..256: the xxh3-128 of what the conditioning's media made (condition latents, audio
     rows, keyframe anchors, reference kinds), one value per digest byte, never 0. Two conditionings encoded from
     the same media have the same signature; a weighted average of two different ones is no multiple of either."""
     hasher = xxhash.xxh3_128()
     hasher.update(repr((cond.keyframe_anchors, [(r.kind, r.has_audio) for r in cond.references])).encode())
+    if cond.guides:  # added only when there are guides: a signature made before guides existed stays the same
+        hasher.update(repr([(g.frame, g.video, g.audio) for g in cond.guides]).encode())
     for tensor in (*cond.condition_latents, *cond.audio_condition_latents):
         hasher.update(repr((str(tensor.dtype), tuple(tensor.shape))).encode())
         hasher.update(memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()))
@@ -116,8 +135,8 @@ def decode(cls, conditioning: Sequence, *, task: str | None = None, height: int 
     a CONDITIONING made by core's own nodes has none, so pass the canvas (e.g. from the LATENT) and the
     frame count explicitly; `task` is then inferred (refs -> ref2va, keyframes -> fl2va, else t2va).
     An explicit value that disagrees with the pack key is an error. Core features the contract cannot
-    express raise `ContractError`: audio keyframes and interior frame indices (MiniMaxH3AddGuide),
-    keyframes mixed with refs, and the `minimax_*_cond_noise_aug` overrides. `picture_index` is not
+    express raise `ContractError`: keyframes or guides mixed with refs, and the `minimax_*_cond_noise_aug`
+    overrides. MiniMaxH3AddGuide's entries (any frame, clips, audio) are guides (`_keyframes`). `picture_index` is not
     read (core never consumes it). fp16/bf16 condition latents are upcast to fp32 (exact).
     """
     # Each reader raises on the first thing it refuses, and they run in this order: the order (and so which error
@@ -129,7 +148,7 @@ def decode(cls, conditioning: Sequence, *, task: str | None = None, height: int 
     task = _task(pack, task, keyframes, refs)
     height, width, num_frames = _canvas_and_frames(pack, height, width, num_frames)
     metadata = _resolve(pack, "metadata", None if metadata is None else dict(metadata))
-    anchors, keyframe_latents = _keyframes(keyframes, num_frames)
+    anchors, keyframe_latents, guides, guide_latents, guide_rows = _keyframes(keyframes, num_frames)
     ref_latents, audio_rows, references = _references(refs)
     return cls(
         task=task,
@@ -139,11 +158,12 @@ def decode(cls, conditioning: Sequence, *, task: str | None = None, height: int 
         prompt_embeds=check_tensor("cross_attn", cross_attn),
         text_token_tags=check_tensor("minimax_token_tags", extras["minimax_token_tags"]),
         # keyframes and references never come together (`_keyframes_and_refs`): one of the two is empty
-        condition_latents=tuple(keyframe_latents + ref_latents),
-        audio_condition_latents=tuple(audio_rows),
+        condition_latents=tuple(keyframe_latents + guide_latents + ref_latents),
+        audio_condition_latents=tuple(guide_rows + audio_rows),
         keyframe_anchors=tuple(anchors),
         references=tuple(references),
         metadata=metadata or {},
+        guides=tuple(guides),
     )
 
 
@@ -229,30 +249,52 @@ def _canvas_and_frames(pack: Mapping, height: Any, width: Any, num_frames: Any) 
     return height, width, num_frames
 
 
-def _keyframes(keyframes: Any, num_frames: Any) -> tuple[list[str], list[torch.Tensor]]:
-    """Core's `minimax_keyframes`, in order: the anchor ('first' / 'last') and the video latent of each."""
-    anchors, latents = [], []
+def _keyframes(keyframes: Any, num_frames: Any):
+    """Core's `minimax_keyframes`, in order. An entry that is one image at frame 0 or num_frames - 1 (what
+    MiniMaxH3ImageToVideo makes) is a keyframe anchor ('first' / 'last', diffusers' layout, once each); any other
+    (MiniMaxH3AddGuide's: any frame, a clip, an audio) is a guide. The row order of the two kinds differs from core's
+    list order where they interleave, which changes nothing a forward computes: every row carries its own position.
+    Returns (anchors, their latents, guides, the guides' video latents, the guides' audio rows)."""
+    if len(keyframes) > facts.MAX_KEYFRAMES + facts.MAX_GUIDES:
+        raise fail("minimax_keyframes", f"holds {len(keyframes)} entries, over the {facts.MAX_KEYFRAMES} keyframes "
+                                        f"and {facts.MAX_GUIDES} guides a conditioning may carry")
+    anchors, latents, guides, guide_latents, guide_rows = [], [], [], [], []
     for i, kf in enumerate(keyframes):
         name = f"minimax_keyframes[{i}]"
         if not isinstance(kf, Mapping):
             raise fail(name, "must be a dict")
-        if kf.get("audio_latent") is not None:
-            raise fail(name, "audio keyframes (MiniMaxH3AddGuide) are not representable in H3Conditioning")
-        if kf.get("latent") is None:
-            raise fail(name, "has no video latent")
-        anchors.append(_anchor(kf.get("resolved_frame_index"), num_frames, name))
-        latents.append(_f32(kf["latent"], f"{name}['latent']"))
-    return anchors, latents
+        index = kf.get("resolved_frame_index")
+        if not is_int(index):
+            raise fail(name, f"resolved_frame_index must be an int, got {type(index).__name__}")
+        latent = None if kf.get("latent") is None else _f32(kf["latent"], f"{name}['latent']")
+        audio = None if kf.get("audio_latent") is None else _f32(kf["audio_latent"], f"{name}['audio_latent']")
+        if latent is None and audio is None:
+            raise fail(name, "has neither a video latent nor an audio latent")
+        anchor = _anchor(index, num_frames) if audio is None and latent.ndim == 5 and latent.shape[2] == 1 else None
+        if anchor is not None and anchor not in anchors:
+            anchors.append(anchor)
+            latents.append(latent)
+            continue
+        guides.append((index, latent is not None, audio is not None))  # H3Guide.coerce's triple
+        if latent is not None:
+            guide_latents.append(latent)
+        if audio is not None:
+            if audio.ndim != 4:
+                raise fail(f"{name}['audio_latent']", f"must be [1, 32, 2, T], got {shape(audio)}")
+            guide_rows.append(audio_latent_to_rows(audio))
+    if anchors == ["last", "first"]:  # diffusers' anchor sets list the first frame first
+        anchors.reverse()
+        latents.reverse()
+    return anchors, latents, guides, guide_latents, guide_rows
 
 
-def _anchor(index: Any, num_frames: Any, name: str) -> str:
-    """'first' for frame 0, 'last' for frame num_frames - 1: H3 has no interior keyframes (MiniMaxH3AddGuide's)."""
-    if is_int(index) and index == 0:
+def _anchor(index: int, num_frames: Any) -> str | None:
+    """'first' for frame 0, 'last' for frame num_frames - 1 (diffusers' two anchors), else None (a guide)."""
+    if index == 0:
         return "first"
-    if is_int(index) and is_int(num_frames) and index == num_frames - 1:
+    if is_int(num_frames) and index == num_frames - 1:
         return "last"
-    raise fail(name, f"resolved_frame_index must be 0 (first) or num_frames-1 = "
-                     f"{num_frames - 1 if is_int(num_frames) else '?'} (last), got {index!r}")
+    return None
 
 
 def _references(refs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[str, bool]]]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import facts, rules
+from .. import guides as guide_rules
 from . import comfy, comfy_edits, files, vllm, wire
 from .errors import check_tensor, fail, is_int, shape
 
@@ -34,6 +35,37 @@ MIN_AUDIO_LATENTS = facts.audio_latents(facts.MIN_AUDIO_CLIP_S)  # 80
 MAX_AUDIO_LATENTS = facts.audio_latents(facts.MAX_AUDIO_CLIP_S)  # 600
 AUDIO_BUDGETS = (("embedded video soundtracks", facts.audio_latents(facts.EMBEDDED_AUDIO_BUDGET_S)),
                  ("standalone audio references", facts.audio_latents(facts.STANDALONE_AUDIO_BUDGET_S)))
+
+
+@dataclass(frozen=True)
+class H3Guide:
+    """One guide (ComfyUI core's `MiniMaxH3AddGuide`) as stage 1 sees it: the output pixel frame it is anchored at,
+    and whether it brings video rows (its latent is the next of `condition_latents` after the keyframes') and audio
+    rows (the next of `audio_condition_latents`). See `h3_core/guides.py` for the rules."""
+
+    frame: int  # resolved: 0 <= frame < num_frames
+    video: bool
+    audio: bool
+
+    def __post_init__(self):
+        if not is_int(self.frame) or self.frame < 0:
+            raise fail("guides", f"frame must be an int >= 0 (the resolved frame index), got {self.frame!r:.40}")
+        if not isinstance(self.video, bool) or not isinstance(self.audio, bool):
+            raise fail("guides", "video and audio must be bools")
+        if not (self.video or self.audio):
+            raise fail("guides", f"the guide at frame {self.frame} anchors neither video nor audio")
+
+    @classmethod
+    def coerce(cls, value: Any) -> H3Guide:
+        """An `H3Guide` from itself, a `(frame, video, audio)` triple or a `{"frame", "video", "audio"}` mapping."""
+        if isinstance(value, H3Guide):
+            return value
+        if isinstance(value, Mapping) and set(value) == {"frame", "video", "audio"}:
+            return cls(value["frame"], value["video"], value["audio"])
+        if isinstance(value, (tuple, list)) and len(value) == 3:
+            return cls(*value)
+        raise fail("guides", f"each entry must be an H3Guide, a (frame, video, audio) triple or a mapping, "
+                             f"got {value!r:.80}")
 
 
 @dataclass(frozen=True)
@@ -102,15 +134,19 @@ class H3Conditioning:
     keyframe_anchors: tuple[str, ...] = ()  # fl2va only, positional with condition_latents
     references: tuple[H3Reference, ...] = ()  # ref2va only, packed order
     metadata: Mapping[str, str] = field(default_factory=dict)  # free provenance, never interpreted
+    # fl2va only: guides at any frame (core's AddGuide), after the keyframes; video latents follow the keyframes' in
+    # condition_latents, audio rows are audio_condition_latents in order
+    guides: tuple[H3Guide, ...] = ()
 
     # ---- construction / validation ------------------------------------------------------------
     def __post_init__(self):
-        for name in ("condition_latents", "audio_condition_latents", "keyframe_anchors", "references"):
+        for name in ("condition_latents", "audio_condition_latents", "keyframe_anchors", "references", "guides"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Sequence):
                 raise fail(name, f"must be a sequence, got {type(value).__name__}")
             object.__setattr__(self, name, tuple(value))
         object.__setattr__(self, "references", tuple(H3Reference.coerce(r) for r in self.references))
+        object.__setattr__(self, "guides", tuple(H3Guide.coerce(g) for g in self.guides))
         if not isinstance(self.metadata, Mapping):
             raise fail("metadata", f"must be a mapping of str to str, got {type(self.metadata).__name__}")
         for key, value in self.metadata.items():
@@ -183,7 +219,10 @@ class H3Conditioning:
             if rows.shape[0] == 0 or rows.shape[0] % facts.AUDIO_CHANNELS:
                 raise fail(name, f"row count must be even and positive (2 stereo channels x T), got {rows.shape[0]}")
             t = rows.shape[0] // facts.AUDIO_CHANNELS
-            if not MIN_AUDIO_LATENTS <= t <= MAX_AUDIO_LATENTS:
+            if self.guides:  # a guide's audio is cut to what the output leaves (from 1 latent) and to 15 s
+                if not 1 <= t <= MAX_AUDIO_LATENTS:
+                    raise fail(name, f"a guide's audio has 1-{MAX_AUDIO_LATENTS} latents, got {t}")
+            elif not MIN_AUDIO_LATENTS <= t <= MAX_AUDIO_LATENTS:
                 raise fail(name, f"clip must be {MIN_AUDIO_LATENTS}-{MAX_AUDIO_LATENTS} latents "
                                  f"({facts.MIN_AUDIO_CLIP_S:g}-{facts.MAX_AUDIO_CLIP_S:g} s "
                                  f"at {facts.AUDIO_LATENTS_PER_SECOND}/s), "
@@ -205,7 +244,7 @@ class H3Conditioning:
                                         "blocks)")
 
     def _validate_t2va(self) -> None:
-        for name in ("condition_latents", "audio_condition_latents", "keyframe_anchors", "references"):
+        for name in ("condition_latents", "audio_condition_latents", "keyframe_anchors", "references", "guides"):
             n = len(getattr(self, name))
             if n:
                 raise fail(name, f"t2va carries text only, got {n} entr{'y' if n == 1 else 'ies'}")
@@ -213,25 +252,66 @@ class H3Conditioning:
     def _validate_fl2va(self) -> None:
         if self.references:
             raise fail("references", f"fl2va carries no references, got {len(self.references)}")
-        if self.audio_condition_latents:
+        if self.guides:
+            self._validate_guides()
+        elif self.audio_condition_latents:
             raise fail("audio_condition_latents",
-                       f"fl2va carries no audio conditions, got {len(self.audio_condition_latents)}")
-        n = len(self.condition_latents)
-        if not 1 <= n <= 2:
-            raise fail("condition_latents", f"fl2va needs 1-2 keyframe latents, got {n}")
-        if self.keyframe_anchors not in KEYFRAME_ANCHOR_SETS:
+                       f"fl2va carries no audio conditions without guides, got {len(self.audio_condition_latents)}")
+        n = len(self.condition_latents) - sum(g.video for g in self.guides)
+        if not (1 if not self.guides else 0) <= n <= 2:
+            raise fail("condition_latents", f"fl2va needs 1-2 keyframe latents (or a guide), got {n}")
+        if self.keyframe_anchors not in KEYFRAME_ANCHOR_SETS + ((),) or not (self.keyframe_anchors or self.guides):
             raise fail("keyframe_anchors", f"must be one of {KEYFRAME_ANCHOR_SETS}, got {self.keyframe_anchors}")
         if len(self.keyframe_anchors) != n:
             raise fail("keyframe_anchors", f"needs one anchor per keyframe latent ({n}), got "
                                            f"{len(self.keyframe_anchors)}")
         expected = (1, self.latent_height, self.latent_width)
-        for i, lat in enumerate(self.condition_latents):
+        for i, lat in enumerate(self.condition_latents[:n]):
             if shape(lat)[2:] != expected:
                 raise fail(f"condition_latents[{i}]", f"a keyframe latent must be [1, C, 1, H/16, W/16] = "
                                                       f"[1, C, {expected[0]}, {expected[1]}, {expected[2]}], "
                                                       f"got {shape(lat)}")
 
+    def _validate_guides(self) -> None:
+        """Guides (fl2va): counts match the latents after the keyframes', each fits the output (`guides.fit_error`)."""
+        if len(self.guides) > facts.MAX_GUIDES:
+            raise fail("guides", f"at most {facts.MAX_GUIDES} guides, got {len(self.guides)}")
+        video = [g for g in self.guides if g.video]
+        audio = [g for g in self.guides if g.audio]
+        if len(video) > len(self.condition_latents):
+            raise fail("condition_latents", f"{len(video)} guides anchor video but only "
+                                            f"{len(self.condition_latents)} condition latents are given")
+        if len(audio) != len(self.audio_condition_latents):
+            raise fail("audio_condition_latents", f"needs one audio condition per guide with audio ({len(audio)}), "
+                                                  f"got {len(self.audio_condition_latents)}")
+        first_guide = len(self.condition_latents) - len(video)
+        latents = iter(self.condition_latents[first_guide:])
+        rows = iter(self.audio_condition_latents)
+        for i, guide in enumerate(self.guides):
+            frames = 0
+            if guide.video:
+                lat = next(latents)
+                name = f"condition_latents[{first_guide + sum(g.video for g in self.guides[:i])}]"
+                if shape(lat)[3:] != (self.latent_height, self.latent_width):
+                    raise fail(name, f"a guide latent lies on the output canvas [.., {self.latent_height}, "
+                                     f"{self.latent_width}], got {shape(lat)}")
+                frames = guide_rules.frames_of_latent_t(lat.shape[2])
+                if frames is None:
+                    raise fail(name, f"a guide latent has T = 1 (an image) or 5n+2 (a 17n+5-frame clip), got "
+                                     f"T={lat.shape[2]}")
+            problem = guide_rules.fit_error(guide.frame, frames, self.num_frames, audio=guide.audio)
+            if problem:
+                raise fail(f"guides[{i}]", problem)
+            if guide.audio:
+                t = next(rows).shape[0] // facts.AUDIO_CHANNELS
+                cap = guide_rules.audio_latent_cap(guide.frame, self.num_frames)
+                if t > cap:
+                    raise fail(f"guides[{i}]", f"its audio has {t} latents, more than the {cap} the output leaves "
+                                               f"after frame {guide.frame}")
+
     def _validate_ref2va(self) -> None:
+        if self.guides:
+            raise fail("guides", "ref2va carries no guides (guides at any frame need task fl2va)")
         if self.keyframe_anchors:
             raise fail("keyframe_anchors", f"ref2va carries no keyframes, got {self.keyframe_anchors}")
         kinds = [r.kind for r in self.references]
@@ -251,15 +331,17 @@ class H3Conditioning:
             if ref.kind == "video" and (t - 2) % facts.LATENTS_PER_CLIP:
                 raise fail(f"condition_latents[{i}]", f"a video reference latent has T of the form 5n+2, got T={t}")
             if ref.kind == "video":
-                # A reference video is cut to the output's length and lies on the canvas rule, like the output.
+                # A reference video is cut to the output's length and lies on a canvas H3's canvas rule makes (at
+                # most the trained size, whatever the output's canvas).
                 if t > self.latent_t:
                     raise fail(f"condition_latents[{i}]", f"a video reference latent has at most the output's "
                                                           f"T={self.latent_t} ({self.num_frames} frames), got T={t}")
                 px_h, px_w = lat.shape[3] * facts.VAE_SPATIAL_FACTOR, lat.shape[4] * facts.VAE_SPATIAL_FACTOR
-                too_large = rules.canvas_size_error(px_w, px_h)
-                if too_large:
-                    raise fail(f"condition_latents[{i}]", f"a video reference latent lies on a canvas, got "
-                                                          f"{lat.shape[3]}x{lat.shape[4]} latents: {too_large}")
+                if rules.canvas_trained_warning(px_w, px_h):
+                    raise fail(f"condition_latents[{i}]", f"a video reference latent lies on a canvas of H3's canvas "
+                                                          f"rule (at most {facts.TRAINED_CANVAS_EDGE} px a side and "
+                                                          f"{facts.TRAINED_CANVAS_PIXELS} pixels), got "
+                                                          f"{lat.shape[3]}x{lat.shape[4]} latents ({px_w}x{px_h} px)")
 
         audio_refs = [r for r in self.references if r.has_audio]
         if len(self.audio_condition_latents) != len(audio_refs):
@@ -331,8 +413,9 @@ class H3Conditioning:
         if not isinstance(other, H3Conditioning):
             return NotImplemented
         if (self.task, self.height, self.width, self.num_frames, self.keyframe_anchors, self.references,
-                dict(self.metadata)) != (other.task, other.height, other.width, other.num_frames,
-                                         other.keyframe_anchors, other.references, dict(other.metadata)):
+                self.guides, dict(self.metadata)) != (other.task, other.height, other.width, other.num_frames,
+                                                      other.keyframe_anchors, other.references, other.guides,
+                                                      dict(other.metadata)):
             return False
         if len(self.condition_latents) != len(other.condition_latents) or \
                 len(self.audio_condition_latents) != len(other.audio_condition_latents):
@@ -351,7 +434,8 @@ class H3Conditioning:
         return (f"H3Conditioning(task={self.task!r}, {self.width}x{self.height}, num_frames={self.num_frames}, "
                 f"prompt_embeds={shape(self.prompt_embeds)} {self.prompt_embeds.dtype}, "
                 f"condition_latents=[{cond}], audio_condition_latents=[{audio}], "
-                f"keyframe_anchors={self.keyframe_anchors}, references=[{refs}], metadata={dict(self.metadata)})")
+                f"keyframe_anchors={self.keyframe_anchors}, references=[{refs}], metadata={dict(self.metadata)}"
+                + (f", guides={[(g.frame, g.video, g.audio) for g in self.guides]}" if self.guides else "") + ")")
 
     # ---- the outside forms: one-line delegates to the codec modules --------------------------------
     def to_bytes(self) -> bytes:

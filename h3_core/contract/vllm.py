@@ -56,6 +56,11 @@ def encode(cond, *, include_pack_metadata: bool = False) -> dict[str, Any]:
     `metadata` has no slot in vLLM's payload: with `include_pack_metadata=True` it rides in an extra
     top-level `minimax_h3_pack` key (vLLM's reader ignores unknown keys), otherwise it is dropped.
     """
+    if cond.guides:  # vLLM's layout anchors single-frame keyframes at its frame indices, with no clip or audio slot
+        frames = [g.frame for g in cond.guides]
+        raise fail("guides", f"{len(cond.guides)} guide(s) at frames {frames} (core's AddGuide: any frame, clips, "
+                             "audio) have no slot in vLLM-Omni's stage-0 payload, which carries "
+                             "first/last keyframes only; sample this conditioning with the pack or core")
     visual_rows = [patchify_video_latent(lat) for lat in cond.condition_latents]
     embedding = torch.cat(visual_rows) if visual_rows else torch.empty((0,), dtype=torch.float32)
     speech = (torch.cat([rows.contiguous() for rows in cond.audio_condition_latents])

@@ -89,8 +89,9 @@ def _gb(value: int) -> str:
 def run(args) -> int:
     rules.check_canvas(args.width, args.height)  # H3's canvas and frame rules, as encode and generate apply them
     rules.check_output_frames(args.frames)
-    untrained = rules.trained_range_warning(args.frames)  # planned all the same: a warning, not a refusal
-    warnings = [f"warning: {untrained}"] if untrained else []
+    # planned all the same: warnings, not refusals
+    untrained = [rules.trained_range_warning(args.frames), rules.canvas_trained_warning(args.width, args.height)]
+    warnings = [f"warning: {text}" for text in untrained if text]
     if warnings and not args.json:
         print("\n".join(warnings))
     if args.table:

@@ -198,7 +198,7 @@ class EncoderClient:
             self._sleep(delay, cancel, deadline)
             try:
                 caps = self._handshake(endpoint, cancel, deadline)
-                self._check_request_fits(endpoint, caps, needs, size)
+                self._check_request_fits(endpoint, caps, needs, size, guided=bool(request.guides))
                 report(1, steps)
                 status(event="sending", url=endpoint.url, bytes=size)
                 conditioning, headers = self._encode_once(endpoint, caps, body_json, content_type, buffers, cancel,
@@ -207,7 +207,7 @@ class EncoderClient:
                 tried.skipped[endpoint.url] = error  # this endpoint can never serve it: no retry is used up
                 continue
             except RemoteRequestError as error:
-                if error.code != "component_not_loaded":
+                if error.code not in ("component_not_loaded", "feature_not_supported"):
                     raise
                 tried.skipped[endpoint.url] = error
                 continue
@@ -335,7 +335,12 @@ class EncoderClient:
         endpoint.capabilities, endpoint.checked_at = caps, time.monotonic()
         return caps
 
-    def _check_request_fits(self, endpoint: Endpoint, caps: dict, needs: tuple[str, ...], size: int) -> None:
+    def _check_request_fits(self, endpoint: Endpoint, caps: dict, needs: tuple[str, ...], size: int,
+                            guided: bool = False) -> None:
+        if guided and protocol.FEATURE_GUIDES not in caps["protocol"]["features"]:
+            raise RemoteRequestError(
+                f"{endpoint.url}: this encoder server predates guides: update it, or encode the guides locally",
+                status=None, code="feature_not_supported", field="guides", url=endpoint.url)
         loaded = caps["model"]["components"]
         missing = [name for name in needs if name not in loaded]
         if missing:
@@ -427,7 +432,9 @@ class EncoderClient:
                       message=message if error.get("json") else None)
         retry_after = parse_retry_after(reply.headers.get("Retry-After"))
         if reply.status in (401, 403):
-            return RemoteAuthError(text + f" (set the token in {protocol.DEFAULT_TOKEN_ENV})", **kwargs)
+            hint = ("the server refused the token sent: check it matches the server's" if self.token
+                    else f"no token sent: set the token in {protocol.DEFAULT_TOKEN_ENV}")  # never the token itself
+            return RemoteAuthError(text + f" ({hint})", **kwargs)
         if reply.status in RETRYABLE_STATUS or (reply.status == 504 and code != "deadline_exceeded") or \
                 (reply.status == 503 and code == "abandoned"):
             return Transient(f"{reply.status} {code or ''} {message}".strip(), retry_after,
@@ -460,7 +467,7 @@ class EncoderClient:
 def _check_geometry(conditioning: H3Conditioning, request: EncodeRequest, task: str, url: str) -> None:
     """Refuse an answer for another request than the one sent: its task, frame count and (when the request set
     one) canvas must be the request's. Without an explicit canvas the server's canvas rule chose it; the contract
-    has bounded it by H3's trained range already."""
+    has bounded it (facts.MAX_CANVAS_EDGE / MAX_CANVAS_PIXELS) already."""
     asked = {"task": task, "num_frames": request.num_frames}
     if request.width is not None:
         asked.update(width=request.width, height=request.height)
@@ -491,6 +498,9 @@ def _checked_capabilities(body: bytes, url: str) -> dict:
         versions = [version]
     if not isinstance(versions, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
         raise fail("protocol.versions is not a list of integers")
+    features = caps["protocol"].get("features", [])  # absent: a server that predates every optional feature
+    if not isinstance(features, list) or not all(isinstance(name, str) for name in features):
+        raise fail("protocol.features is not a list of names")
     fingerprint = caps["model"].get("fingerprint")
     if not isinstance(fingerprint, str) or not fingerprint or len(fingerprint) > 128:
         raise fail("model.fingerprint is not a short string")
@@ -504,7 +514,7 @@ def _checked_capabilities(body: bytes, url: str) -> dict:
         if not isinstance(caps.get(key, {}), dict):
             raise fail(f"{key!r} is not an object")
     model = dict(caps["model"], components=components, fingerprint=fingerprint)
-    protocol_info = dict(caps["protocol"], versions=versions)
+    protocol_info = dict(caps["protocol"], versions=versions, features=features)
     return dict(caps, protocol=protocol_info, model=model, limits=caps.get("limits", {}),
                 deadline_s=caps.get("deadline_s", {}))
 

@@ -141,11 +141,12 @@ def add_limit_args(serve) -> None:
                        f"{protocol.Limits.max_num_frames} (H3's trained 15 s), at most {facts.MAX_FRAMES} "
                        f"({facts.MAX_FRAMES / facts.FPS:.0f} s, ComfyUI core's longest); longer requests get 422")
     serve.add_argument("--max-canvas-edge", type=int, default=None,
-                       help=f"longest canvas edge (px) a request may ask for: default and most {facts.MAX_CANVAS_EDGE} "
-                       "(H3's trained range, which the contract holds every conditioning to); larger requests get 413")
+                       help=f"longest canvas edge (px) a request may ask for: default {facts.TRAINED_CANVAS_EDGE} "
+                       f"(H3's trained size), at most {facts.MAX_CANVAS_EDGE} (the bound the contract holds every "
+                       "conditioning to); larger requests get 413")
     serve.add_argument("--max-canvas-pixels", type=int, default=None,
-                       help=f"largest canvas area (px) a request may ask for: default and most "
-                       f"{facts.MAX_CANVAS_PIXELS}; larger requests get 413")
+                       help=f"largest canvas area (px) a request may ask for: default {facts.TRAINED_CANVAS_PIXELS} "
+                       f"(H3's trained size), at most {facts.MAX_CANVAS_PIXELS}; larger requests get 413")
 
 
 def limits_from_args(args, limits: protocol.Limits) -> protocol.Limits:
@@ -162,7 +163,7 @@ def limits_from_args(args, limits: protocol.Limits) -> protocol.Limits:
         if value is None:
             continue
         if not facts.CANVAS_MULTIPLE <= value <= ceiling:  # the contract refuses larger canvases on every read
-            raise ServerConfigError(f"{name} must be within {facts.CANVAS_MULTIPLE}-{ceiling} (H3's trained canvas, "
-                                    f"the most a conditioning holds), got {value}")
+            raise ServerConfigError(f"{name} must be within {facts.CANVAS_MULTIPLE}-{ceiling} (the most a "
+                                    f"conditioning holds; H3's trained size is the default), got {value}")
         limits = replace(limits, **{flag: value})
     return limits

@@ -96,7 +96,7 @@ def capabilities(service: EncoderService) -> dict[str, Any]:
 
     return {
         "protocol": {"name": protocol.PROTOCOL_NAME, "version": protocol.PROTOCOL_VERSION,
-                     "versions": [protocol.PROTOCOL_VERSION]},
+                     "versions": [protocol.PROTOCOL_VERSION], "features": list(protocol.FEATURES)},
         "server": {"name": "h3_core", "version": __version__},
         "model": {
             "fingerprint": service.fingerprint,

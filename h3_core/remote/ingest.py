@@ -8,6 +8,9 @@
   onto what the encoder makes of them (24 fps, the output length, the canvas of the pipeline's rule:
   `media.VideoTarget`), which is exactly what its own normalisation of the whole clip gives, so the conditioning
   equals a local encode while a 4K clip never exists at 4K; the decoded-bytes bound counts that output size.
+* Guides (the request's "guides"): an image as a reference image is; a clip decoded whole (the encoder crops its
+  frames onto the canvas itself), at most `guides.MAX_GUIDE_FRAMES` frames, refused by its header first; an audio
+  cut at `protocol.GUIDE_AUDIO_SECONDS` while decoding (the encoder keeps less), never refused for its length.
 
 Every parse of untrusted media bytes goes through `decode_media`, which runs it in a sandboxed worker process
 (`h3_core.media.sandbox`: address-space cap, timeout; a crash is a 422 for that request). Nothing here unpickles
@@ -27,12 +30,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import media, rules
+from .. import guides, media, rules
+from ..guides import GuideMedia
 from ..media import sandbox as media_sandbox
 from ..progress import check_cancel
 from ..request import AudioInput, EncodeRequest, VideoInput
-from .protocol import Limits, ProtocolError, bad, invalid, too_large
-from .request_schema import MediaRef, RequestSpec
+from .protocol import GUIDE_AUDIO_SECONDS, Limits, ProtocolError, bad, invalid, too_large
+from .request_schema import GuideRef, MediaRef, RequestSpec
 
 __all__ = ["Part", "sniff", "check_filename", "content_type_family", "check_part", "max_part_bytes",
            "allowed_content_types", "decode_media", "DecodeSettings", "build_request"]
@@ -345,8 +349,8 @@ def _target_pixels(width: int, height: int, target: media.VideoTarget) -> int:
     return pixels
 
 
-def _plan_video(data: bytes, where: str, limits: Limits, settings: DecodeSettings, ref: MediaRef | None,
-                num_frames: int) -> _Plan:
+def _video_header(data: bytes, where: str, limits: Limits, settings: DecodeSettings) -> tuple[dict, int, int, float]:
+    """A video part's probed header, held to the pixel cap: (info, width, height, the seconds any stream may last)."""
     info = _probe(data, where, settings)
     if not any(s["type"] == "video" for s in info["streams"]):
         raise invalid(f"{where}: no video stream", where, "invalid_media")
@@ -354,18 +358,29 @@ def _plan_video(data: bytes, where: str, limits: Limits, settings: DecodeSetting
     if width * height > limits.max_video_pixels:
         raise too_large(f"{where}: video frames are {width}x{height} = {width * height} pixels, over the limit "
                         f"of max_video_pixels={limits.max_video_pixels}", where, "too_many_pixels")
-    cap_s = limits.max_media_seconds + limits.decode_slack_seconds
+    return info, width, height, limits.max_media_seconds + limits.decode_slack_seconds
+
+
+def _soundtrack_bytes(info: dict, where: str, limits: Limits, cap_s: float, label: str = "soundtrack",
+                      hint: str = "") -> int:
+    """The bytes a video's own audio stream decodes to (0 without one), its header and length checked first."""
+    if not any(s["type"] == "audio" for s in info["streams"]):
+        return 0
+    _check_audio_header(info, where, limits, "soundtrack")
+    seconds = _audio_duration(info)
+    if seconds is not None and seconds > cap_s:
+        raise too_large(f"{where}: {label} is {seconds:.2f} s long, over the limit of "
+                        f"max_media_seconds={limits.max_media_seconds:g}{hint}", where, "too_long")
+    return _audio_bytes(info, limits, cap_s)
+
+
+def _plan_video(data: bytes, where: str, limits: Limits, settings: DecodeSettings, ref: MediaRef | None,
+                num_frames: int) -> _Plan:
+    info, width, height, cap_s = _video_header(data, where, limits, settings)
     if info.get("duration") is not None and info["duration"] > cap_s:
         raise too_large(f"{where}: video is {info['duration']:.2f} s long, over the limit of "
                         f"max_media_seconds={limits.max_media_seconds:g}", where, "too_long")
-    soundtrack_bytes = 0
-    if any(s["type"] == "audio" for s in info["streams"]):
-        _check_audio_header(info, where, limits, "soundtrack")
-        seconds = _audio_duration(info)
-        if seconds is not None and seconds > cap_s:
-            raise too_large(f"{where}: soundtrack is {seconds:.2f} s long, over the limit of "
-                            f"max_media_seconds={limits.max_media_seconds:g}", where, "too_long")
-        soundtrack_bytes = _audio_bytes(info, limits, cap_s)
+    soundtrack_bytes = _soundtrack_bytes(info, where, limits, cap_s)
     max_frames = limits.max_video_frames
     if width and height:
         max_frames = max(1, min(max_frames, limits.max_video_decoded_bytes // (width * height * 3)))
@@ -399,6 +414,46 @@ def _plan_video(data: bytes, where: str, limits: Limits, settings: DecodeSetting
 
 
 _PLANNERS = {"image": _plan_image, "audio": _plan_audio, "video": _plan_video}
+
+
+def _plan_guide_video(data: bytes, where: str, limits: Limits, settings: DecodeSettings, ref: MediaRef | None,
+                      num_frames: int) -> _Plan:
+    """A guide clip: decoded whole (no target: the encoder cover-crops its frames itself, as a local encode does),
+    at most `guides.MAX_GUIDE_FRAMES` frames (fewer where max_video_decoded_bytes says so); a container's own
+    soundtrack is checked as a reference video's is (the decoder reads it), then dropped."""
+    info, width, height, cap_s = _video_header(data, where, limits, settings)
+    soundtrack_bytes = _soundtrack_bytes(info, where, limits, cap_s, "the clip's own soundtrack",
+                                         " (a guide's audio goes in its \"audio\" part)")
+    frame_bytes = (width * height or limits.max_video_pixels) * 3
+    declared = info.get("frames")
+    if declared and declared > guides.MAX_GUIDE_FRAMES:
+        raise too_large(f"{where}: a guide clip anchors at most {guides.MAX_GUIDE_FRAMES} frames, the clip "
+                        f"declares {declared}: cut it (the client sends only the frames a guide anchors)", where,
+                        "too_many_frames")
+    max_frames = max(1, min(guides.MAX_GUIDE_FRAMES, limits.max_video_frames,
+                            limits.max_video_decoded_bytes // frame_bytes))
+    if declared and declared > max_frames:
+        raise too_large(f"{where}: video declares {declared} frames, over the limit of {max_frames} decoded frames "
+                        f"(max_video_frames={limits.max_video_frames}, "
+                        f"max_video_decoded_bytes={limits.max_video_decoded_bytes})", where, "too_many_frames")
+    caps: dict[str, Any] = {"max_frames": max_frames, "max_pixels": limits.max_video_pixels}
+    frames = declared or max_frames
+    in_flight = media_sandbox.BASE_BYTES + 48 * frame_bytes + 3 * soundtrack_bytes
+    return _Plan("video", where, caps, frames * frame_bytes + soundtrack_bytes, in_flight + max_frames * frame_bytes)
+
+
+def _plan_guide_audio(data: bytes, where: str, limits: Limits, settings: DecodeSettings, ref: MediaRef | None,
+                      num_frames: int) -> _Plan:
+    """A guide's audio: its header checked as a reference audio's is, but not its length: the decoder stops at
+    `GUIDE_AUDIO_SECONDS` (a local encode cuts a guide's audio too, and to less)."""
+    info = _probe(data, where, settings)
+    if not any(s["type"] == "audio" for s in info["streams"]):
+        raise invalid(f"{where}: no audio stream", where, "invalid_media")
+    _check_audio_header(info, where, limits, "audio")
+    return _Plan("audio", where, {"max_seconds": GUIDE_AUDIO_SECONDS}, _audio_bytes(info, limits, GUIDE_AUDIO_SECONDS))
+
+
+_GUIDE_PLANNERS = {"image": _plan_image, "audio": _plan_guide_audio, "video": _plan_guide_video}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -443,12 +498,14 @@ def build_request(
     where (sandbox or in-process) and onto what (the pipeline's canvas rule) the media is decoded.
     """
     videos = {ref.part: ref for ref in spec.ref_videos}
+    guide_parts = {ref.part for guide in spec.guides for ref in guide.media()}
     plans: dict[str, _Plan] = {}
     for name, (kind, where) in spec.part_kinds().items():
         if name not in parts:  # the server checks this while reading; kept for in-process callers
             raise bad(f"{where}: part {name!r} is missing from the request body", where)
         check_cancel(cancel, f"before reading the header of {where}")
-        plans[name] = _PLANNERS[kind](parts[name].data, where, limits, settings, videos.get(name), spec.num_frames)
+        planners = _GUIDE_PLANNERS if name in guide_parts else _PLANNERS
+        plans[name] = planners[kind](parts[name].data, where, limits, settings, videos.get(name), spec.num_frames)
     total = sum(plan.decoded_bytes for plan in plans.values())
     if total > limits.max_request_decoded_bytes:
         largest = max(plans.values(), key=lambda plan: plan.decoded_bytes)
@@ -479,7 +536,7 @@ def build_request(
         return VideoInput(frames=clip.frames, fps=clip.fps, audio=sound, sample_rate=rate,
                           source_seconds=clip.source_seconds)
 
-    return EncodeRequest.from_sources(
+    request = EncodeRequest.from_sources(
         spec.prompt,
         task=spec.task,
         width=spec.width,
@@ -494,3 +551,28 @@ def build_request(
         read_video=video,
         read_audio=audio,
     )
+    request.guides = [_guide(guide, index, spec.num_frames, parts, plans, cancel, settings)
+                      for index, guide in enumerate(spec.guides, start=1)]
+    return request
+
+
+def _guide(guide: GuideRef, number: int, num_frames: int, parts: Mapping[str, Part], plans: Mapping[str, _Plan],
+           cancel: threading.Event | None, settings: DecodeSettings) -> GuideMedia:
+    """One guide decoded into the `GuideMedia` a local request holds, its fit on the output checked (`guides.check`'s
+    words) with the part that decides it named."""
+    frames = audio = rate = None
+    if guide.image is not None:
+        check_cancel(cancel, f"before decoding {guide.image.field}")
+        frames = _decode(parts[guide.image.part].data, plans[guide.image.part], settings)[None]
+    elif guide.video is not None:
+        check_cancel(cancel, f"before decoding {guide.video.field}")
+        frames = _decode_video(parts[guide.video.part].data, plans[guide.video.part], settings).frames
+    if guide.audio is not None:
+        check_cancel(cancel, f"before decoding {guide.audio.field}")
+        audio, rate = _decode(parts[guide.audio.part].data, plans[guide.audio.part], settings)
+    media_guide = GuideMedia(frame_index=guide.frame_index, frames=frames, audio=audio, sample_rate=rate)
+    problem = guides.fit_error(guide.frame_index, media_guide.frame_count, num_frames, audio=audio is not None)
+    if problem:
+        where = guide.video.field if guide.video is not None else f"{guide.field}.frame_index"
+        raise invalid(f"guide {number}: {problem}", where)
+    return media_guide

@@ -2,7 +2,9 @@
 
 Images go as PNG and waveforms as float32 WAV (both lossless); videos as lossless mp4 (H.264 RGB at qp 0, or PNG
 frames) with the exact frame rate in the JSON and their soundtrack as a separate float32 WAV part, so the server's
-`ingest.build_request` rebuilds the same arrays and a remote encode is bit-identical to a local one.
+`ingest.build_request` rebuilds the same arrays and a remote encode is bit-identical to a local one. Guides (protocol
+feature "guides") go the same way: what the encoder anchors of each (one image as PNG, a clip as lossless mp4) and
+its audio as float32 WAV, cut to `protocol.GUIDE_AUDIO_SECONDS`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from .. import facts, media
 from ..progress import check_cancel
 from ..request import EncodeRequest
-from .protocol import PROTOCOL_VERSION, REQUEST_PART, Limits
+from .protocol import GUIDE_AUDIO_SECONDS, PROTOCOL_VERSION, REQUEST_PART, Limits
 
 __all__ = ["request_to_wire", "encode_multipart", "json_part", "conditioning_bound"]
 
@@ -121,6 +123,24 @@ def request_to_wire(
     body["ref_videos"] = videos
     body["ref_audios"] = [wav(f"audio{index}", audio.waveform, audio.sample_rate)
                           for index, audio in enumerate(request.ref_audios)]
+    guides = []
+    for index, guide in enumerate(request.guides):
+        check_cancel(cancel, "while packing the request media")
+        entry = {"frame_index": int(guide.frame_index)}
+        if guide.frames is not None:
+            # What the encoder anchors (`GuideMedia.frame_count`): one image, or the clip cut down to 17k+5.
+            kept = np.ascontiguousarray(guide.frames[:guide.frame_count])
+            if kept.shape[0] == 1:
+                entry["image"] = png(f"guide{index}", kept[0])
+            else:
+                data = _lossless_mp4(kept, facts.FPS) if lossless_video else _lossy_mp4(kept, facts.FPS)
+                entry["video"] = add(f"guide{index}", "video/mp4", "mp4", data)
+        if guide.audio is not None:
+            keep = int(GUIDE_AUDIO_SECONDS * int(guide.sample_rate))  # the server's decode cut: the same samples
+            entry["audio"] = wav(f"guide{index}_audio", guide.audio[:, :keep], guide.sample_rate)
+        guides.append(entry)
+    if guides:  # absent without guides: such a request is what servers without the feature have always read
+        body["guides"] = guides
     return body, parts
 
 
@@ -156,8 +176,9 @@ def conditioning_bound(request: EncodeRequest) -> int:
 
     Tokens: the prompt (at most one per UTF-8 byte, plus a template allowance) and the vision tokens of every
     image and video frame; each at most `_MAX_TEXT_WIDTH` float32 values. Latents: one latent frame per keyframe
-    or image, one per 4 frames at 24 fps (+2) per reference video, each at most `_MAX_LATENT_CHANNELS` channels
-    over the canvas (the request's, else the largest a server accepts); audio clips at their maximum length.
+    or image, one per 4 frames at 24 fps (+2) per reference video or guide clip, each at most
+    `_MAX_LATENT_CHANNELS` channels over the canvas (the request's, else the largest a server accepts); audio clips
+    (soundtracks, reference and guide audios) at their maximum length.
     Loose by design (several times the real size), but it follows the request, not a fixed gigabyte.
     """
     canvas = request.width * request.height if request.width and request.height else Limits().max_canvas_pixels
@@ -174,5 +195,8 @@ def conditioning_bound(request: EncodeRequest) -> int:
         latent_frames += math.ceil(video.seconds * facts.FPS) // 4 + 2
         audio_clips += int(video.audio is not None)
     audio_clips += len(request.ref_audios)
+    for guide in request.guides:  # no vision tokens: guides go through the VAEs only
+        latent_frames += guide.frame_count // 4 + 2 if guide.frames is not None else 0
+        audio_clips += int(guide.audio is not None)
     return (1 << 20) + tokens * (_MAX_TEXT_WIDTH * 4 + 8) + latent_frames * latent_frame_bytes + \
         audio_clips * _AUDIO_CLIP_BYTES

@@ -8,7 +8,9 @@ Wire (docs/PROTOCOL.md has the full text):
                            200 -> the conditioning contract as safetensors bytes      (auth)
 
 Version 2 answers carry the contract's wire form 2 (`h3_core.contract.wire`: one xxh3-128 checksum inside the
-body instead of a sha256 per tensor and an X-H3-Sha256 header); the request side is unchanged from version 1.
+body instead of a sha256 per tensor and an X-H3-Sha256 header); the request side is version 1's, grown only by
+optional fields a server announces in its capabilities' "features" (`FEATURES`: "guides"), so a request without
+them is byte for byte what it was.
 
 Everything a request can get wrong is a `ProtocolError` carrying the HTTP status, a stable `code`, the
 offending `field` and a message that names the constraint; the server sends it as
@@ -26,11 +28,11 @@ import ipaddress
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .. import facts, media, rules
+from .. import facts, guides, media, rules
 
-__all__ = ["PROTOCOL_NAME", "PROTOCOL_VERSION", "HEALTH_PATH", "CAPABILITIES_PATH", "ENCODE_PATH", "DEFAULT_TOKEN_ENV",
-           "CONDITIONING_CONTENT_TYPE", "Limits", "ProtocolError", "is_loopback", "error_body", "error_from_exception",
-           "bad", "invalid", "too_large"]
+__all__ = ["PROTOCOL_NAME", "PROTOCOL_VERSION", "FEATURES", "FEATURE_GUIDES", "HEALTH_PATH", "CAPABILITIES_PATH",
+           "ENCODE_PATH", "DEFAULT_TOKEN_ENV", "CONDITIONING_CONTENT_TYPE", "Limits", "ProtocolError", "is_loopback",
+           "error_body", "error_from_exception", "bad", "invalid", "too_large"]
 
 
 PROTOCOL_NAME = "h3-encoder"
@@ -44,6 +46,14 @@ REQUEST_PART = "request"
 # Identity of the bytes -> arrays conversion, part of every cache key: bump it when h3_core.media changes how a
 # file decodes, so a cache never answers with conditioning made from differently decoded media.
 CONVERSION_ID = "h3_core.media.read_*/1"
+# What this server reads beyond version 2's first form, announced in /v1/capabilities as "features" (additive: a
+# server without the list predates them all, and a client refuses, before sending, a request that needs one).
+FEATURE_GUIDES = "guides"  # the request's "guides" list (h3_core/guides.py): media anchored at any output frame
+FEATURES = (FEATURE_GUIDES,)
+# A guide's audio is cut to what the output leaves, at most 15 s (`guides.prepare` keeps that plus a second before
+# resampling); the client sends, and the server decodes, at most this many seconds of it: a second more than the
+# encoder ever reads, so the cut never changes the conditioning, while a longer file costs no more.
+GUIDE_AUDIO_SECONDS = guides.MAX_GUIDE_AUDIO_LATENTS / facts.AUDIO_LATENTS_PER_SECOND + 2.0  # 17 s
 
 # Response / request headers (all optional for third-party clients except Authorization when a token is set).
 H_PROTOCOL = "X-H3-Protocol"
@@ -80,7 +90,8 @@ class Limits:
     max_image_bytes: int = 64 * MiB
     max_video_bytes: int = 384 * MiB
     max_audio_bytes: int = 64 * MiB
-    max_parts: int = 1 + facts.MAX_KEYFRAMES + facts.MAX_REFS + facts.MAX_REF_VIDEOS  # request + media + soundtracks
+    # request + keyframes + the larger of references (+ soundtracks, ref2va) and guides (frames + audio each, fl2va)
+    max_parts: int = 1 + facts.MAX_KEYFRAMES + max(facts.MAX_REFS + facts.MAX_REF_VIDEOS, 2 * facts.MAX_GUIDES)
     # H3's prompt limit (facts.MAX_PROMPT_CHARS): the contract bounds a conditioning's text rows by what a prompt
     # this long can make, so an operator may only lower it.
     max_prompt_chars: int = facts.MAX_PROMPT_CHARS
@@ -96,8 +107,9 @@ class Limits:
     max_sample_rate: int = 192_000
     max_audio_channels: int = 8
     max_fps: float = 240.0
-    max_canvas_edge: int = facts.MAX_CANVAS_EDGE  # H3's trained range; an operator may only lower them
-    max_canvas_pixels: int = facts.MAX_CANVAS_PIXELS
+    # H3's trained size by default; an operator may set them anywhere up to the absolute bound (facts.MAX_CANVAS_*)
+    max_canvas_edge: int = facts.TRAINED_CANVAS_EDGE
+    max_canvas_pixels: int = facts.TRAINED_CANVAS_PIXELS
     # The longest output a request may ask for (`serve --max-frames`): H3's trained 15 s by default; an operator may
     # raise it to the longest H3 allows (facts.MAX_FRAMES) or lower it. Longer is a 422 naming this setting.
     max_num_frames: int = facts.TRAINED_MAX_FRAMES
@@ -115,6 +127,7 @@ class Limits:
             max_ref_videos=facts.MAX_REF_VIDEOS,
             max_ref_audios=facts.MAX_REF_AUDIOS,
             max_refs=facts.MAX_REFS,
+            max_guides=facts.MAX_GUIDES,
             # the lengths this server accepts (its max_num_frames, at most H3's), and H3's trained range
             num_frames=[facts.MIN_FRAMES, min(self.max_num_frames, facts.MAX_FRAMES)],
             trained_num_frames=[facts.TRAINED_MIN_FRAMES, facts.TRAINED_MAX_FRAMES],

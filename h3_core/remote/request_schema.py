@@ -2,8 +2,10 @@
 
 `parse_request_json` reads the bytes (UTF-8, bounded, no NaN, no duplicate keys); `parse_request` turns the object
 into a `RequestSpec`, one reader per field in a fixed order, and checks every H3 rule that needs no media (counts,
-frames, canvas, task). Every refusal is a `protocol.ProtocolError` naming the field. The media bytes are read
-later, by `ingest.py`; `RequestSpec.needed_components()` says which encoders they need before any is read.
+frames, canvas, task, where each guide stands). The optional "guides" list (protocol feature "guides",
+`protocol.FEATURES`) is additive: a request without it parses, and keys its cache, exactly as before. Every refusal
+is a `protocol.ProtocolError` naming the field. The media bytes are read later, by `ingest.py`;
+`RequestSpec.needed_components()` says which encoders they need before any is read.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .. import facts, rules
+from .. import facts, guides, rules
 from ..request import needed_encoders
 from .protocol import (
     CONVERSION_ID,
@@ -29,13 +31,15 @@ from .protocol import (
     too_large,
 )
 
-__all__ = ["MediaRef", "RequestSpec", "parse_request_json", "parse_request", "cache_key"]
+__all__ = ["MediaRef", "GuideRef", "RequestSpec", "parse_request_json", "parse_request", "cache_key"]
 
 _PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _TOP_KEYS = frozenset({"protocol", "prompt", "task", "width", "height", "num_frames", "first_frame", "last_frame",
-                       "ref_images", "ref_videos", "ref_audios", "model", "deadline_s"})
+                       "ref_images", "ref_videos", "ref_audios", "guides", "model", "deadline_s"})
 _MEDIA_KEYS = frozenset({"part"})
 _VIDEO_KEYS = frozenset({"part", "fps", "soundtrack"})
+_GUIDE_KEYS = frozenset({"frame_index", "image", "video", "audio"})
+_GUIDE_MEDIA = ("image", "video", "audio")  # a guide's media keys, each its own kind of part
 _MAX_LIST = 16  # absolute cap on any media list before H3's own counts are checked
 
 
@@ -48,6 +52,22 @@ class MediaRef:
     kind: str  # "image" | "video" | "audio"
     fps: float | None = None  # videos: the clip's frame rate (None: the container's)
     soundtrack: str | bool | None = None  # videos: part name of its audio, False for none, None for the container's
+
+
+@dataclass(frozen=True)
+class GuideRef:
+    """One entry of the request's "guides": where it anchors (`h3_core.guides`: a negative index counts from the
+    end) and its parts: an image or a clip (`video`, its frames as decoded; a container's own audio is not read),
+    and/or an audio."""
+
+    field: str  # "guides[0]" (for messages)
+    frame_index: int
+    image: MediaRef | None = None
+    video: MediaRef | None = None
+    audio: MediaRef | None = None
+
+    def media(self) -> list[MediaRef]:
+        return [ref for ref in (self.image, self.video, self.audio) if ref is not None]
 
 
 @dataclass(frozen=True)
@@ -64,13 +84,15 @@ class RequestSpec:
     ref_images: tuple[MediaRef, ...] = ()
     ref_videos: tuple[MediaRef, ...] = ()
     ref_audios: tuple[MediaRef, ...] = ()
+    guides: tuple[GuideRef, ...] = ()
     model: str | None = None
     deadline_s: float | None = None
     resolved_task: str = "t2va"
 
     def media(self) -> list[MediaRef]:
         items = [ref for ref in (self.first_frame, self.last_frame) if ref is not None]
-        return items + list(self.ref_images) + list(self.ref_videos) + list(self.ref_audios)
+        items += list(self.ref_images) + list(self.ref_videos) + list(self.ref_audios)
+        return items + [ref for guide in self.guides for ref in guide.media()]
 
     def part_kinds(self) -> dict[str, tuple[str, str]]:
         """Every part the request names -> (kind, field); soundtracks are audio parts."""
@@ -95,6 +117,8 @@ class RequestSpec:
             audios=len(self.ref_audios),
             # a video's soundtrack may come from the container: cannot know before decoding
             soundtracks=sum(ref.soundtrack is not False for ref in self.ref_videos),
+            guide_frames=sum(guide.image is not None or guide.video is not None for guide in self.guides),
+            guide_audios=sum(guide.audio is not None for guide in self.guides),
         )
 
     def canonical(self, digests: Mapping[str, str]) -> dict[str, Any]:
@@ -111,7 +135,7 @@ class RequestSpec:
                 )
             return out
 
-        return {
+        out = {
             "prompt": self.prompt,
             "task": self.resolved_task,
             "width": self.width,
@@ -123,6 +147,14 @@ class RequestSpec:
             "ref_videos": [ref(item) for item in self.ref_videos],
             "ref_audios": [ref(item) for item in self.ref_audios],
         }
+        if self.guides:  # absent without guides: the keys of requests without them are what they always were
+            out["guides"] = [
+                {"frame_index": guide.frame_index,
+                 **{key: None if item is None else {"sha256": digests[item.part]}
+                    for key, item in zip(_GUIDE_MEDIA, (guide.image, guide.video, guide.audio))}}
+                for guide in self.guides
+            ]
+        return out
 
 
 class _Unreadable:
@@ -333,6 +365,58 @@ def _media_list(obj: Mapping, key: str, kind: str, limits: Limits) -> tuple[Medi
     return tuple(_media_ref(item, f"{key}[{index}]", kind, limits) for index, item in enumerate(value))
 
 
+def _guides(obj: Mapping, num_frames: int) -> tuple[GuideRef, ...]:
+    """The optional "guides" list: at most facts.MAX_GUIDES entries, each {"frame_index": int, "image" | "video":
+    {"part": NAME}, "audio": {"part": NAME}}; where each stands is checked against the output length here (a clip's
+    length only after decoding, `ingest.build_request`), with `guides.fit_error`'s words."""
+    value = obj.get("guides")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad(f"guides must be a list, got {type(value).__name__}", "guides")
+    if len(value) > facts.MAX_GUIDES:
+        raise invalid(f"guides has {len(value)} entries; at most {facts.MAX_GUIDES} guides per request", "guides")
+    return tuple(_guide(item, f"guides[{index}]", index + 1, num_frames) for index, item in enumerate(value))
+
+
+def _guide(item: Any, where: str, number: int, num_frames: int) -> GuideRef:
+    if not isinstance(item, dict):
+        raise bad(f"{where} must be an object {{\"frame_index\": INT, \"image\" | \"video\": {{\"part\": NAME}}, "
+                  f"\"audio\": {{\"part\": NAME}}}}, got {type(item).__name__}", where)
+    _check_keys(item, _GUIDE_KEYS, where)
+    index = item.get("frame_index")
+    if index is None:
+        raise bad(f"{where}.frame_index is required", f"{where}.frame_index")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise bad(f"{where}.frame_index must be an integer, got {type(index).__name__}", f"{where}.frame_index")
+    if abs(index) > facts.MAX_FRAMES:
+        raise invalid(f"{where}.frame_index must be within ±{facts.MAX_FRAMES} (negative counts from the end), got "
+                      f"{_shown_number(index)}", f"{where}.frame_index")
+    refs = {key: None if item.get(key) is None else _part_ref(item[key], f"{where}.{key}", key)
+            for key in _GUIDE_MEDIA}
+    if refs["image"] is not None and refs["video"] is not None:
+        raise bad(f"{where} takes an image or a video, not both", f"{where}.video")
+    if not any(refs.values()):
+        raise invalid(f"{where} needs an image, a video or an audio to anchor", where)
+    # Where it starts (a clip anchors at least one frame): the rest of its fit needs its decoded length.
+    frames = int(refs["image"] is not None or refs["video"] is not None)
+    problem = guides.fit_error(index, frames, num_frames, audio=refs["audio"] is not None)
+    if problem:
+        raise invalid(f"guide {number}: {problem}", f"{where}.frame_index")
+    return GuideRef(field=where, frame_index=index, **refs)
+
+
+def _part_ref(value: Any, where: str, kind: str) -> MediaRef:
+    """A guide's {"part": NAME} of one kind; a guide clip's container audio is never read (soundtrack False)."""
+    if not isinstance(value, dict):
+        raise bad(f"{where} must be an object {{\"part\": NAME}}, got {type(value).__name__}", where)
+    _check_keys(value, _MEDIA_KEYS, where)
+    if "part" not in value:
+        raise bad(f"{where}.part is required", f"{where}.part")
+    return MediaRef(field=where, part=_part_name(value["part"], f"{where}.part"), kind=kind,
+                    soundtrack=False if kind == "video" else None)
+
+
 def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | None = None) -> RequestSpec:
     """Validate a decoded JSON request and every rule that needs no media (H3's counts, frames, canvas, task).
 
@@ -352,9 +436,10 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
     images = _media_list(obj, "ref_images", "image", limits)
     videos = _media_list(obj, "ref_videos", "video", limits)
     audios = _media_list(obj, "ref_audios", "audio", limits)
+    guide_refs = _guides(obj, num_frames)
     model = _model(obj)
     deadline = _deadline(obj, max_deadline_s)
-    summary = _media_summary(first, last, images, videos, audios)
+    summary = _media_summary(first, last, images, videos, audios, len(guide_refs))
     spec = RequestSpec(
         prompt=prompt,
         task=task,
@@ -366,6 +451,7 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
         ref_images=images,
         ref_videos=videos,
         ref_audios=audios,
+        guides=guide_refs,
         model=model,
         deadline_s=deadline,
         resolved_task=_resolved_task(task, prompt, summary, num_frames),
@@ -457,7 +543,9 @@ def _check_canvas_size(width: int, height: int, limits: Limits) -> None:
     if max(width, height) > limits.max_canvas_edge or width * height > limits.max_canvas_pixels:
         raise too_large(
             f"canvas {width}x{height} is over this server's limits (max_canvas_edge={limits.max_canvas_edge}, "
-            f"max_canvas_pixels={limits.max_canvas_pixels})", "width")
+            f"max_canvas_pixels={limits.max_canvas_pixels}; by default H3's trained range, which an operator may "
+            f"raise with serve --max-canvas-edge / --max-canvas-pixels up to {facts.MAX_CANVAS_EDGE} px and "
+            f"{facts.MAX_CANVAS_PIXELS} px)", "width")
 
 
 def _model(obj: Mapping) -> str | None:
@@ -482,7 +570,8 @@ def _deadline(obj: Mapping, max_deadline_s: float | None) -> float | None:
 
 
 def _media_summary(first: MediaRef | None, last: MediaRef | None, images: tuple[MediaRef, ...],
-                   videos: tuple[MediaRef, ...], audios: tuple[MediaRef, ...]) -> rules.MediaSummary:
+                   videos: tuple[MediaRef, ...], audios: tuple[MediaRef, ...], guide_count: int = 0
+                   ) -> rules.MediaSummary:
     """The request's media counts for H3's rules, with placeholder (valid) durations: the real durations are checked
     by EncodeRequest.validate() after decoding, with the same messages as a local run."""
     return rules.MediaSummary(
@@ -491,6 +580,7 @@ def _media_summary(first: MediaRef | None, last: MediaRef | None, images: tuple[
         video_ref_seconds=(facts.MIN_REFERENCE_VIDEO_S,) * len(videos),
         soundtrack_seconds=(None,) * len(videos),
         audio_ref_seconds=(facts.MIN_AUDIO_CLIP_S,) * len(audios),
+        guides=guide_count,
     )
 
 

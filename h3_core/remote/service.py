@@ -239,8 +239,9 @@ class EncoderService:
         """422 before the job is queued (or its media read) when this server lacks an encoder the request needs."""
         missing = [name for name in spec.needed_components() if name not in self.components]
         if missing:
+            only_soundtracks = not spec.ref_audios and not any(guide.audio for guide in spec.guides)
             hint = (" (a reference video with soundtrack null may carry audio: send soundtrack false if it has "
-                    "none)" if "audio" in missing and not spec.ref_audios else "")
+                    "none)" if "audio" in missing and only_soundtracks else "")
             raise ProtocolError(422, "component_not_loaded",
                                 f"this server runs the encoder(s) {list(self.components)} but the request needs "
                                 f"{missing}{hint}")

@@ -1,7 +1,8 @@
 """Run this pack inside a real ComfyUI server (and its real frontend) on CPU, on loopback.
 
-`bash scripts/test.sh` sets everything up (scripts/setup_comfyui.sh): ComfyUI 0.3.75 in the
-venv and its tree copied to `.comfyui/`, Debian chromium, playwright-core in `tests/ui`.
+`bash scripts/test.sh` sets everything up (scripts/setup_comfyui.sh): ComfyUI core 0.33 in `.comfyui-0.33/` (the
+tests' default), ComfyUI 0.3.75 in the venv and its tree copied to `.comfyui/`, Debian chromium, playwright-core in
+`tests/ui`.
 
 Use from a test module::
 
@@ -14,12 +15,13 @@ Use from a test module::
 
 Importing the fixture into several modules is fine: servers are cached per configuration, so the
 session still starts one (registering it once in conftest.py via `pytest_plugins` works too).
-`comfy_factory(models_src=None, env=None, extra_args=())` gives a server with another setup.
+`comfy_factory(models_src=None, env=None, extra_args=(), install=None)` gives a server with another setup.
 
-Two ComfyUIs: `COMFY_0375` (0.3.75, `.comfyui/`, the default everywhere) and `CORE_033` (core 0.33.0 with its own
-H3, `.comfyui-0.33/`, run from the same venv with the overlay of core's differing pins first on its path; both set up
-by scripts/setup_comfyui.sh). `start_comfy(..., install=CORE_033)` / `shared_comfy(..., install=CORE_033)` start the
-other one; `install.available()` says whether it is set up.
+Two ComfyUIs: `CORE_033` (core 0.33.0 with its own H3, `.comfyui-0.33/`, run from the same venv with the overlay of
+core's differing pins first on its path: the default everywhere, DEFAULT_INSTALL) and `COMFY_0375` (0.3.75,
+`.comfyui/`: the smoke set of tests/test_comfy0375_smoke.py and tests/test_templates_newest_frontend.py, or every test
+with H3_COMFY=0.3.75); both set up by scripts/setup_comfyui.sh. `start_comfy(..., install=COMFY_0375)` /
+`shared_comfy(..., install=COMFY_0375)` start the other one; `install.available()` says whether it is set up.
 
 The server's base directory links the embedded tiny H3's ComfyUI models (`tiny_dir/comfyui`)
 into `models/diffusion_models`, `models/text_encoders` and `models/vae`; its environment gets
@@ -74,9 +76,8 @@ def unavailable(reason: str) -> None:
 
 
 def comfy_available() -> tuple[bool, str]:
-    if not (COMFY_DIR / "main.py").is_file():
-        return False, f"ComfyUI is not set up at {COMFY_DIR}: run scripts/setup_comfyui.sh"
-    return True, ""
+    """Whether the ComfyUI the tests run in by default (DEFAULT_INSTALL) is set up, and why not."""
+    return DEFAULT_INSTALL.available()
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,10 @@ class ComfyInstall:
 CORE033_SITE = Path(sys.prefix) / "h3-comfyui-0.33-site"
 COMFY_0375 = ComfyInstall("0.3.75", COMFY_DIR)
 CORE_033 = ComfyInstall("0.33.0", COMFY033_DIR, (CORE033_SITE,))
-#: The ComfyUI every test runs in unless it names one (`install=`): 0.3.75, or core 0.33 with H3_COMFY=0.33 (how the
-#: whole ComfyUI tier is tried on 0.33: `H3_COMFY=0.33 bash scripts/test.sh -m comfyui`).
-DEFAULT_INSTALL = CORE_033 if os.environ.get("H3_COMFY") == "0.33" else None
+#: The ComfyUI every test runs in unless it names one (`install=`): core 0.33, or 0.3.75 with H3_COMFY=0.3.75 (how the
+#: whole ComfyUI tier is tried on 0.3.75: `H3_COMFY=0.3.75 bash scripts/test.sh -m comfyui`). Every run also runs the
+#: 0.3.75 smoke set (tests/test_comfy0375_smoke.py, tests/test_templates_newest_frontend.py), which names COMFY_0375.
+DEFAULT_INSTALL = COMFY_0375 if os.environ.get("H3_COMFY") == "0.3.75" else CORE_033
 
 
 def chromium_path() -> str | None:
@@ -205,6 +207,9 @@ class ComfyServer:
     log_path: Path
     proc: subprocess.Popen
     env_extra: dict = field(default_factory=dict)
+    install: ComfyInstall | None = None  # the tree it runs (start_comfy sets it)
+    start_wall_s: float = 0.0  # from spawning to /system_stats answering
+    start_cpu_s: float = 0.0  # user + system CPU seconds the server process used until then
 
     # ---------------------------------------------------------------- plain HTTP
     def request(self, method: str, path: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
@@ -452,6 +457,18 @@ class ComfyServer:
             self.proc.wait(10)
 
 
+def progress_as_sent(events: list, every: list, install: ComfyInstall | None = None) -> bool:
+    """Whether a node's ws progress `events` are `every` update its bar made, as `install` (default: DEFAULT_INSTALL)
+    sends them: 0.3.75 each one; core 0.33 throttles a bar (comfy.utils.ProgressBar: the first and the last update,
+    one with a preview, else none within 100 ms of the last sent), so there an ordered subsequence with the first and
+    the last."""
+    events, every = list(events), list(every)
+    if (install or DEFAULT_INSTALL) == COMFY_0375:
+        return events == every
+    rest = iter(every)
+    return bool(events) and events[0] == every[0] and events[-1] == every[-1] and all(e in rest for e in events)
+
+
 def _file_items(outputs: Mapping) -> list[dict]:
     items = []
     for ui in outputs.values():
@@ -459,6 +476,15 @@ def _file_items(outputs: Mapping) -> list[dict]:
             if isinstance(value, list):
                 items += [v for v in value if isinstance(v, dict) and "filename" in v]
     return items
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process (Linux /proc), in seconds (0.0 where unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def import_failures(log: str, pack: str = PACK_NAME) -> list[str]:
@@ -478,19 +504,19 @@ def start_comfy(
     require_pack: bool = True,
     install: ComfyInstall | None = None,
 ) -> ComfyServer:
-    """Lay out base_dir (make_base_dir), start `.comfyui/main.py --cpu` (or `install`'s tree, e.g. CORE_033) on
+    """Lay out base_dir (make_base_dir), start `install`'s main.py --cpu (DEFAULT_INSTALL's: core 0.33) on
     127.0.0.1 with this venv's python, wait for /system_stats, check that the pack imported. Raises ComfyError with
     the log tail if the server dies, takes longer than start_timeout, or the pack failed."""
     install = install or DEFAULT_INSTALL
-    ok, reason = comfy_available() if install is None else install.available()
+    ok, reason = install.available()
     if not ok:
         raise ComfyError(reason)
-    comfy_dir = COMFY_DIR if install is None else install.dir
+    comfy_dir = install.dir
     base_dir = make_base_dir(Path(base_dir), models_src)
     env_extra = dict(env or {})
     proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
     proc_env.pop("PYTHONPATH", None)  # never let pytest's path leak into the server's imports
-    if install is not None and install.site:
+    if install.site:
         proc_env["PYTHONPATH"] = os.pathsep.join(str(folder) for folder in install.site)
     for attempt in range(3):
         p = port or free_port()
@@ -510,8 +536,9 @@ def start_comfy(
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        server = ComfyServer(f"http://127.0.0.1:{p}", base_dir, log_path, proc, env_extra)
-        deadline = time.monotonic() + start_timeout
+        server = ComfyServer(f"http://127.0.0.1:{p}", base_dir, log_path, proc, env_extra, install)
+        t0 = time.monotonic()
+        deadline = t0 + start_timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 break
@@ -530,6 +557,7 @@ def start_comfy(
         if time.monotonic() >= deadline:
             server.stop()
             raise ComfyError(f"ComfyUI did not answer /system_stats within {start_timeout} s\n{server.log_tail(120)}")
+        server.start_wall_s, server.start_cpu_s = time.monotonic() - t0, process_cpu_seconds(proc.pid)
         failures = import_failures(server.log_text())
         if require_pack and failures:
             server.stop()
@@ -614,16 +642,14 @@ def shared_comfy(
 ) -> ComfyServer:
     """The session's server for this configuration: started on first use (base dir under
     tmp_root), reused afterwards, stopped at session end. Skips (fails in CI) without ComfyUI.
-    install: another ComfyUI tree (CORE_033); None is 0.3.75, as before."""
+    install: which ComfyUI tree (COMFY_0375, CORE_033); None is DEFAULT_INSTALL (core 0.33 unless H3_COMFY=0.3.75)."""
     install = install or DEFAULT_INSTALL
     env = dict(env or {})
     extra_args = tuple(extra_args)
-    key = (str(models_src), tuple(sorted(env.items())), extra_args)
-    if install is not None:  # the default keeps its old key
-        key += (str(install.dir),)
+    key = (str(models_src), tuple(sorted(env.items())), extra_args, str(install.dir))
     server = _SERVERS.get(key)
     if server is None or not server.alive():
-        ok, reason = comfy_available() if install is None else install.available()
+        ok, reason = install.available()
         if not ok:
             unavailable(reason)
         base = Path(tempfile.mkdtemp(prefix="comfy-base-", dir=tmp_root))
@@ -656,11 +682,12 @@ def comfy(tiny_dir, tmp_path_factory) -> ComfyServer:
 
 @pytest.fixture(scope="session")
 def comfy_factory(tmp_path_factory):
-    """`comfy_factory(models_src=None, env=None, extra_args=())` -> a session-shared server for
-    that configuration (thread variables are added to env)."""
+    """`comfy_factory(models_src=None, env=None, extra_args=(), install=None)` -> a session-shared server for
+    that configuration (thread variables are added to env; install: COMFY_0375 or CORE_033, None the default)."""
 
-    def make(models_src=None, env=None, extra_args=()):
-        return shared_comfy(tmp_path_factory.getbasetemp(), models_src, {**thread_env(), **(env or {})}, extra_args)
+    def make(models_src=None, env=None, extra_args=(), install=None):
+        return shared_comfy(tmp_path_factory.getbasetemp(), models_src, {**thread_env(), **(env or {})}, extra_args,
+                            install)
 
     yield make
     _stop_all()

@@ -14,6 +14,14 @@ import pytest
 from .comfy_harness import free_port
 from .encoder_process import spawn_serve, wait_healthy
 
+#: The node types this pack registers (every one `H3Split*`), in every ComfyUI the tests run.
+PACK_NODES = (
+    "H3SplitTextEncoderLoader", "H3SplitVideoVAELoader", "H3SplitAudioVAELoader", "H3SplitDiTLoader",
+    "H3SplitKeyframes", "H3SplitReferences", "H3SplitTextEncode", "H3SplitVideoVAEEncode", "H3SplitAudioVAEEncode",
+    "H3SplitRemoteEncode", "H3SplitSampler", "H3SplitDecode", "H3SplitSaveConditioning", "H3SplitLoadConditioning",
+    "H3SplitEmptyLatentFromConditioning",
+)
+
 
 @pytest.fixture(scope="module")
 def server(comfy, tiny_dir):

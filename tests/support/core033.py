@@ -1,22 +1,29 @@
 """ComfyUI core 0.33 (`CORE_033` in comfy_harness: `.comfyui-0.33/`, set up by scripts/setup_comfyui.sh) for the
-tests that run the pack in it: a module-scoped server with the pack and the tiny H3, its start measured; the pack's
-import time from a ComfyUI log; the pack's requirements checked against core 0.33's.
+tests that run the pack in it: the session's 0.33 server with the pack and the tiny H3 (the one the `comfy` fixture
+gives, where 0.33 is the default), its start measured; the pack's import time from a ComfyUI log; the pack's
+requirements checked against core 0.33's.
 
-    from support.core033 import core033  # noqa: F401  (module fixture: one 0.33 server per module)
+    from support.core033 import core033  # noqa: F401  (module fixture: the session's shared 0.33 server)
 """
 
 from __future__ import annotations
 
-import os
 import re
 import tarfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from .comfy_harness import CORE_033, PACK_NAME, REPO, ComfyServer, start_comfy, thread_env, unavailable
+from .comfy_harness import (
+    CORE_033,
+    PACK_NAME,
+    REPO,
+    ComfyServer,
+    shared_comfy,
+    thread_env,
+    unavailable,
+)
 
 #: Where CI finds the tree when `.comfyui-0.33/` is not extracted (scripts/setup_comfyui.sh extracts it from here).
 CORE033_ARCHIVE = REPO.parent / "shared" / "comfyui" / "core-0.33.0" / "ComfyUI-0.33.0-783545f6.tar.gz"
@@ -34,12 +41,6 @@ class Started:
     start_cpu_s: float  # user + system CPU seconds the server process used until then
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of a live process (Linux /proc), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def pack_import_seconds(log: str, pack: str = PACK_NAME) -> float | None:
     """The pack's line of ComfyUI's "Import times for custom nodes" table (`  0.3 seconds: .../custom_nodes/<pack>`);
     None if absent. Colour codes (0.33 logs in colour) are ignored."""
@@ -50,36 +51,20 @@ def pack_import_seconds(log: str, pack: str = PACK_NAME) -> float | None:
     return None
 
 
-def start_core033(base: Path, models: Path, env: dict) -> Started:
-    t0 = time.monotonic()
-    server = start_comfy(base, models_src=models, env=env, install=CORE_033)
-    wall = time.monotonic() - t0
-    return Started(server, wall, process_cpu_seconds(server.proc.pid))
-
-
-def link_tiny(models: Path, tiny_dir: Path) -> Path:
-    """A models source for make_base_dir: the tiny DiTs for core's UNETLoader (diffusion_models/), and the tiny H3
-    itself as the pack loaders' embedded-tiny choice (minimax_h3/tiny: its every file, as `[embedded] tiny H3 /
-    NAME`)."""
-    (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
-    for name in TINY_DITS.values():
-        (models / "diffusion_models" / name).symlink_to(Path(tiny_dir) / "comfyui" / "diffusion_models" / name)
-    return models
-
-
 @pytest.fixture(scope="module")
 def core033(tiny_dir, tmp_path_factory) -> Started:
-    """A ComfyUI 0.33 server (one per module) with this pack, the tiny DiTs in models/diffusion_models and the tiny
-    H3 as the loaders' embedded choice; skips (fails under CI) where scripts/setup_comfyui.sh could not set it up."""
+    """The session's ComfyUI 0.33 server in the `comfy` fixture's configuration (the same server, where 0.33 is the
+    default: no server of its own) with this pack, the tiny H3's Comfy-format files (its DiTs in
+    models/diffusion_models) and the tiny H3 as the loaders' embedded choice; skips (fails under CI) where
+    scripts/setup_comfyui.sh could not set it up."""
     ok, reason = CORE_033.available()
     if not ok:
         unavailable(reason)
-    tmp = tmp_path_factory.mktemp("core033")
-    models = link_tiny(tmp / "models_src", Path(tiny_dir))
-    started = start_core033(tmp / "base", models, {"H3_TINY_DIR": str(tiny_dir), **thread_env()})
-    started.server.add_model("minimax_h3", tiny_dir, "tiny")  # the loaders' embedded-tiny choice, prebuilt
-    yield started
-    started.server.stop()
+    env = {"H3_TINY_DIR": str(tiny_dir), **thread_env()}
+    server = shared_comfy(tmp_path_factory.getbasetemp(), Path(tiny_dir) / "comfyui", env, install=CORE_033)
+    assert all((server.base_dir / "models" / "diffusion_models" / name).exists() for name in TINY_DITS.values())
+    server.add_model("minimax_h3", tiny_dir, "tiny")  # the loaders' embedded-tiny choice, prebuilt
+    return Started(server, server.start_wall_s, server.start_cpu_s)
 
 
 # ----------------------------------------------------------------------------------------- requirements

@@ -95,12 +95,15 @@ async function main() {
       for (const query of opt.searchNodes) {
         const canvas = page.locator("#graph-canvas");
         await canvas.dblclick({ position: { x: 700, y: 500 } });
-        const box = page.locator(".comfy-vue-node-search-container input").first();
+        // Frontend 1.32.9's search box, or 1.49's dialog ("Add a node...", each result a `result-item` whose first
+        // line is the display name).
+        const box = page.locator(".comfy-vue-node-search-container input, "
+          + ".p-dialog input[placeholder^='Add a node']").first();
         await box.waitFor();
         await box.fill(query);
         await page.waitForTimeout(1200);
         report.node_search[query] = await page.locator(".comfy-vue-node-search-container .option-display-name, "
-          + ".p-autocomplete-overlay .option-display-name").evaluateAll(
+          + ".p-autocomplete-overlay .option-display-name, .p-dialog [data-testid='result-item']").evaluateAll(
           (items) => items.map((i) => i.innerText.trim().split("\n")[0]));
         await page.keyboard.press("Escape");
         await page.waitForTimeout(300);
@@ -110,7 +113,8 @@ async function main() {
         await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.BrowseTemplates"));
         await page.locator('[data-testid="template-workflows-content"]').waitFor();
         await page.waitForTimeout(1500); // the template list loads after the dialog opens
-        const box = page.locator(".p-dialog").getByPlaceholder(/search/i).first();
+        // 1.32.9's browser is a PrimeVue dialog; 1.49's a page of its own with the search in its header.
+        const box = page.locator(".p-dialog, header").getByPlaceholder(/search/i).filter({ visible: true }).first();
         const cards = () => page.locator('[data-testid^="template-workflow-"]').evaluateAll(
           (found) => found.map((c) => c.getAttribute("data-testid").replace("template-workflow-", "")));
         await page.locator('[data-testid^="template-workflow-"]').first().waitFor(); // the full list, before a search
