@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,7 +93,8 @@ def measure(pack: Path, models: Path, folder: Path, video: Path, canvas: tuple[i
     comfy = comfy_harness.start_comfy(base, models_src=models / "comfyui", env=env, start_timeout=600)
     try:
         comfy.add_model("minimax_h3", models, "tiny")
-        (comfy.input_dir / video.name).symlink_to(video)
+        # a copy, not a link: core 0.33's Load Video refuses a file that resolves outside input/
+        shutil.copyfile(video, comfy.input_dir / video.name)
         started = settled_rss(comfy.proc.pid)
         t0 = time.monotonic()
         comfy.run_prompt(graph(video.name, canvas), timeout=3600)

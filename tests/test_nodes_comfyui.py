@@ -69,6 +69,8 @@ EXPECTED_FILES = {  # the files core's own H3 templates use
     "t2va_core": (FL2VA_INT8, None),
     "fl2va_core": (FL2VA_INT8, None),
     "ref2va_core": (REF2VA_INT8, None),
+    "guides": (FL2VA_INT8, NVFP4),
+    "continue": (FL2VA_INT8, NVFP4),
     "t2va_pruned_int8": ("minimax_h3_fl2va_pruned_int8_convrot.safetensors",
                          "qwen3vl_32b_minimax_h3_int8_convrot.safetensors"),
     "fl2va_pruned_fp8_nvfp4": ("minimax_h3_fl2va_pruned_fp8_scaled.safetensors",

@@ -404,9 +404,10 @@ RULES = [
      {"H3SplitDiTLoader": {"partition": "fl2va (t2va, first/last frame)"}}, ("H3SplitSampler", "dit"),
      "this ref2va conditioning needs the Ref2VA DiT partition; the loaded DiT is the FL2VA DiT partition"),
     ("fl2va has keyframes connected", "fl2va", {"H3SplitTextEncode": {"media": DROP}}, ("H3SplitTextEncode", "task"),
-     "fl2va needs 1 or 2 keyframes (first and/or last frame), got 0: connect MiniMax H3 Keyframes"),
+     "fl2va needs 1 or 2 keyframes (first and/or last frame) or a guide, got 0 keyframes: connect MiniMax H3 "
+     "Keyframes"),
     ("fl2va takes no references", "ref2va", {"H3SplitTextEncode": {"task": "fl2va"}}, ("H3SplitTextEncode", "task"),
-     "fl2va takes first/last keyframes only; references need task ref2va: set task to ref2va or auto"),
+     "fl2va takes first/last keyframes and guides only; references need task ref2va: set task to ref2va or auto"),
     ("t2va takes no media", "fl2va", {"H3SplitTextEncode": {"task": "t2va"}}, ("H3SplitTextEncode", "task"),
      "t2va takes a prompt only"),
     ("ref2va has references connected", "t2va", {"H3SplitTextEncode": {"task": "ref2va"}},
@@ -415,7 +416,7 @@ RULES = [
      {"H3SplitRemoteEncode": {"endpoint": "ftp://example.invalid"}}, ("H3SplitRemoteEncode", "endpoint"), "ftp"),
     ("remote encode: fl2va has keyframes connected", "ref2va_remote",
      {"H3SplitRemoteEncode": {"task": "fl2va"}}, ("H3SplitRemoteEncode", "task"), "fl2va takes first/last keyframes "
-     "only"),
+     "and guides only"),
 ]
 
 
