@@ -177,38 +177,36 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _generate(args, pool=None) -> None:
-    """Sample, decode and write; with a sequence-parallel worker `pool` (`generate --sp N`) the DiT samples on its
-    ranks (which load the LoRAs from their files) and this process decodes and writes."""
+def _generate(args, layout=None, rank: int = 0) -> None:
+    """Sample and (on rank 0) decode and write; with a sequence-parallel `layout`, this is one rank of it."""
     from . import media
     from .contract import H3Conditioning
     from .diffusion import DiffusionStage, SamplingOptions
-    from .lora import parse_spec, stack_for_run
+    from .lora import stack_for_run
 
     cond = H3Conditioning.load(args.cond)
-    stage = DiffusionStage(component_args.model_source(args, cond.task), **devices.stage_kwargs(args, "transformer"))
+    placement = devices.stage_kwargs(args, "transformer")
+    if layout is not None:
+        placement["device"] = layout.device_of(rank)
+    stage = DiffusionStage(component_args.model_source(args, cond.task), parallel=layout, **placement)
     start = time.perf_counter()
-    lora_files = [parse_spec(spec) for spec in args.lora or ()]
+    lead = rank == 0  # only rank 0 reports, decodes and writes: every rank ends the loop with the same latents
     options = SamplingOptions(
         steps=args.steps,
         seed=args.seed,
         video_shift=args.video_shift,
         audio_shift=args.audio_shift,
-        progress=_progress("denoise"),
-        lora=None if pool is not None else stack_for_run(
-            lora_files, steps=args.steps, video_shift=args.video_shift, audio_shift=args.audio_shift,
-            audio=not args.lora_skip_audio, log=_log),
+        progress=_progress("denoise") if lead else None,
+        lora=stack_for_run(args.lora or (), steps=args.steps, video_shift=args.video_shift,
+                           audio_shift=args.audio_shift, audio=not args.lora_skip_audio, log=_log if lead else None),
         lora_strength=args.lora_strength,
         cache=args.cache,
     )
+    if not lead:
+        stage.sample(cond, options)
+        return
     with progress.reporting(loadbar.wrap(_phase_printer())):
-        if pool is None:
-            latents = stage.sample(cond, options)
-        else:  # the options cross to the ranks in one place (SamplingOptions.to_wire), the LoRAs as their files
-            for path, strength in lora_files:
-                _log(f"lora: {path} at strength {strength:g} (loaded by each rank)")
-            latents = pool.sample(cond, options, lora_files, lora_audio=not args.lora_skip_audio)
-            pool.close()  # the ranks' DiT copies go before this process decodes
+        latents = stage.sample(cond, options)
         _log(f"cache: {latents.passes}")
         if _wants_image(args):  # text to image: the first frame, as a PNG
             stage.decode_to_png(latents, args.out)
@@ -229,39 +227,36 @@ def _generate(args, pool=None) -> None:
             },
             args.dump,
         )
-    ranks = f" on {pool.layout.degree} sequence-parallel ranks" if pool is not None else ""
+    ranks = f" on {layout.degree} sequence-parallel ranks" if layout is not None else ""
     _log(f"generated {cond.num_frames} frames in {time.perf_counter() - start:.2f} s{ranks}")
 
 
 def _generate_parallel(args) -> None:
-    """`generate --sp N`: check the request against the machine and the DiT, then sample on N ranks of the one
-    sequence-parallel engine, the worker pool of the Sampler's `gpus` (sequence_parallel_workers.WorkerPool: ranks
-    forked warm by one launcher, an authenticated loopback channel each); decode and write here."""
-    from . import sequence_parallel, sequence_parallel_workers
+    """`generate --sp N`: check the request against the machine and the DiT, then start the N ranks and wait."""
+    from . import sequence_parallel
     from .contract import H3Conditioning
     from .models import PARTITION_OF_TASK
 
     task = H3Conditioning.load(args.cond).task
-    source = component_args.model_source(args, task)
-    component = PARTITION_OF_TASK[task]
-    dit = source.paths.get(component)
+    dit = component_args.model_source(args, task).paths.get(PARTITION_OF_TASK[task])
     heads = sequence_parallel.dit_heads(dit) if dit is not None else None
     layout = sequence_parallel.check(args.sp, args.sp_mode, devices.parse_device(args.device), heads)
-    placement = devices.stage_kwargs(args, "transformer")
-    recipe = sequence_parallel_workers.DiTRecipe.of(source, component, placement["dtype"],
-                                                    offload=placement["offload"])
     _log(f"starting {layout.degree} sequence-parallel ranks ({layout.mode}, {layout.backend})")
+    sequence_parallel.launch(_generate_rank, layout, args)
 
-    def started(stage: str, done: int, total: int) -> None:
-        if done == total:
-            _log(f"{total} ranks " + ("connected" if stage == "connect" else "ready"))
 
-    pool = sequence_parallel_workers.WorkerPool(recipe, layout)
+def _generate_rank(rank: int, layout, port: int, args) -> None:
+    """One rank of `generate --sp N` (a torch.multiprocessing worker)."""
+    import torch
+
+    from . import sequence_parallel
+
+    torch.set_num_threads(sequence_parallel.worker_threads(layout))
+    sequence_parallel.init_rank(layout, rank, port)
     try:
-        pool.start(on_start=started)
-        _generate(args, pool)
+        _generate(args, layout, rank)
     finally:
-        pool.close()
+        sequence_parallel.shutdown()
 
 
 def _cmd_check(args) -> int:

@@ -181,8 +181,12 @@ def time_embedding_curve(state: dict, timesteps: torch.Tensor) -> torch.Tensor:
             for part in ("weight", "bias")
         }
     )
+    # Evaluated in float64, then rounded to float32: a float32 GEMM's last bits depend on how many threads split it,
+    # and the table must be the same bytes whatever the process's thread count (the tiny build is pinned by bytes).
+    mlp = mlp.to(torch.float64)
     with torch.no_grad():
-        return torch.nn.functional.silu(mlp(proj(timesteps.to(torch.float32)).to(torch.float32))).contiguous()
+        curve = mlp(proj(timesteps.to(torch.float32)).to(torch.float64))
+        return torch.nn.functional.silu(curve).to(torch.float32).contiguous()
 
 
 def prune_comfy_state_dict(state: dict, *, grid: int = RELEASE_GRID) -> dict:
