@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.comfy_harness import comfy_available, start_comfy
+from support.comfy_harness import COMFY_0375, comfy_available, start_comfy
 
 HERE = Path(__file__).resolve().parent
 TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
@@ -37,8 +37,10 @@ def server(tiny_dir, tmp_path_factory):
     (base / "custom_nodes").mkdir(parents=True)
     shutil.copyfile(HERE / "support" / "comfy_latent_probe.py", base / "custom_nodes" / "h3_latent_probe.py")
     env = {"H3_TINY_DIR": str(tiny_dir), "OMP_NUM_THREADS": "1", "H3_THREADS": "1"}  # two ranks on shared cores
+    # ComfyUI 0.3.75, where this module has passed in every CI run: on core 0.33, "Unload Models" left the workers
+    # running past the 60 s wait in 2 of 3 clean-clone runs (with either SP engine); open in issue 40's closing note.
     server = start_comfy(base, models_src=Path(tiny_dir) / "comfyui", env=env,
-                         extra_args=("--preview-method", "auto"))
+                         extra_args=("--preview-method", "auto"), install=COMFY_0375)
     server.add_model("minimax_h3", tiny_dir, "tiny")
     yield server
     workers = worker_pids(server).values()  # the last tests leave warm workers: their exit is checked here
