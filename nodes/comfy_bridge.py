@@ -7,6 +7,8 @@ Everything else in `nodes/` converts ComfyUI values to h3_core calls through the
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -86,10 +88,31 @@ def gguf_files(folder: str) -> list[str]:
         return []
     names = set()
     for base in _gguf_roots(folder):
-        root = Path(base)
-        if root.is_dir():
-            names.update(path.relative_to(root).as_posix() for path in root.rglob("*.gguf") if path.is_file())
+        names.update(_bounded_gguf_walk(Path(base)))
     return sorted(names)
+
+
+# A model folder is the operator's, but it may hold (or link to) a large tree: the walk that lists it is bounded, as
+# every listing of the pack is (depth, entries looked at), and follows no directory link.
+GGUF_WALK_DEPTH, GGUF_WALK_ENTRIES = 4, 20_000
+
+
+def _bounded_gguf_walk(root: Path) -> list[str]:
+    """`*.gguf` files under `root`, at most GGUF_WALK_DEPTH folders deep, after at most GGUF_WALK_ENTRIES entries."""
+    found, seen = [], 0
+    if not root.is_dir():
+        return found
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        depth = len(Path(folder).relative_to(root).parts)
+        if depth >= GGUF_WALK_DEPTH:
+            dirs[:] = []
+        seen += len(dirs) + len(files)
+        found += [(Path(folder) / name).relative_to(root).as_posix() for name in files if name.endswith(".gguf")]
+        if seen > GGUF_WALK_ENTRIES:
+            logging.getLogger("h3_core").warning("MiniMax H3: stopped listing GGUF files under %s after %d entries",
+                                                 root, GGUF_WALK_ENTRIES)
+            break
+    return found
 
 
 def resolve_model_path(folder: str, choice: str) -> tuple[Path, bool]:
