@@ -94,12 +94,22 @@ async function main() {
       if (opt.searchNodes.length) await page.evaluate(() => window.app.graph.clear()); // an empty canvas to click on
       for (const query of opt.searchNodes) {
         const canvas = page.locator("#graph-canvas");
-        await canvas.dblclick({ position: { x: 700, y: 500 } });
         // Frontend 1.32.9's search box, or 1.49's dialog ("Add a node...", each result a `result-item` whose first
         // line is the display name).
         const box = page.locator(".comfy-vue-node-search-container input, "
           + ".p-dialog input[placeholder^='Add a node']").first();
-        await box.waitFor();
+        // A double-click whose two clicks the canvas sees too far apart (a busy machine: the page's main thread
+        // stalls between them) is two clicks and opens nothing; a user double-clicks again, and so does this.
+        for (let attempt = 1; ; attempt++) {
+          await canvas.dblclick({ position: { x: 700, y: 500 } });
+          try {
+            await box.waitFor({ timeout: Math.min(30000, opt.timeout * 1000) });
+            break;
+          } catch (e) {
+            if (attempt >= 5) throw e;
+            await page.keyboard.press("Escape");
+          }
+        }
         await box.fill(query);
         await page.waitForTimeout(1200);
         report.node_search[query] = await page.locator(".comfy-vue-node-search-container .option-display-name, "
