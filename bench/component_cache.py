@@ -96,7 +96,7 @@ class Server:
 
 
 def _wire(req) -> tuple[str, bytes]:
-    from h3_core.remote import packing
+    from h3_core.remote.client import packing
 
     body, parts = packing.request_to_wire(req)
     content_type, buffers = packing.encode_multipart(body, parts)

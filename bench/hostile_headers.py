@@ -27,7 +27,7 @@ import json, resource, sys, threading, time, socket
 kind, path = sys.argv[1], sys.argv[2]
 from h3_core.contract import H3Conditioning
 from h3_core import weights
-from h3_core.remote.client import EncoderClient
+from h3_core.remote.client.encoder_client import EncoderClient
 from h3_core.request import EncodeRequest
 
 def serve(data):

@@ -34,8 +34,9 @@ def _free_port() -> int:
 
 
 def _deploy(models: Path, replicas: int, threads: int, port: int) -> str:
-    from h3_core.remote import ray_engine, ray_run
-    from h3_core.remote.config import ServerConfig
+    from h3_core.remote.engines import ray_run
+    from h3_core.remote.engines import ray_serve as ray_engine
+    from h3_core.remote.server.config import ServerConfig
 
     settings = ray_engine.RaySettings(models=str(models), replicas=replicas, threads=threads,
                                       config=ServerConfig(threads=threads), max_ongoing_requests=2,
@@ -44,7 +45,7 @@ def _deploy(models: Path, replicas: int, threads: int, port: int) -> str:
 
 
 def _load(url: str, clients: int, requests: int, tag: str) -> dict:
-    from h3_core.remote.client import EncoderClient
+    from h3_core.remote.client.encoder_client import EncoderClient
 
     latencies: list[float] = []
 
@@ -65,7 +66,7 @@ def _load(url: str, clients: int, requests: int, tag: str) -> dict:
 
 
 def _overhead(aiohttp_url: str, ray_url: str, pairs: int) -> dict:
-    from h3_core.remote.client import EncoderClient
+    from h3_core.remote.client.encoder_client import EncoderClient
 
     clients = {"aiohttp": EncoderClient(aiohttp_url), "ray": EncoderClient(ray_url)}
     out = {}
@@ -89,7 +90,7 @@ def _overhead(aiohttp_url: str, ray_url: str, pairs: int) -> dict:
 def run(models: Path, threads: int = 1, quick: bool = False) -> dict:
     import ray
 
-    from h3_core.remote import ray_run
+    from h3_core.remote.engines import ray_run
 
     plan = QUICK if quick else FULL
     result: dict = {"cores": os.cpu_count(), "threads_per_replica": threads, "plan": plan, "loadavg_start":

@@ -121,8 +121,8 @@ def remote_vs_local(server_url: str, models: Path, reps: dict[str, int], warmup:
     """Runs in a fresh worker process (see `run`), so the local arm's process is as fresh as the server's."""
     from h3_core.encoder import EncoderStage
     from h3_core.models import ModelSource
-    from h3_core.remote import packing
-    from h3_core.remote.client import EncoderClient
+    from h3_core.remote.client import packing
+    from h3_core.remote.client.encoder_client import EncoderClient
 
     stage = EncoderStage(ModelSource.from_path(models))
     client = EncoderClient(server_url, retries=0, read_timeout=300)
@@ -177,7 +177,7 @@ def remote_vs_local(server_url: str, models: Path, reps: dict[str, int], warmup:
 def _recording_client(url: str, server_times: list, lock: threading.Lock):
     """An EncoderClient that also records the server's X-H3-Queue-Seconds / X-H3-Encode-Seconds per answer."""
     from h3_core.remote import protocol
-    from h3_core.remote.client import EncoderClient
+    from h3_core.remote.client.encoder_client import EncoderClient
 
     class Recording(EncoderClient):
         def _call(self, endpoint, method, path, *args, **kwargs):
@@ -288,7 +288,7 @@ def load_test(server_url: str, plan: dict[int, int], passes: int, hits: dict[str
 
     # cache hits
     warm = text_request(0, "cached")
-    from h3_core.remote.client import EncoderClient
+    from h3_core.remote.client.encoder_client import EncoderClient
 
     EncoderClient(server_url, retries=0).encode(warm)
     out["cache_hit_confirmed"] = cache_state(server_url, warm.prompt) == "hit"

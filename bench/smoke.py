@@ -125,8 +125,8 @@ def measure(models: Path, sections: tuple[str, ...], threads: int = 1, plan: dic
             results["split"] = split.overhead(models, **p)
         elif section == "remote":
             from bench import remote
-            from h3_core.remote.config import ServerConfig
-            from h3_core.remote.server import ServerThread
+            from h3_core.remote.engines.aiohttp_server import ServerThread
+            from h3_core.remote.server.config import ServerConfig
 
             with ServerThread(_SyntheticStage(p["service_s"]), ServerConfig(threads=1)) as server:
                 load = remote.load_test(server.url, plan=p["plan"], passes=p["passes"], hits=p["hits"])

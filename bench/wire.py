@@ -184,7 +184,7 @@ def _breakdown(cond, reps: int) -> dict:
 def _request(name: str, answer_bytes: int):
     """The request naming a prebuilt contract, its prompt padded just enough that the client's answer bound
     (`packing.conditioning_bound`, which follows the prompt's length) admits the synthetic answer."""
-    from h3_core.remote.packing import conditioning_bound
+    from h3_core.remote.client.packing import conditioning_bound
     from h3_core.request import EncodeRequest
 
     prompt = f"size:{name}:"
@@ -196,7 +196,7 @@ def _request(name: str, answer_bytes: int):
 def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) -> dict:
     import torch
 
-    from h3_core.remote.client import EncoderClient
+    from h3_core.remote.client.encoder_client import EncoderClient
 
     out = {"loadavg_before": common.loadavg(), "sizes": {}}
     common.log("wire: starting the synthetic encoder server + raw TCP server")

@@ -1,4 +1,4 @@
-"""Subprocess for section 2: the real encoder server (aiohttp app, h3_core.remote.server) around a synthetic stage
+"""Subprocess for section 2: the real encoder server (aiohttp app, remote/engines/) around a synthetic stage
 that answers prebuilt contracts at the real 5120 width, plus a raw TCP server that sends the very same bytes.
 
     python -m bench.wire_server --worker '{"sizes": {"70MB": 6883, ...}}'
@@ -66,9 +66,9 @@ def raw_server(payloads: dict[str, bytes]) -> int:
 
 
 def main(args: dict) -> None:
-    from h3_core.remote.config import ServerConfig
-    from h3_core.remote.http import create_app
-    from h3_core.remote.server import start_site
+    from h3_core.remote.engines.aiohttp_app import create_app
+    from h3_core.remote.engines.aiohttp_server import start_site
+    from h3_core.remote.server.config import ServerConfig
 
     conditionings = {name: synth_conditioning(tokens, metadata={"model": FINGERPRINT})
                      for name, tokens in args["sizes"].items()}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import comfy_run, component_args, devices, facts, loadbar, progress
 from .planning import report as plan_report
-from .remote import engines
+from .remote.engines import options as engines
 
 
 def _log(message: str) -> None:
@@ -135,8 +135,8 @@ def _cmd_encode(args) -> int:
     request = _build_request(args)
     start = time.perf_counter()
     if args.server:
-        from .remote import credentials
-        from .remote.client import EncoderClient
+        from .remote.client import credentials
+        from .remote.client.encoder_client import EncoderClient
 
         # The token goes only where the environment binds it (H3_ENCODER_URLS / H3_ENCODER_TOKENS); "" (not None)
         # keeps the client from reading H3_ENCODER_TOKEN behind the policy's back.
@@ -177,36 +177,38 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _generate(args, layout=None, rank: int = 0) -> None:
-    """Sample and (on rank 0) decode and write; with a sequence-parallel `layout`, this is one rank of it."""
+def _generate(args, pool=None) -> None:
+    """Sample, decode and write; with a sequence-parallel worker `pool` (`generate --sp N`) the DiT samples on its
+    ranks (which load the LoRAs from their files) and this process decodes and writes."""
     from . import media
     from .contract import H3Conditioning
     from .diffusion import DiffusionStage, SamplingOptions
-    from .lora import stack_for_run
+    from .lora import parse_spec, stack_for_run
 
     cond = H3Conditioning.load(args.cond)
-    placement = devices.stage_kwargs(args, "transformer")
-    if layout is not None:
-        placement["device"] = layout.device_of(rank)
-    stage = DiffusionStage(component_args.model_source(args, cond.task), parallel=layout, **placement)
+    stage = DiffusionStage(component_args.model_source(args, cond.task), **devices.stage_kwargs(args, "transformer"))
     start = time.perf_counter()
-    lead = rank == 0  # only rank 0 reports, decodes and writes: every rank ends the loop with the same latents
+    lora_files = [parse_spec(spec) for spec in args.lora or ()]
     options = SamplingOptions(
         steps=args.steps,
         seed=args.seed,
         video_shift=args.video_shift,
         audio_shift=args.audio_shift,
-        progress=_progress("denoise") if lead else None,
-        lora=stack_for_run(args.lora or (), steps=args.steps, video_shift=args.video_shift,
-                           audio_shift=args.audio_shift, audio=not args.lora_skip_audio, log=_log if lead else None),
+        progress=_progress("denoise"),
+        lora=None if pool is not None else stack_for_run(
+            lora_files, steps=args.steps, video_shift=args.video_shift, audio_shift=args.audio_shift,
+            audio=not args.lora_skip_audio, log=_log),
         lora_strength=args.lora_strength,
         cache=args.cache,
     )
-    if not lead:
-        stage.sample(cond, options)
-        return
     with progress.reporting(loadbar.wrap(_phase_printer())):
-        latents = stage.sample(cond, options)
+        if pool is None:
+            latents = stage.sample(cond, options)
+        else:  # the options cross to the ranks in one place (SamplingOptions.to_wire), the LoRAs as their files
+            for path, strength in lora_files:
+                _log(f"lora: {path} at strength {strength:g} (loaded by each rank)")
+            latents = pool.sample(cond, options, lora_files, lora_audio=not args.lora_skip_audio)
+            pool.close()  # the ranks' DiT copies go before this process decodes
         _log(f"cache: {latents.passes}")
         if _wants_image(args):  # text to image: the first frame, as a PNG
             stage.decode_to_png(latents, args.out)
@@ -227,36 +229,39 @@ def _generate(args, layout=None, rank: int = 0) -> None:
             },
             args.dump,
         )
-    ranks = f" on {layout.degree} sequence-parallel ranks" if layout is not None else ""
+    ranks = f" on {pool.layout.degree} sequence-parallel ranks" if pool is not None else ""
     _log(f"generated {cond.num_frames} frames in {time.perf_counter() - start:.2f} s{ranks}")
 
 
 def _generate_parallel(args) -> None:
-    """`generate --sp N`: check the request against the machine and the DiT, then start the N ranks and wait."""
-    from . import sequence_parallel
+    """`generate --sp N`: check the request against the machine and the DiT, then sample on N ranks of the one
+    sequence-parallel engine, the worker pool of the Sampler's `gpus` (sequence_parallel_workers.WorkerPool: ranks
+    forked warm by one launcher, an authenticated loopback channel each); decode and write here."""
+    from . import sequence_parallel, sequence_parallel_workers
     from .contract import H3Conditioning
     from .models import PARTITION_OF_TASK
 
     task = H3Conditioning.load(args.cond).task
-    dit = component_args.model_source(args, task).paths.get(PARTITION_OF_TASK[task])
+    source = component_args.model_source(args, task)
+    component = PARTITION_OF_TASK[task]
+    dit = source.paths.get(component)
     heads = sequence_parallel.dit_heads(dit) if dit is not None else None
     layout = sequence_parallel.check(args.sp, args.sp_mode, devices.parse_device(args.device), heads)
+    placement = devices.stage_kwargs(args, "transformer")
+    recipe = sequence_parallel_workers.DiTRecipe.of(source, component, placement["dtype"],
+                                                    offload=placement["offload"])
     _log(f"starting {layout.degree} sequence-parallel ranks ({layout.mode}, {layout.backend})")
-    sequence_parallel.launch(_generate_rank, layout, args)
 
+    def started(stage: str, done: int, total: int) -> None:
+        if done == total:
+            _log(f"{total} ranks " + ("connected" if stage == "connect" else "ready"))
 
-def _generate_rank(rank: int, layout, port: int, args) -> None:
-    """One rank of `generate --sp N` (a torch.multiprocessing worker)."""
-    import torch
-
-    from . import sequence_parallel
-
-    torch.set_num_threads(sequence_parallel.worker_threads(layout))
-    sequence_parallel.init_rank(layout, rank, port)
+    pool = sequence_parallel_workers.WorkerPool(recipe, layout)
     try:
-        _generate(args, layout, rank)
+        pool.start(on_start=started)
+        _generate(args, pool)
     finally:
-        sequence_parallel.shutdown()
+        pool.close()
 
 
 def _cmd_check(args) -> int:
@@ -268,7 +273,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from .remote.engines import main as serve_main
+    from .remote.engines.options import main as serve_main
 
     return serve_main(args)
 
@@ -405,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode media in the server process instead of the sandbox (debugging only: a decoder "
                        "crash then takes the server down)")
     engines.add_serve_arguments(serve)
-    from .remote.config import add_cache_args, add_limit_args, add_scheduling_args
+    from .remote.server.config import add_cache_args, add_limit_args, add_scheduling_args
 
     add_scheduling_args(serve)
     add_cache_args(serve)

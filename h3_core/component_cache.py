@@ -8,7 +8,7 @@ one installed nothing is hashed and nothing changes. A hit returns the very tens
 conditioning is bitwise the uncached one (tests/test_component_cache.py compares every mix of hits and misses).
 
 A cache is anything with `get(key) -> (tensors, tier) | None` and `put(key, tensors)`: `MemoryTier` here, the
-server's two tiers in `remote/cache.py` and `remote/disk_cache.py`.
+server's two tiers in `remote/server/cache.py` and `remote/server/disk_cache.py`.
 
 Not cached separately: the Qwen3-VL vision tower. diffusers' text step hands the pixels to `text_encoder.model(...)`,
 which runs the tower inside its forward and injects its DeepStack features into the first decoder layers; neither

@@ -1,7 +1,7 @@
 """A directory only this user can write, and the files in it, opened so that nobody else's file is trusted.
 
-Used by the caches whose entries are believed once read (the encoder server's disk tier, remote/disk_cache.py, and
-the per-user weight digests, weights/digest.py). Both hold only what this user wrote, so:
+Used by the caches whose entries are believed once read (the encoder server's disk tier, remote/server/disk_cache.py,
+and the per-user weight digests, weights/digest.py). Both hold only what this user wrote, so:
 
 * the directory is created 0700, and an existing one that another user owns or that group or others may write is
   refused (`UnsafeDirectoryError`, naming the fix): anyone who can write there can plant an entry that is served;

@@ -7,7 +7,8 @@ each rank holds 1/N of the activations. Every rank ends the loop with the same f
 writes. diffusers does the splitting (`ModelMixin.enable_parallelism(ContextParallelConfig(...))`); this module sets
 up the process group, checks what the user asked for, applies the plan to a DiT (dense, quantised `QuantLinear`,
 pruned curve model, block-streamed: the plan hooks sit on the blocks' inputs and outputs, whatever the layers
-inside), and starts the ranks of a headless run.
+inside). The ranks of `generate --sp N` and of the Sampler's `gpus` are started by one engine,
+sequence_parallel_workers.py (a warm launcher forks them); `launch` below is left for bench/gpu_check.py only.
 
 * **Any sequence length.** H3's packed sequence (video + audio + text rows, plus condition rows for fl2va / ref2va)
   is rarely a multiple of N, so Ulysses always runs in diffusers' `ulysses_anything` mode (shards of unequal length).
@@ -204,7 +205,7 @@ def parallelize(transformer: torch.nn.Module, layout: Layout) -> torch.nn.Module
     return transformer
 
 
-# --- starting the ranks of a headless run --------------------------------------------------------------------------
+# --- bench/gpu_check.py's ranks (generate --sp and the Sampler use sequence_parallel_workers.WorkerPool) -----------
 
 
 # What a rank imports before it runs: loaded once in the fork server, so N ranks do not each spend the seconds of CPU
@@ -215,7 +216,8 @@ RANK_PRELOAD = ("__main__", "h3_core.cli", "h3_core.diffusion", "diffusers.modul
 
 def launch(worker, layout: Layout, *args) -> None:
     """Run `worker(rank, layout, port, *args)` in `layout.degree` fresh processes and wait for all; a rank that
-    raises or dies ends the others and raises here with its last line.
+    raises or dies ends the others and raises here with its last line. Used by bench/gpu_check.py's scaling check
+    only: `generate --sp N` and the Sampler's `gpus` run on sequence_parallel_workers.WorkerPool.
 
     The ranks are forked from a fork server (torch.multiprocessing, `forkserver`): a clean process started for this
     run that imports `RANK_PRELOAD` (and the worker's module) once and touches no device, so every rank starts

@@ -1,22 +1,27 @@
-"""Warm sequence-parallel DiT workers for a long-lived host process (the ComfyUI Sampler's `gpus` widget).
+"""The sequence-parallel engine: warm DiT workers for `generate --sp N` (cli.py) and the ComfyUI Sampler's `gpus`.
 
-`generate --sp N` (cli.py) starts N ranks for one job and lets them exit. A host that samples prompt after prompt
-instead keeps one `WorkerPool`: N worker processes (`python -m h3_core.sequence_parallel_workers`), one per GPU,
-joined in one process group (sequence_parallel.init_rank: gloo on the CPU, NCCL on CUDA), each holding the DiT
-loaded from the file the host's loader read (`DiTRecipe`) and parallelised with diffusers' context-parallel plan.
-Each job runs the very `DiffusionStage.sample` a single process runs, on every rank; rank 0 sends the latents back.
+Both run one `WorkerPool`: N ranks, one per GPU, joined in one process group (sequence_parallel.init_rank: gloo on
+the CPU, NCCL on CUDA), each holding the DiT loaded from the file the host read (`DiTRecipe`) and parallelised with
+diffusers' context-parallel plan. Each job runs the very `DiffusionStage.sample` a single process runs, on every rank;
+rank 0 sends the latents back and the host decodes. `generate --sp` runs one job and stops its pool; a host that
+samples prompt after prompt (ComfyUI) keeps one warm (`warm_pool`, `sample`).
 
-* **Engine.** Plain subprocesses of the host's Python, not `multiprocessing` spawn: a spawned child re-runs the
-  host's `__main__` (ComfyUI's main.py) and must import the target by the host's module name, which ComfyUI gives
-  custom nodes from their path. Ray is not needed for processes on one machine.
+* **Engine.** The pool starts one plain interpreter of the host's Python, the launcher
+  (`python -m h3_core.sequence_parallel_workers --ranks N`): it imports `RANK_PRELOAD` (torch, diffusers, the pack)
+  once, touching no device, and forks the N ranks, so no rank imports them again. Not `multiprocessing`: a spawned
+  or forkserver child re-runs the host's `__main__` (ComfyUI's main.py) and must import the target by the host's
+  module name, which ComfyUI gives custom nodes from their path; and the host (ComfyUI, with CUDA up) is never
+  forked itself. The launcher tells the host each rank's pid (on a private pipe, before the rank may connect) and
+  each rank's exit code; it is its own process group, stopped with its ranks. Ray is not needed on one machine.
 * **Messages.** JSON headers and safetensors bytes over a token-checked loopback socket (sequence_parallel_channel):
   the conditioning goes out as its wire bytes, progress / preview / cache counts and the latents come back from
   rank 0. Nothing is unpickled.
-* **Start.** The host's port is on every worker's command line, so any local process can connect while the pool
+* **Start.** The host's port is on the launcher's command line, so any local process can connect while the pool
   starts: connections are read side by side (`sequence_parallel_channel.accept_hellos`), token first, each within one
-  hello deadline, with nothing allocated before the token matched; the cancel flag and the start limit are checked
-  at every poll. The ranks' own rendezvous store and gloo / NCCL sockets listen on loopback
-  (`sequence_parallel.init_rank`).
+  hello deadline, with nothing allocated before the token matched, and a hello is admitted only with the pid the
+  launcher reported for its rank; the cancel flag and the start limit are checked at every poll. The token reaches
+  the launcher in its environment (never its command line) and the ranks in memory. The ranks' own rendezvous store
+  and gloo / NCCL sockets listen on loopback (`sequence_parallel.init_rank`).
 * **Interrupt.** The host sends `stop`; rank 0 reads it before each step and broadcasts the flag, so every rank
   stops before the same step (a rank leaving a collective alone would hang the others). The pool stays warm.
 * **A dead worker** (its process gone, its socket closed) or a rank error ends the job with a `WorkerError` naming
@@ -26,8 +31,9 @@ Each job runs the very `DiffusionStage.sample` a single process runs, on every r
   wants it: `close_pool` stops it (the ComfyUI Sampler calls it when it runs with `gpus` 1, and when ComfyUI unloads
   its models); a pool idle for H3_SP_IDLE_S seconds (default 600; 0: never) stops itself (`stop_if_idle`, decided
   on the pool's clock: tests inject one); and the host stops it at exit (atexit). A worker whose host is gone, closed
-  or killed, exits 0 without a traceback: that is how a pool ends, not an error. Workers ignore SIGINT: Ctrl-C in
-  the host's terminal reaches the whole process group, and the host, not the signal, ends them.
+  or killed, exits 0 without a traceback (then its launcher, having reaped every rank): that is how a pool ends,
+  not an error. Workers ignore SIGINT, and run in their launcher's own session: Ctrl-C in the host's terminal does
+  not reach them; the host, not the signal, ends them.
 """
 
 from __future__ import annotations
@@ -107,14 +113,16 @@ class DiTRecipe:
     dtype: str  # torch dtype name, e.g. "float32", "bfloat16"
     pipeline_config: str  # JSON, sorted keys (hashable: part of the pool's key)
     fingerprint: str  # the file's identity when the host loaded it: a replaced file starts a new pool
+    offload: str = "none"  # DiT placement on each rank: none / block / auto (h3_core.offload)
 
     @classmethod
-    def of(cls, source, component: str, dtype: torch.dtype, fingerprint: str = "") -> DiTRecipe:
+    def of(cls, source, component: str, dtype: torch.dtype, fingerprint: str = "", offload: str = "none") -> DiTRecipe:
         source.require(component)
         return cls(component=component, path=str(Path(source.paths[component]).resolve()),
                    root=str(source.root), weights_layout=source.layout, tiny=bool(source.tiny),
                    dtype=str(dtype).removeprefix("torch."),
-                   pipeline_config=json.dumps(source.pipeline_config, sort_keys=True), fingerprint=fingerprint)
+                   pipeline_config=json.dumps(source.pipeline_config, sort_keys=True), fingerprint=fingerprint,
+                   offload=offload)
 
     def source(self):
         from .models import ModelSource
@@ -141,6 +149,154 @@ def _layout_from(data: dict) -> sequence_parallel.Layout:
 # --- the host side -------------------------------------------------------------------------------------------------
 
 
+class _Launcher:
+    """The one process a pool starts (`python -m h3_core.sequence_parallel_workers --ranks N`): it imports
+    `RANK_PRELOAD` once, touching no device, then forks the N ranks, so no rank imports torch or diffusers again.
+    It says on a private pipe (inherited, never a socket) which pid each rank has, before that rank may connect, and
+    each rank's exit code when it reaps it; it exits when every rank has. It is its own process group (a new
+    session), so a rank the pool must stop is stopped with it, whatever became of its pid."""
+
+    def __init__(self, proc: subprocess.Popen, status_fd: int):
+        self.proc, self.fd, self.buffer, self.stopped = proc, status_fd, b"", False
+        self.pids: dict[int, int] = {}  # rank -> pid, as the launcher forked it
+        self.codes: dict[int, int] = {}  # pid -> exit code (Popen's convention: -N killed by signal N)
+        self.preloaded: list[str] = []  # what the launcher imported before it forked the ranks
+        os.set_blocking(status_fd, False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def drain(self, timeout_s: float = 0.0) -> None:
+        """Read what the launcher has said (waiting up to `timeout_s` for something)."""
+        import select
+
+        if self.fd is None:
+            return
+        if timeout_s > 0 and not select.select([self.fd], [], [], timeout_s)[0]:
+            return
+        while True:
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:  # the launcher and every rank closed it: nothing more will come
+                os.close(self.fd)
+                self.fd = None
+                break
+            self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            kind = record.get("kind") if isinstance(record, dict) else None
+            if kind == "forked" and isinstance(record.get("rank"), int) and isinstance(record.get("pid"), int):
+                self.pids[record["rank"]] = record["pid"]
+            elif kind == "exited" and isinstance(record.get("pid"), int) and isinstance(record.get("code"), int):
+                self.codes[record["pid"]] = record["code"]
+            elif kind == "preloaded" and isinstance(record.get("modules"), list):
+                self.preloaded = [str(name) for name in record["modules"]]
+
+    def signal_group(self, signum: int) -> None:
+        """`signum` to the launcher and every rank it forked (its process group)."""
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self) -> None:
+        """Wait for the launcher to end (its ranks exit when their host connections close, then it does); terminate,
+        then kill, the whole group when it does not in time."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for signum in (None, signal.SIGTERM, signal.SIGKILL):
+            if signum is not None:
+                self.signal_group(signum)
+            try:
+                self.proc.wait(timeout=5.0)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            self.proc.wait()
+        self.drain()
+        if any(rank.poll() is None for rank in (_ForkedRank(self, r) for r in self.pids)):
+            self.signal_group(signal.SIGKILL)  # orphans of a launcher that was killed: still its group
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _ForkedRank:
+    """One rank of a pool, forked by its `_Launcher`: what the pool asks of a process (pid, poll, wait, returncode,
+    terminate, kill), answered from the launcher's reports."""
+
+    def __init__(self, launcher: _Launcher, rank: int):
+        self.launcher, self.rank = launcher, rank
+
+    @property
+    def pid(self) -> int | None:
+        return self.launcher.pids.get(self.rank)
+
+    @property
+    def returncode(self) -> int | None:
+        launcher = self.launcher
+        launcher.drain()
+        pid = self.pid
+        if pid is not None and pid in launcher.codes:
+            return launcher.codes[pid]
+        if launcher.proc.poll() is None:
+            return None
+        launcher.drain()  # the launcher is gone: its last reports are in the pipe
+        if pid is not None and pid in launcher.codes:
+            return launcher.codes[pid]
+        if pid is not None and _exists(pid):
+            return None  # orphaned by a launcher that was killed; still running
+        # Never forked, or gone unreported with its launcher: the launcher's own end says what happened.
+        return launcher.proc.returncode or 1
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                raise subprocess.TimeoutExpired(f"sequence-parallel rank {self.rank}", timeout)
+            if self.launcher.fd is not None:
+                self.launcher.drain(left)
+            else:
+                time.sleep(left)
+        return code
+
+    def _signal(self, signum: int) -> None:
+        if self.pid is not None and self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+
 class WorkerPool:
     """N warm worker processes holding one DiT, sequence-parallel over them. Not thread-safe: one job at a time."""
 
@@ -148,7 +304,8 @@ class WorkerPool:
         if layout.degree < 2:
             raise ValueError("a worker pool runs 2 or more ranks; one rank samples in the host process")
         self.recipe, self.layout = recipe, layout
-        self.procs: list[subprocess.Popen] = []
+        self.launcher: _Launcher | None = None  # the process that forked the ranks
+        self.procs: list[_ForkedRank] = []
         self.channels: dict[int, Channel] = {}
         self._jobs = 0
         self.closed = False
@@ -167,7 +324,8 @@ class WorkerPool:
         return [proc.pid for proc in self.procs]
 
     def alive(self) -> bool:
-        return not self.closed and bool(self.procs) and all(proc.poll() is None for proc in self.procs)
+        return (not self.closed and self.launcher is not None and self.launcher.proc.poll() is None
+                and bool(self.procs) and all(proc.poll() is None for proc in self.procs))
 
     def resident_bytes(self) -> int | None:
         """The ranks' resident memory (VmRSS of /proc/PID/status, Linux); None where it cannot be read."""
@@ -237,18 +395,30 @@ class WorkerPool:
         port = listener.getsockname()[1]
         deadline = self.clock() + timeout_s
 
-        def admit(hello: dict):  # the token was checked before this JSON was read; the pid ties it to our process
+        def admit(hello: dict):  # the token was checked before this JSON was read; the pid ties it to our rank
             rank = hello.get("rank")
-            if (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < self.layout.degree
-                    and hello.get("pid") == self.procs[rank].pid):
-                return rank
+            if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < self.layout.degree:
+                self.launcher.drain()  # the launcher said the rank's pid before the rank could connect
+                pid = self.procs[rank].pid
+                if pid is not None and hello.get("pid") == pid:
+                    return rank
             return None
 
         try:
-            for rank in range(self.layout.degree):
-                self.procs.append(subprocess.Popen(
+            status_fd, status_w = os.pipe()
+            try:
+                proc = subprocess.Popen(
                     [sys.executable, "-m", "h3_core.sequence_parallel_workers", "--host", f"127.0.0.1:{port}",
-                     "--rank", str(rank)], env=env, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL))
+                     "--ranks", str(self.layout.degree), "--status-fd", str(status_w)],
+                    env=env, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL, pass_fds=(status_w,),
+                    start_new_session=True)
+            except BaseException:
+                os.close(status_fd)
+                raise
+            finally:
+                os.close(status_w)
+            self.launcher = _Launcher(proc, status_fd)
+            self.procs = [_ForkedRank(self.launcher, rank) for rank in range(self.layout.degree)]
             # Connections are read side by side, each with one deadline for its whole hello, while this loop keeps
             # checking the workers, the cancel flag and the start deadline: no peer can hold the start.
             self.channels = accept_hellos(listener, token, self.layout.degree, admit,
@@ -371,31 +541,25 @@ class WorkerPool:
             code = None
         how = ("closed its connection" if code is None else
                f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
+        who = f"worker rank {rank} (pid {proc.pid})"
+        if proc.pid is None:  # the launcher ended before it forked this rank
+            who = f"worker launcher (pid {self.launcher.pid})"
         self.close()
-        raise WorkerError(f"sequence-parallel worker rank {rank} (pid {proc.pid}) {how} while {doing}; all "
+        raise WorkerError(f"sequence-parallel {who} {how} while {doing}; all "
                           f"{self.layout.degree} workers were stopped, and the next run starts new ones")
 
     # stop -------------------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop every worker (they exit when their host connection closes; stragglers are terminated, then killed)."""
+        """Stop every worker (they exit when their host connection closes, then their launcher does; stragglers are
+        terminated, then killed, with the launcher's process group)."""
         self.closed = True
         self._stopped.set()
         for channel in self.channels.values():
             channel.close()
         self.channels = {}
-        deadline = time.monotonic() + 5.0
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if self.launcher is not None:
+            self.launcher.stop()
 
 
 # One warm pool per host process: a DiT replicated on N devices is too big to keep two of.
@@ -585,8 +749,10 @@ def _serve(channel: Channel, rank: int) -> int:
     layout = _layout_from(setup["layout"])
     torch.set_num_threads(sequence_parallel.worker_threads(layout))
     device = sequence_parallel.init_rank(layout, rank, int(setup["dist_port"]))
-    stage = DiffusionStage(recipe.source(), dtype=recipe.torch_dtype, device=device, parallel=layout)
-    stage.transformer(TASK_OF_COMPONENT[recipe.component])  # load and parallelise now: warm for the first job
+    stage = DiffusionStage(recipe.source(), dtype=recipe.torch_dtype, device=device, offload=recipe.offload,
+                           parallel=layout)
+    if recipe.offload != "auto":  # auto decides resident or streamed from the job's size: loaded by the first job
+        stage.transformer(TASK_OF_COMPONENT[recipe.component])  # load and parallelise now: warm for the first job
     channel.send({"kind": "ready", **_gpu_memory(device)})
     while True:
         try:
@@ -598,21 +764,17 @@ def _serve(channel: Channel, rank: int) -> int:
         # a `stop` that arrives after its job ended is stale: nothing to do
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="one rank of a warm sequence-parallel DiT (started by its host)")
-    parser.add_argument("--host", required=True, help="the host's loopback address, 127.0.0.1:PORT")
-    parser.add_argument("--rank", type=int, required=True)
-    args = parser.parse_args(argv)
-    # Ctrl-C in the host's terminal reaches this process too; the host decides when its workers end.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    address, port = args.host.rsplit(":", 1)
+def _run_rank(host: str, rank: int, token: str) -> None:
+    """One rank, forked by the launcher: connect to the host, say hello with the token, serve; never returns."""
+    _name_process(f"h3-sp-rank{rank}")
+    address, port = host.rsplit(":", 1)
     try:
         channel = Channel(socket.create_connection((address, int(port))))
-        channel.send_hello(os.environ.pop(TOKEN_ENV, ""), {"kind": "hello", "rank": args.rank, "pid": os.getpid()})
+        channel.send_hello(token, {"kind": "hello", "rank": rank, "pid": os.getpid()})
     except OSError:  # the host stopped the pool (or exited) while this worker was starting: nothing to do
         os._exit(0)
     try:
-        code = _serve(channel, args.rank)
+        code = _serve(channel, rank)
     except ChannelClosed:
         code = 0  # the host closed the pool or went away (closed, reset or killed): how a pool ends
     except BaseException as error:
@@ -631,6 +793,98 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.flush()
     # No interpreter teardown and no destroy_process_group: with a peer gone (killed, or its host closed it first)
     # either can block, and a worker whose host is gone must not linger. The OS closes the sockets.
+    os._exit(code)
+
+
+# What a rank imports before it runs: loaded once in the launcher, so N ranks do not each spend the seconds of CPU that
+# importing torch, diffusers and the pack costs (the pack's lazy imports, named here). Importing touches no device.
+RANK_PRELOAD = ("torch.distributed", "h3_core.contract", "h3_core.diffusion", "h3_core.lora", "h3_core.models",
+                "h3_core.offload", "h3_core.diffusers_adapter", "h3_core.progress", "h3_core.weights",
+                "diffusers", "diffusers.models.auto_model", "diffusers.models.autoencoders",
+                "diffusers.models.transformers.transformer_minimax_h3", "diffusers.modular_pipelines.minimax_h3",
+                "diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3",
+                "diffusers.modular_pipelines.minimax_h3.modular_pipeline")
+
+
+def _name_process(name: str) -> None:
+    """What `ps -o comm` and top show for this process (Linux; elsewhere nothing): forked ranks share their
+    launcher's command line, so this is how each is told apart."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass
+
+
+def _report(fd: int, record: dict) -> None:
+    """One line to the host on the launcher's status pipe (nobody to tell when the host is gone)."""
+    try:
+        os.write(fd, json.dumps(record).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _launch(host: str, ranks: int, status_fd: int) -> int:
+    """The launcher: import what the ranks need once, fork them (each waits until its pid was reported), reap them,
+    reporting each exit code; exit when every rank has."""
+    import importlib
+
+    token = os.environ.pop(TOKEN_ENV, "")  # handed to the ranks in memory only
+    _name_process("h3-sp-launcher")
+    nvml_check = "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+    if nvml_check:  # torch.cuda.is_available() in an import must not initialise CUDA here: the ranks do, after fork
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    preloaded = []
+    for name in RANK_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue  # the rank imports it itself, and fails there with its own message if it must
+        preloaded.append(name)
+    _report(status_fd, {"kind": "preloaded", "modules": preloaded, "torch": "torch" in sys.modules})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children: dict[int, int] = {}
+    for rank in range(ranks):
+        gate_r, gate_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the rank
+            if nvml_check:
+                os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+            os.close(gate_w)
+            os.close(status_fd)
+            released = os.read(gate_r, 1)
+            os.close(gate_r)
+            if not released:  # the launcher is gone before it said who this rank is: no host will admit it
+                os._exit(0)
+            _run_rank(host, rank, token)
+        os.close(gate_r)
+        children[pid] = rank
+        _report(status_fd, {"kind": "forked", "rank": rank, "pid": pid})
+        os.write(gate_w, b"1")  # the host knows this pid now: the rank may say hello
+        os.close(gate_w)
+    while children:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if children.pop(pid, None) is not None:
+            _report(status_fd, {"kind": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the launcher of a warm sequence-parallel DiT's ranks (started by "
+                                     "its host)")
+    parser.add_argument("--host", required=True, help="the host's loopback address, 127.0.0.1:PORT")
+    parser.add_argument("--ranks", type=int, required=True, help="how many ranks to fork")
+    parser.add_argument("--status-fd", type=int, required=True, help="the pipe the host reads pids and exits from")
+    args = parser.parse_args(argv)
+    # Ctrl-C in the host's terminal reaches this process too; the host decides when its workers end.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    code = _launch(args.host, args.ranks, args.status_fd)
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 

@@ -7,7 +7,7 @@ encode early, in a background thread, and hands its result to the node, which th
 What is sent, when, and to whom (the rules this module keeps):
 
 * Only to endpoints the operator listed in the environment (H3_ENCODER_URLS / H3_ENCODER_TOKENS, the allow-list that
-  guards the token, h3_core.remote.credentials). With no allow-list, or an endpoint outside it, nothing is sent
+  guards the token, h3_core.remote.client.credentials). With no allow-list, or an endpoint outside it, nothing is sent
   early: the node encodes when it runs, as before. ComfyUI calls the on-prompt hook before it validates a prompt,
   so the hook checks this itself.
 * Only for the first prompt waiting in ComfyUI's queue, only while another prompt is running (otherwise the executor
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..h3_core.progress import Cancelled
-from ..h3_core.remote import credentials
+from ..h3_core.remote.client import credentials
 from . import comfy_queue_seam
 from .encode import request_from
 

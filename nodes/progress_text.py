@@ -24,7 +24,7 @@ import comfy.utils
 
 from ..h3_core import progress
 from ..h3_core.progress import Cancelled
-from ..h3_core.remote import polling
+from ..h3_core.remote.client import polling
 
 # What each phase's units are, in the user's words.
 PHASE_TEXT = {
@@ -235,7 +235,7 @@ def with_text(report, node_id: str | None, phase: str, suffix=None):
 
 
 class RemoteText(PhaseText):
-    """The Remote Encode node's text: what the client does and the server's phases (h3_core.remote.polling's
+    """The Remote Encode node's text: what the client does and the server's phases (h3_core.remote.client.polling's
     words), with the heartbeat's elapsed time while a phase lasts; `summary()` is the line left after the run."""
 
     limit = None  # its lines name the endpoint's URL, which a cut would hide (the node is wide: its endpoint widget)

@@ -3,7 +3,7 @@
 Same inputs as the local chain (prompt, canvas, length, media), the same conditioning out
 (bit-identical to local encoding of the same inputs), but no text encoder or VAE encoder is loaded
 here. The bearer token comes only from the environment (H3_ENCODER_TOKEN), never from a widget or
-a saved workflow, and goes only to endpoints the environment lists beside it (h3_core.remote.credentials): a
+a saved workflow, and goes only to endpoints the environment lists beside it (h3_core.remote.client.credentials): a
 shared workflow naming its own URL gets no token, and a failure's message is built from the error's fields
 (`RemoteEncodeError`), not from whatever the endpoint answered, and ends with the next step (start the server,
 set the token in ComfyUI's environment, fix the named input). The client runs on the node's thread with ComfyUI's
@@ -25,9 +25,10 @@ from urllib.parse import urlsplit
 
 from comfy_api.latest import io
 
-from ..h3_core.remote import credentials, polling, protocol, transport
-from ..h3_core.remote.client import EncoderClient
-from ..h3_core.remote.transport import (
+from ..h3_core.remote import protocol
+from ..h3_core.remote.client import credentials, polling, transport
+from ..h3_core.remote.client.encoder_client import EncoderClient
+from ..h3_core.remote.client.transport import (
     ModelMismatchError,
     ProtocolMismatchError,
     RemoteAuthError,

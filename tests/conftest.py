@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import cpu_report
+from support import cpu_report, wall_report
 
 from h3_core.testing import SERVER_THREADS
 
@@ -309,21 +309,28 @@ def pytest_collection_modifyitems(config, items):
 _CPU = cpu_report.CpuByTier()
 
 
+_WALL = wall_report.WallReport()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    before = cpu_report.cpu_seconds()
+    before, started = cpu_report.cpu_seconds(), wall_report.now()
     yield
     _CPU.add(cpu_report.tier_of({mark.name for mark in item.iter_markers()}), cpu_report.cpu_seconds() - before)
+    _WALL.add(item.path.stem, started, wall_report.now())
 
 
 def pytest_sessionfinish(session):
     if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints the sum
         session.config.workeroutput["h3_cpu_by_tier"] = _CPU.as_dict()
+        session.config.workeroutput["h3_wall"] = _WALL.as_dict()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    _CPU.merge(getattr(node, "workeroutput", {}).get("h3_cpu_by_tier", {}))
+    output = getattr(node, "workeroutput", {})
+    _CPU.merge(output.get("h3_cpu_by_tier", {}))
+    _WALL.merge(getattr(getattr(node, "gateway", None), "id", f"gw{len(_WALL.workers)}"), output.get("h3_wall", {}))
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -331,4 +338,7 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     terminalreporter.write_sep("-", "CPU-minutes per tier (tests' processes and the children they reaped)")
     for line in _CPU.lines():
+        terminalreporter.write_line(line)
+    terminalreporter.write_sep("-", "wall per xdist worker (tests/support/wall_report.py)")
+    for line in _WALL.lines():
         terminalreporter.write_line(line)

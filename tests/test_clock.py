@@ -1,4 +1,4 @@
-"""The injectable clock of the server's scheduling rules (h3_core/remote/clock.py).
+"""The injectable clock of the server's scheduling rules (h3_core/remote/server/clock.py).
 
 `ManualClock` itself, then the rules outside the fair queue decided on it: the upload-rate rule of an admitted
 request (408), a request's deadline (504), the drain on shutdown, the connection reaper (slow headers / idle
@@ -17,13 +17,13 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
-from h3_core.remote.admission import Admission
-from h3_core.remote.clock import SYSTEM_CLOCK, ManualClock
-from h3_core.remote.config import ServerConfig
-from h3_core.remote.connections import AcceptErrorLimiter, ConnectionReaper
-from h3_core.remote.handler import _wait
+from h3_core.remote.engines.connections import AcceptErrorLimiter, ConnectionReaper
 from h3_core.remote.protocol import ProtocolError
-from h3_core.remote.service import EncoderService
+from h3_core.remote.server.admission import Admission
+from h3_core.remote.server.clock import SYSTEM_CLOCK, ManualClock
+from h3_core.remote.server.config import ServerConfig
+from h3_core.remote.server.handler import _wait
+from h3_core.remote.server.service import EncoderService
 
 REAL_LIMIT_S = 30.0  # real seconds allowed for loopback I/O that takes milliseconds (load average 8 on 2 cores)
 

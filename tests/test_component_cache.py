@@ -1,4 +1,4 @@
-"""The encoder's per-component cache (h3_core/component_cache.py) and its disk tier (remote/disk_cache.py).
+"""The encoder's per-component cache (h3_core/component_cache.py) and its disk tier (remote/server/disk_cache.py).
 
 * Bitwise: for t2va, fl2va and ref2va, every mix of cached and computed parts (text, each keyframe's or reference's
   video latents, each soundtrack's or audio's rows) assembles exactly the bytes of an uncached encode.
@@ -19,8 +19,8 @@ from support.remote_cases import CASES
 
 from h3_core import component_cache
 from h3_core.component_cache import CacheRecord, MemoryTier
-from h3_core.remote.cache import ComponentTiers
-from h3_core.remote.disk_cache import DiskTier
+from h3_core.remote.server.cache import ComponentTiers
+from h3_core.remote.server.disk_cache import DiskTier
 
 
 @pytest.fixture(scope="module", autouse=True)

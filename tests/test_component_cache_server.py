@@ -19,8 +19,8 @@ from support.remote_cases import CASES
 from support.remote_http import cache_components, metric_samples, raw, wire
 
 from h3_core.remote import protocol
-from h3_core.remote.config import ServerConfig
-from h3_core.remote.server import ServerThread
+from h3_core.remote.engines.aiohttp_server import ServerThread
+from h3_core.remote.server.config import ServerConfig
 from h3_core.testing import SERVER_THREADS
 
 MiB = 1 << 20

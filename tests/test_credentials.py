@@ -1,9 +1,9 @@
-"""The token-binding policy (h3_core.remote.credentials): which endpoints get H3_ENCODER_TOKEN."""
+"""The token-binding policy (h3_core.remote.client.credentials): which endpoints get H3_ENCODER_TOKEN."""
 
 import pytest
 
-from h3_core.remote import credentials
-from h3_core.remote.credentials import CredentialPolicyError, EndpointNotAllowedError, InsecureEndpointError
+from h3_core.remote.client import credentials
+from h3_core.remote.client.credentials import CredentialPolicyError, EndpointNotAllowedError, InsecureEndpointError
 
 TOKEN = "t" * 40
 

@@ -26,9 +26,10 @@ import pytest
 
 from h3_core import __version__
 from h3_core.contract import wire
-from h3_core.remote import ingest, protocol, request_schema
-from h3_core.remote.config import ServerConfig
-from h3_core.remote.server import ServerThread
+from h3_core.remote import protocol
+from h3_core.remote.engines.aiohttp_server import ServerThread
+from h3_core.remote.server import ingest, request_schema
+from h3_core.remote.server.config import ServerConfig
 from h3_core.testing import SERVER_THREADS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,7 +226,7 @@ def test_the_checksum_test_vector_is_the_codes():
 def test_the_capabilities_example_is_a_real_servers(tiny_dir):
     from h3_core.encoder import EncoderStage
     from h3_core.models import ModelSource
-    from h3_core.remote.handler import capabilities
+    from h3_core.remote.server.handler import capabilities
 
     start = PROTOCOL_DOC.index("### `GET /v1/capabilities`")
     shown = json.loads(_blocks(PROTOCOL_DOC[start:], "json")[0])

@@ -37,7 +37,7 @@ CHECK = textwrap.dedent("""
     for name in names:
         importlib.import_module(name)
     from h3_core.cli import build_parser
-    from h3_core.remote import ray_engine, ray_run
+    from h3_core.remote.engines import ray_run, ray_serve as ray_engine
     args = build_parser().parse_args(["serve", "--engine", "ray", "--models", sys.argv[1], "--replicas", "2"])
     app = ray_engine.application(ray_run.settings_from_args(args, "127.0.0.1"))
     # The distributions h3_core's own imports come from (libraries import optional extras when they happen to be

@@ -15,8 +15,8 @@ from support.comfy_harness import comfy_available, start_comfy, thread_env
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
-from h3_core.remote.config import ServerConfig
-from h3_core.remote.server import ServerThread
+from h3_core.remote.engines.aiohttp_server import ServerThread
+from h3_core.remote.server.config import ServerConfig
 from h3_core.testing import SERVER_THREADS
 
 OFF_LINE = "encode-ahead off: ComfyUI's PromptQueue.get_current_queue_volatile is missing or not as expected"

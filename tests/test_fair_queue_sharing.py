@@ -1,7 +1,7 @@
 """Batches take turns too: a client's fair share of a batch while others use the server, and the brief wait for a
-client that is next in line (h3_core/remote/fair_queue.py, module docstring).
+client that is next in line (h3_core/remote/server/fair_queue.py, module docstring).
 
-The queue alone and the service both run on a `ManualClock` (h3_core/remote/clock.py): the share window and the
+The queue alone and the service both run on a `ManualClock` (h3_core/remote/server/clock.py): the share window and the
 next-in-line wait see only the time the test advances, so the decisions asserted here are the same however long a
 forward takes on a busy machine. The service tests drive `EncoderService` on an asyncio loop around the tiny model's
 real `EncoderStage` (text encoder only), like tests/test_remote_fairness.py. Jobs that shared one forward have the
@@ -20,11 +20,12 @@ from support.service_support import run_service
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
-from h3_core.remote import protocol, request_schema
-from h3_core.remote.clock import ManualClock
-from h3_core.remote.config import ServerConfig, ServerConfigError
-from h3_core.remote.fair_queue import FairQueue
-from h3_core.remote.service import EncoderService
+from h3_core.remote import protocol
+from h3_core.remote.server import request_schema
+from h3_core.remote.server.clock import ManualClock
+from h3_core.remote.server.config import ServerConfig, ServerConfigError
+from h3_core.remote.server.fair_queue import FairQueue
+from h3_core.remote.server.service import EncoderService
 from h3_core.request import EncodeRequest
 
 

@@ -1,4 +1,4 @@
-"""The encoder server's disk tier (h3_core/remote/disk_cache.py) against a directory others tamper with.
+"""The encoder server's disk tier (h3_core/remote/server/disk_cache.py) against a directory others tamper with.
 
 Security issue 36, item 5: eviction followed a link inside DIR and deleted files outside it; a FIFO at an entry's
 name blocked the model thread; an existing world-writable DIR was used as is and an entry planted there by another
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3_core.remote import disk_cache
-from h3_core.remote.config import ServerConfigError
-from h3_core.remote.disk_cache import DiskTier, UnsafeCacheDirError
+from h3_core.remote.server import disk_cache
+from h3_core.remote.server.config import ServerConfigError
+from h3_core.remote.server.disk_cache import DiskTier, UnsafeCacheDirError
 
 NOBODY = 65534
 

@@ -19,8 +19,13 @@ import numpy as np
 import pytest
 from support.hostile_peer import CAPS, REQUEST, HostileServer, MiB
 
-from h3_core.remote import packing
-from h3_core.remote.client import EncoderClient, ProtocolMismatchError, RemoteEncodeError, RemoteRequestError
+from h3_core.remote.client import packing
+from h3_core.remote.client.encoder_client import (
+    EncoderClient,
+    ProtocolMismatchError,
+    RemoteEncodeError,
+    RemoteRequestError,
+)
 from h3_core.request import EncodeRequest
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from support.hostile_peer import CAPS, REQUEST, HostileServer
 
 from h3_core import rules, safetensors_header
 from h3_core.contract import ContractError, H3Conditioning, wire
-from h3_core.remote.client import EncoderClient, RemoteEncodeError
+from h3_core.remote.client.encoder_client import EncoderClient, RemoteEncodeError
 from h3_core.weights.errors import H3WeightsError
 from h3_core.weights.headers import read_header as read_weights_header
 

@@ -23,11 +23,12 @@ import pytest
 from support.remote_http import connect, read_status, start_upload
 
 from h3_core import media, rules
-from h3_core.remote import packing, protocol
-from h3_core.remote.client import EncoderClient
-from h3_core.remote.config import ServerConfig
+from h3_core.remote import protocol
+from h3_core.remote.client import packing
+from h3_core.remote.client.encoder_client import EncoderClient
+from h3_core.remote.engines.aiohttp_server import ServerThread, config_from_args
 from h3_core.remote.protocol import Limits
-from h3_core.remote.server import ServerThread, config_from_args
+from h3_core.remote.server.config import ServerConfig
 from h3_core.request import EncodeRequest, VideoInput
 
 MiB = 1 << 20

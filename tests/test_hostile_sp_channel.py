@@ -3,8 +3,9 @@ sequence_parallel_channel.py) and the ranks' rendezvous (sequence_parallel.init_
 
 While a pool starts, its host listens on a loopback port that any local process can read from a worker's command
 line. Such a peer must not hold the start (a byte every few seconds), make the host allocate what it declares, nor
-crash it; the real workers are admitted meanwhile. The pool's workers are stand-ins here (`_Sleeper`: the real
-command line, a process that waits), and the test plays their part of the protocol, so no model is loaded.
+crash it; the real workers are admitted meanwhile. The pool's rank launcher is a stand-in here (`_Sleeper`: the
+real command line, a process that reports a pid for each rank, as the launcher does before the rank may connect, and
+waits), and the test plays the ranks' part of the protocol, so no model is loaded.
 Every socket the ranks' process group listens on is loopback.
 """
 
@@ -40,18 +41,27 @@ RECIPE = workers.DiTRecipe(component="transformer", path="/nonexistent/dit.safet
 LAYOUT = sequence_parallel.Layout(2)
 OLD_HELLO = b'{"kind":"hello"}'  # with its 12-byte frame: the 28-byte hello of the old protocol
 MiB = 1 << 20
+_LAUNCHER = textwrap.dedent("""
+    import json, os, sys
+    argv = sys.argv[1:]
+    fd, ranks = int(argv[argv.index("--status-fd") + 1]), int(argv[argv.index("--ranks") + 1])
+    for rank in range(ranks):
+        os.write(fd, (json.dumps({"kind": "forked", "rank": rank, "pid": os.getpid()}) + "\\n").encode())
+    sys.stdin.read()
+""")
 
 
 class _Sleeper(subprocess.Popen):
-    """A worker process that never connects: the pool's own command line (so its --host port is public, as it is
-    for a real worker), running a Python that waits until the pool stops it (its stdin closes)."""
+    """A rank launcher that forks nothing: the pool's own command line (so its --host port is public, as it is for a
+    real launcher), running a Python that reports its own pid as every rank's on the status pipe (the stand-in ranks
+    are the test's threads) and waits until the pool stops it (its stdin closes)."""
 
     started: list[_Sleeper] = []
 
     def __init__(self, args, **kwargs):
         self.argv, self.env = list(args), dict(kwargs.get("env") or {})
         kwargs["stdin"] = subprocess.PIPE
-        super().__init__([sys.executable, "-c", "import sys; sys.stdin.read()", *args[1:]], **kwargs)
+        super().__init__([sys.executable, "-c", _LAUNCHER, *args[1:]], **kwargs)
         _Sleeper.started.append(self)
 
     @property
@@ -76,8 +86,8 @@ def sleepers(monkeypatch):
 
 def _port(sleepers, timeout_s: float = 30.0) -> int:
     deadline = time.monotonic() + timeout_s
-    while len(sleepers) < LAYOUT.degree:
-        assert time.monotonic() < deadline, "the pool did not start its workers"
+    while not sleepers:
+        assert time.monotonic() < deadline, "the pool did not start its rank launcher"
         time.sleep(0.01)
     return sleepers[0].port
 
@@ -196,7 +206,7 @@ def test_a_28_byte_hello_declaring_a_huge_payload_is_dropped_and_the_workers_sta
     time.sleep(0.3)  # the host's turn to read it (it must not matter)
     stop = threading.Event()
     token = sleepers[0].env[TOKEN_ENV]
-    fakes = [_fake_worker(port, token, rank, proc.pid, stop) for rank, proc in enumerate(sleepers)]
+    fakes = [_fake_worker(port, token, rank, sleepers[0].pid, stop) for rank in range(LAYOUT.degree)]
     start.join(timeout=60.0)
     hostile.close()
     try:

@@ -9,7 +9,8 @@ import pytest
 
 from h3_core import assembly, configs, encoder, testing
 from h3_core.facts import AUDIO_SAMPLE_RATE
-from h3_core.remote import packing, request_schema
+from h3_core.remote.client import packing
+from h3_core.remote.server import request_schema
 from h3_core.request import AudioInput, EncodeRequest, needed_encoders
 
 SILENT_VIDEO = EncodeRequest(prompt="<Video 1> moves.", ref_videos=[testing.video(2.0, audio=False)], num_frames=124)

@@ -15,10 +15,10 @@ import pytest
 from support.comfy_harness import comfy, free_port  # noqa: F401  (session fixture)
 from support.remote_cases import PacedStage, SlowStage
 
-from h3_core.remote import polling
-from h3_core.remote.config import ServerConfig
+from h3_core.remote.client import polling
+from h3_core.remote.engines.aiohttp_server import ServerThread
 from h3_core.remote.protocol import Limits
-from h3_core.remote.server import ServerThread
+from h3_core.remote.server.config import ServerConfig
 from h3_core.testing import SERVER_THREADS, wait_until
 
 TEXT_FRAME = 3  # ComfyUI's binary websocket event type for a node's progress text (server.send_progress_text)

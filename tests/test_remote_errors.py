@@ -13,11 +13,16 @@ from h3_core import media
 from h3_core.encoder import EncoderStage
 from h3_core.media import sandbox as media_sandbox
 from h3_core.models import ModelSource
-from h3_core.remote import transport
-from h3_core.remote.client import EncoderClient, RemoteAuthError, RemoteRequestError, RemoteUnavailableError
-from h3_core.remote.config import ServerConfig
+from h3_core.remote.client import transport
+from h3_core.remote.client.encoder_client import (
+    EncoderClient,
+    RemoteAuthError,
+    RemoteRequestError,
+    RemoteUnavailableError,
+)
+from h3_core.remote.engines.aiohttp_server import ServerThread
 from h3_core.remote.protocol import Limits
-from h3_core.remote.server import ServerThread
+from h3_core.remote.server.config import ServerConfig
 from h3_core.request import EncodeRequest
 from h3_core.testing import SERVER_THREADS
 

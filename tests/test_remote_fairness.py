@@ -16,11 +16,12 @@ from support.service_support import run_service
 
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
-from h3_core.remote import protocol, request_schema
-from h3_core.remote.config import ServerConfig
-from h3_core.remote.fair_queue import FairQueue
+from h3_core.remote import protocol
 from h3_core.remote.protocol import ProtocolError
-from h3_core.remote.service import EncoderService, QueueFull
+from h3_core.remote.server import request_schema
+from h3_core.remote.server.config import ServerConfig
+from h3_core.remote.server.fair_queue import FairQueue
+from h3_core.remote.server.service import EncoderService, QueueFull
 from h3_core.request import EncodeRequest
 from h3_core.text_batching import TextBatcher
 
@@ -203,7 +204,7 @@ def test_a_batch_takes_its_owner_jobs_and_one_per_other_client():
 def test_bench_clients_reach_the_server_as_distinct_clients(stage):
     """bench/fairness.py tells its simulated clients apart by loopback source address (127.0.x.y)."""
     from bench import fairness
-    from h3_core.remote.server import ServerThread
+    from h3_core.remote.engines.aiohttp_server import ServerThread
 
     with ServerThread(stage, ServerConfig(threads=1)) as server:
         seen = []
@@ -222,7 +223,7 @@ def test_bench_clients_reach_the_server_as_distinct_clients(stage):
 
 def test_scheduling_flags_and_client_keys():
     from h3_core.cli import build_parser
-    from h3_core.remote.server import config_from_args
+    from h3_core.remote.engines.aiohttp_server import config_from_args
 
     args = build_parser().parse_args(["serve", "--models", "x", "--client-key", "forwarded", "--text-batch", "1"])
     config = config_from_args(args, None)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from support.encoder_process import REPO, ServerProcess, server_env
 
-from h3_core.remote.client import EncoderClient, RemoteUnavailableError
+from h3_core.remote.client.encoder_client import EncoderClient, RemoteUnavailableError
 from h3_core.request import EncodeRequest, VideoInput
 from h3_core.testing import SERVER_THREADS, wait_until
 

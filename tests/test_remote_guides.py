@@ -17,12 +17,14 @@ from support.remote_http import raw
 
 from h3_core import facts, media
 from h3_core.guides import MAX_GUIDE_FRAMES, GuideMedia
-from h3_core.remote import handler as handler_module
-from h3_core.remote import packing, protocol, request_schema
-from h3_core.remote.client import EncoderClient, RemoteRequestError
-from h3_core.remote.config import ServerConfig
+from h3_core.remote import protocol
+from h3_core.remote.client import packing
+from h3_core.remote.client.encoder_client import EncoderClient, RemoteRequestError
+from h3_core.remote.engines.aiohttp_server import ServerThread
 from h3_core.remote.protocol import ProtocolError
-from h3_core.remote.server import ServerThread
+from h3_core.remote.server import handler as handler_module
+from h3_core.remote.server import request_schema
+from h3_core.remote.server.config import ServerConfig
 from h3_core.request import EncodeRequest
 from h3_core.testing import SERVER_THREADS, image, tone, video
 

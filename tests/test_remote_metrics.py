@@ -15,8 +15,8 @@ from support.remote_http import metric_samples
 from h3_core.encoder import EncoderStage
 from h3_core.models import ModelSource
 from h3_core.remote import protocol
-from h3_core.remote.config import ServerConfig
-from h3_core.remote.server import ServerThread
+from h3_core.remote.engines.aiohttp_server import ServerThread
+from h3_core.remote.server.config import ServerConfig
 from h3_core.testing import SERVER_THREADS
 
 TOKEN = "metrics-token-" + "x" * 24

@@ -19,11 +19,12 @@ from support.remote_cases import CASES, PacedStage, SlowStage
 from support.remote_http import raw, wire
 
 from h3_core.progress import Cancelled
-from h3_core.remote import http as http_module
-from h3_core.remote import polling, tracking
-from h3_core.remote.client import EncoderClient
-from h3_core.remote.config import ServerConfig
-from h3_core.remote.server import ServerThread
+from h3_core.remote import tracking
+from h3_core.remote.client import polling
+from h3_core.remote.client.encoder_client import EncoderClient
+from h3_core.remote.engines import aiohttp_app as http_module
+from h3_core.remote.engines.aiohttp_server import ServerThread
+from h3_core.remote.server.config import ServerConfig
 from h3_core.request import EncodeRequest
 from h3_core.testing import SERVER_THREADS, wait_until
 

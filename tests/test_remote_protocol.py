@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from h3_core import facts, media, rules
-from h3_core.remote import ingest, packing, protocol, request_schema
-from h3_core.remote.config import ServerConfigError, check_bind
-from h3_core.remote.ingest import Part
+from h3_core.remote import protocol
+from h3_core.remote.client import packing
 from h3_core.remote.protocol import Limits, ProtocolError, is_loopback
+from h3_core.remote.server import ingest, request_schema
+from h3_core.remote.server.config import ServerConfigError, check_bind
+from h3_core.remote.server.ingest import Part
 from h3_core.request import AudioInput, EncodeRequest, VideoInput
 from h3_core.testing import png_bomb
 
@@ -65,7 +67,7 @@ def test_output_length_is_an_operator_setting_with_todays_default():
 
 def test_serve_max_frames_flag():
     from h3_core.cli import build_parser
-    from h3_core.remote.server import config_from_args
+    from h3_core.remote.engines.aiohttp_server import config_from_args
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--models", "m", "--max-frames", "481"])

@@ -30,10 +30,10 @@ from support.remote_http import cache_components, metric_samples, raw, read_stat
 
 from h3_core import facts  # noqa: E402
 from h3_core.remote import protocol  # noqa: E402
-from h3_core.remote.client import EncoderClient, RemoteAuthError, RemoteEncodeError  # noqa: E402
-from h3_core.remote.config import ServerConfig  # noqa: E402
+from h3_core.remote.client.encoder_client import EncoderClient, RemoteAuthError, RemoteEncodeError  # noqa: E402
+from h3_core.remote.engines.aiohttp_server import ServerThread  # noqa: E402
 from h3_core.remote.protocol import Limits  # noqa: E402
-from h3_core.remote.server import ServerThread  # noqa: E402
+from h3_core.remote.server.config import ServerConfig  # noqa: E402
 from h3_core.request import AudioInput, EncodeRequest  # noqa: E402
 from h3_core.testing import SERVER_THREADS, PromptPaced, image, tone, wait_until  # noqa: E402
 
@@ -72,7 +72,8 @@ def ray_cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_url(tiny_dir, ray_cache_dir):
-    from h3_core.remote import ray_engine, ray_run
+    from h3_core.remote.engines import ray_run
+    from h3_core.remote.engines import ray_serve as ray_engine
 
     os.environ[TOKEN_ENV] = TOKEN  # before Ray starts: its workers inherit this environment (the only secret path)
     started = time.perf_counter()
@@ -412,7 +413,7 @@ def test_decoded_bytes_are_bounded_per_request(engine):
     import numpy as np
 
     from h3_core import media
-    from h3_core.remote import packing
+    from h3_core.remote.client import packing
 
     name, url = engine
     image = media.encode_png_bytes(np.zeros((2048, 1536, 3), np.uint8))  # 9 MiB decoded each, a few KiB sent
@@ -430,7 +431,7 @@ def test_canvas_bound_and_oversized_headers_hold_on_both_engines(engine):
     """On both engines: a canvas beyond H3's trained range is a 413 naming it, before any media is read;
     request headers of 64 KiB are a 4xx (aiohttp's parser refuses the field; Ray Serve's proxy passes it on and the
     one request handling answers 431), and the server serves on."""
-    from h3_core.remote import packing
+    from h3_core.remote.client import packing
 
     name, url = engine
     content_type, buffers = packing.encode_multipart({"protocol": PV, "prompt": "A fox.", "num_frames": 124,

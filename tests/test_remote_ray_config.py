@@ -14,7 +14,8 @@ yaml = pytest.importorskip("yaml")
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from h3_core.cli import build_parser  # noqa: E402
-from h3_core.remote import ray_engine, ray_run  # noqa: E402
+from h3_core.remote.engines import ray_run  # noqa: E402
+from h3_core.remote.engines import ray_serve as ray_engine  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "ray_serve.yaml"
 
@@ -63,7 +64,7 @@ def test_cli_flags_become_ray_settings(tiny_dir):
 
 
 def test_ray_flags_need_the_ray_engine(capsys):
-    from h3_core.remote import engines
+    from h3_core.remote.engines import options as engines
 
     args = build_parser().parse_args(["serve", "--models", "x", "--replicas", "2"])
     assert engines.main(args) == 2 and "--replicas needs --engine ray" in capsys.readouterr().err
@@ -91,3 +92,8 @@ def test_readme_words_without_dtype_load_a_replica_by_the_dtype_rule(tiny_dir, m
     bad.dtype = "float8"
     with pytest.raises(ValueError, match="unknown dtype"):
         ray_run.settings_from_args(bad, "127.0.0.1")
+
+
+def test_the_old_import_path_of_saved_configs_still_deploys():
+    # Configs saved before the engines moved to h3_core/remote/engines/ say `h3_core.remote.ray_engine:build`.
+    assert importlib.import_module("h3_core.remote.ray_engine").build is ray_engine.build

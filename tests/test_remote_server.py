@@ -18,9 +18,8 @@ from support.remote_cases import CASES, SlowStage, hostile_cases, send_hostile
 from support.remote_http import raw, wire
 
 from h3_core.progress import Cancelled
-from h3_core.remote import handler as handler_module
 from h3_core.remote import protocol
-from h3_core.remote.client import (
+from h3_core.remote.client.encoder_client import (
     EncoderClient,
     ModelMismatchError,
     ProtocolMismatchError,
@@ -29,8 +28,9 @@ from h3_core.remote.client import (
     RemoteRequestError,
     RemoteUnavailableError,
 )
-from h3_core.remote.config import ServerConfig
-from h3_core.remote.server import ServerThread
+from h3_core.remote.engines.aiohttp_server import ServerThread
+from h3_core.remote.server import handler as handler_module
+from h3_core.remote.server.config import ServerConfig
 from h3_core.request import EncodeRequest
 from h3_core.testing import SERVER_THREADS, wait_until
 
@@ -371,7 +371,7 @@ def test_a_version_1_client_gets_a_version_error(server):
         "import sys\n"
         "from h3_core.remote import protocol\n"
         "protocol.PROTOCOL_VERSION = 1\n"
-        "from h3_core.remote.client import EncoderClient, ProtocolMismatchError\n"
+        "from h3_core.remote.client.encoder_client import EncoderClient, ProtocolMismatchError\n"
         "from h3_core.request import EncodeRequest\n"
         "try:\n"
         "    EncoderClient(sys.argv[1], retries=0).encode(EncodeRequest(prompt='A fox.', width=64, height=64))\n"

@@ -1,6 +1,6 @@
 """The encoder service without HTTP: admission, body budget, component check, queue, join, traceback-free errors.
 
-Drives `h3_core.remote.service.EncoderService` directly on an asyncio loop around the tiny model's real
+Drives `h3_core.remote.server.service.EncoderService` directly on an asyncio loop around the tiny model's real
 `EncoderStage`; no aiohttp, no sockets.
 """
 
@@ -12,10 +12,11 @@ import gc
 import pytest
 from support.service_support import run_service
 
-from h3_core.remote import protocol, request_schema
-from h3_core.remote.config import ServerConfig
+from h3_core.remote import protocol
 from h3_core.remote.protocol import ProtocolError
-from h3_core.remote.service import EncoderService
+from h3_core.remote.server import request_schema
+from h3_core.remote.server.config import ServerConfig
+from h3_core.remote.server.service import EncoderService
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,7 @@ def test_failed_job_keeps_no_traceback(stage):
 
 def test_serve_flags_reach_the_config():
     from h3_core.cli import build_parser
-    from h3_core.remote.server import config_from_args
+    from h3_core.remote.engines.aiohttp_server import config_from_args
 
     args = build_parser().parse_args(["serve", "--models", "x", "--decode-timeout", "5", "--deadline", "60"])
     config = config_from_args(args, None)

@@ -11,7 +11,7 @@ import torch
 from accelerate.utils import check_device_map
 
 from h3_core.models import ModelSource
-from h3_core.remote import sharding
+from h3_core.remote.engines import sharding
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import pytest
 
 from h3_core.remote import protocol
-from h3_core.remote.config import ServerConfig
-from h3_core.remote.server import ServerThread
+from h3_core.remote.engines.aiohttp_server import ServerThread
+from h3_core.remote.server.config import ServerConfig
 
 SEED = 20261206
 BASE = {"protocol": 2, "prompt": "A red fox in the snow.", "width": 64, "height": 64, "num_frames": 124}

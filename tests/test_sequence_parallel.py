@@ -1,8 +1,9 @@
 """The DiT sequence-parallel over N ranks (h3_core/sequence_parallel.py): `generate --sp 2` on two gloo ranks gives
 the latents of the single-process run within 1e-6 relative, for t2va, fl2va and ref2va (whose packed sequence is
 odd), with the dense DiT, block streaming, and the pruned int8 + ConvRot twin; and what cannot run is refused with
-the constraint named, before any rank starts. The ranks are real processes (torch.multiprocessing, forkserver) on the
-CPU, running the code path NCCL runs on CUDA."""
+the constraint named, before any rank starts. The ranks are real processes on the CPU, running the code path NCCL runs
+on CUDA, started by the one sequence-parallel engine the Sampler's `gpus` uses too (sequence_parallel_workers.py:
+ranks forked warm by one launcher)."""
 
 import dataclasses
 import os
@@ -163,3 +164,43 @@ def test_a_rank_that_fails_ends_the_run_with_its_error(tiny_dir, conds, tmp_path
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: sequence-parallel rank ") and "missing.safetensors" in last, last
+
+
+def test_generate_sp_runs_on_the_samplers_engine_with_ranks_forked_warm(tiny_dir, conds, tmp_path, monkeypatch):
+    """One engine: `generate --sp 2` samples on sequence_parallel_workers.WorkerPool, the class the Sampler's `gpus`
+    runs on (its warm_pool), whose ranks are forked by one launcher that imported torch and diffusers before it
+    forked: no rank starts an interpreter or imports them again. The sampler's options cross to the ranks through
+    SamplingOptions.to_wire, the one place (tests/test_sampling_options.py fails when a field is not decided there)."""
+    from support.sp_engine import assert_forked_from_a_warm_launcher
+
+    from h3_core import sequence_parallel_workers as workers
+    from h3_core.diffusion import SamplingOptions as Options
+
+    started, wired = [], []
+    start, to_wire = workers.WorkerPool.start, Options.to_wire
+
+    def spy_start(pool, *args, **kwargs):
+        result = start(pool, *args, **kwargs)
+        assert_forked_from_a_warm_launcher(pool)  # checked while the ranks live
+        started.append(pool)
+        return result
+
+    def spy_wire(options, *args, **kwargs):
+        wired.append(options)
+        return to_wire(options, *args, **kwargs)
+
+    monkeypatch.setattr(workers.WorkerPool, "start", spy_start)
+    monkeypatch.setattr(Options, "to_wire", spy_wire)
+    monkeypatch.setenv("H3_THREADS", "1")  # the ranks' threads (and, in cli.main, this process's: restored below)
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main(["generate", "--models", str(tiny_dir), "--layout", "comfyui", "--cond", str(conds["t2va"]),
+                         "--out", str(tmp_path / "sp2.mp4"), "--steps", str(STEPS), "--seed", "3", "--sp", "2",
+                         "--cache", "every:2"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0 and (tmp_path / "sp2.mp4").stat().st_size > 0
+    [pool] = started
+    assert pool.closed and not pool.alive() and [rank.returncode for rank in pool.procs] == [0, 0]
+    [options] = wired
+    assert (options.steps, options.seed, options.cache) == (STEPS, 3, "every:2")

@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.comfy_harness import comfy_available, start_comfy
+from support.sp_engine import WORKER_MODULE, cmdline, comm, parent_of
 
 HERE = Path(__file__).resolve().parent
 TINY = "[embedded] tiny H3 (random weights, outputs are noise)"
 PREVIEW_IMAGE = 1  # ComfyUI's binary websocket event type for a preview picture
 PROGRESS_TEXT = 3  # ... and for a node's progress-text line
-WORKER_MODULE = b"h3_core.sequence_parallel_workers"
 LONG = 40  # steps of a prompt that is interrupted or loses a worker after its first step: ends well before the last
 
 
@@ -76,17 +76,26 @@ def graph(seed: int, steps: int, gpus: tuple[int, ...]) -> dict:
 
 
 def worker_pids(server) -> dict[int, int]:
-    """rank -> pid of the sequence-parallel workers started by this server (descendants of its process)."""
+    """rank -> pid of the sequence-parallel workers started by this server (descendants of its process): the one
+    engine's ranks, each forked by the pool's launcher (`python -m h3_core.sequence_parallel_workers --ranks N`) and
+    named h3-sp-rank<R>, with the launcher's command line (never exec'd: no interpreter of its own)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
+        pid = int(entry.name)
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            argv, name = cmdline(pid), comm(pid)
+            launcher = parent_of(pid)
+        except (OSError, IndexError, ValueError):
             continue
-        if WORKER_MODULE in argv and _descends(int(entry.name), server.proc.pid):
-            found[int(argv[argv.index(b"--rank") + 1])] = int(entry.name)
+        if WORKER_MODULE in argv and name.startswith("h3-sp-rank") and _descends(pid, server.proc.pid):
+            try:
+                forked_warm = comm(launcher) == "h3-sp-launcher" and cmdline(launcher) == argv
+            except OSError:
+                continue
+            assert forked_warm, f"rank pid {pid} was not forked by its pool's launcher"
+            found[int(name.removeprefix("h3-sp-rank"))] = pid
     return found
 
 

@@ -1,7 +1,8 @@
 """Warm sequence-parallel workers (h3_core/sequence_parallel_workers.py): a pool of two gloo ranks, real processes on
 the CPU loading the tiny DiT from its file, gives the single-process latents within 1e-6 relative, with progress and
 previews from rank 0; stays warm between jobs; stops every rank before the same step on cancel and stays usable;
-when a worker is killed mid-job the job fails naming it, and the next job runs on fresh workers. Its life: the start
+when a worker is killed mid-job the job fails naming it, and the next job runs on fresh workers. The ranks are forked
+by one launcher that imported torch and diffusers first (tests/support/sp_engine.py). Its life: the start
 reports each rank's hello and load, an idle pool stops itself on its (injected) clock, and a host that exits (Ctrl-C)
 or is killed leaves no worker behind and no traceback."""
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.listening import is_loopback, listening
+from support.sp_engine import assert_forked_from_a_warm_launcher
 
 from h3_core import sequence_parallel
 from h3_core import sequence_parallel_workers as workers
@@ -72,6 +74,7 @@ def test_pool_equals_one_process_and_stays_warm(setup):
     options = SamplingOptions(steps=STEPS, seed=3, progress=lambda done, total: events.append((done, total)),
                               preview=lambda done, total, video: previews.append((done, video.shape)))
     pool = workers.warm_pool(recipe, layout)
+    assert_forked_from_a_warm_launcher(pool)  # the Sampler's pool: ranks forked warm, as generate --sp's
     latents = workers.sample(recipe, layout, cond, options)
     _assert_equal(latents, reference)
     assert events == [(0, STEPS - 1)]  # then each step's preview carries its count

@@ -177,7 +177,7 @@ def _middle_tensor_byte(path: Path, name: str) -> int:
 def test_new_middle_weights_are_not_answered_with_old_embeddings(tiny_dir, tmp_path, one_thread):
     from h3_core.encoder import EncoderStage
     from h3_core.models import ModelSource
-    from h3_core.remote.disk_cache import DiskTier
+    from h3_core.remote.server.disk_cache import DiskTier
 
     root = tmp_path / "h3"
     shutil.copytree(Path(tiny_dir) / "diffusers", root / "diffusers")

@@ -84,7 +84,7 @@ MAX_LATENT_SHORT_SIDE = max(facts.REFERENCE_IMAGE_SHORT_EDGE, math.isqrt(facts.M
 MAX_LATENT_LONG_SIDE = facts.MAX_REFERENCE_IMAGE_EDGE // facts.VAE_SPATIAL_FACTOR  # 512
 MAX_AUDIO_ROWS = facts.AUDIO_CHANNELS * facts.audio_latents(facts.MAX_AUDIO_CLIP_S)  # 1200: 15 s, stereo
 # Widths are model configuration, not facts: these are loose caps (the release has D=5120 and C=24), the same ones
-# the client's answer-size bound uses (h3_core/remote/packing.py); the loaded model checks the exact ones.
+# the client's answer-size bound uses (h3_core/remote/client/packing.py); the loaded model checks the exact ones.
 MAX_TEXT_WIDTH = 8192
 MAX_LATENT_CHANNELS = 128
 

@@ -17,9 +17,9 @@ offending `field` and a message that names the constraint; the server sends it a
 ``{"error": {"code", "message", "field", "request_id"}}``.
 
 This module holds what both sides share: constants (paths, headers, the version), `Limits`, the error model and
-the loopback rule. The request JSON's schema, its reader and the cache key are `request_schema.py`; turning
-received bytes into arrays is `ingest.py` (server side); turning an `EncodeRequest` into a multipart body is
-`packing.py` (client side).
+the loopback rule. The request JSON's schema, its reader and the cache key are `server/request_schema.py`;
+turning received bytes into arrays is `server/ingest.py` (server side); turning an `EncodeRequest` into a
+multipart body is `client/packing.py` (client side).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from h3_core.remote import packing, protocol
+from h3_core.remote import protocol
+from h3_core.remote.client import packing
 from h3_core.testing import SERVER_THREADS, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

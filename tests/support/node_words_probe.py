@@ -76,7 +76,7 @@ out["progress"]["left"] = list(sent)
 
 # --- remote: the 401 step ------------------------------------------------------------------------------------------
 remote = node("remote")
-client = importlib.import_module(f"{PACKAGE}.h3_core.remote.client")
+client = importlib.import_module(f"{PACKAGE}.h3_core.remote.client.encoder_client")
 URL, SECRET = "https://enc.example:8443", "s3cr3t-" + "t" * 30
 ENVS = {
     "none": {},

@@ -14,7 +14,8 @@ import socket
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from h3_core.remote import packing, protocol
+from h3_core.remote import protocol
+from h3_core.remote.client import packing
 from h3_core.request import EncodeRequest
 
 

@@ -1,6 +1,6 @@
 """Shared by the encoder-service tests: run a coroutine against a started `EncoderService`, stopped afterwards."""
 
-from h3_core.remote.service import EncoderService
+from h3_core.remote.server.service import EncoderService
 
 
 async def run_service(stage, config, body):

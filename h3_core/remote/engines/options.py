@@ -40,6 +40,6 @@ def main(args) -> int:
 
             print(f"error: --{flag.replace('_', '-')} needs --engine ray", file=sys.stderr)
             return 2
-    from .server import main as serve_main
+    from .aiohttp_server import main as serve_main
 
     return serve_main(args)

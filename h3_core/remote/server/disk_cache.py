@@ -42,8 +42,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from .. import private_dir
-from ..component_cache import CACHE_VERSION, Tensors
+from ... import private_dir
+from ...component_cache import CACHE_VERSION, Tensors
 from .config import ServerConfigError
 
 log = logging.getLogger("h3_core.remote.server")

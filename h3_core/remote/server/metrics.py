@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
-from ..component_cache import COMPONENTS, TIERS
+from ...component_cache import COMPONENTS, TIERS
 
 if TYPE_CHECKING:
     from .service import EncoderService, Job

@@ -1,4 +1,4 @@
-"""Running the Ray Serve engine: `python -m h3_core serve --engine ray` (flags in `engines.py`), tests, benchmarks.
+"""Running the Ray Serve engine: `python -m h3_core serve --engine ray` (flags in `options.py`), tests, benchmarks.
 
 `start` connects to (or starts) Ray, starts Serve's HTTP proxy and deploys `ray_engine.application`; `stop` takes
 it down; `main` is the CLI command, serving until SIGTERM/SIGINT.
@@ -12,15 +12,15 @@ import time
 
 from ray import serve
 
-from . import protocol
-from .config import check_bind
-from .ray_engine import APP_NAME, RaySettings, application, parse_autoscale
+from .. import protocol
+from ..server.config import check_bind
+from .ray_serve import APP_NAME, RaySettings, application, parse_autoscale
 
 log = logging.getLogger("h3_core.remote.server")
 
 
 def settings_from_args(args, host: str) -> RaySettings:
-    from .server import config_from_args
+    from .aiohttp_server import config_from_args
 
     autoscale = parse_autoscale(args.autoscale) if getattr(args, "autoscale", None) else None
     replicas = getattr(args, "replicas", None) or 1
@@ -48,7 +48,7 @@ def _threads() -> int:
 
 def _dtype(value: str | None) -> str:
     """`--dtype` as the replicas take it; a misspelling fails here, before Ray starts (`dtypes.parse`)."""
-    from .. import dtypes
+    from ... import dtypes
 
     dtypes.parse(value)
     return value or "auto"
@@ -87,7 +87,7 @@ def main(args) -> int:
     import sys
     import threading
 
-    from .config import ServerConfigError
+    from ..server.config import ServerConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -97,7 +97,7 @@ def main(args) -> int:
         check_bind(host, os.environ.get(token_env) or None, token_env)
         settings = settings_from_args(args, host)
         if getattr(args, "cache_dir", None):  # refused here, before any replica starts, as the aiohttp engine does
-            from .disk_cache import check_dir
+            from ..server.disk_cache import check_dir
 
             check_dir(args.cache_dir)
     except (ServerConfigError, ValueError) as error:

@@ -1,10 +1,10 @@
 """The request handling of the encoder endpoint, engine-neutral: a plain request in, status/headers/body out.
 
-Both engines call this one implementation: the aiohttp server (`http.py`) and the Ray Serve ingress
-(`ray_engine.py`) turn their request into an `Incoming` and send back the `Reply`. Routing, auth, the error model,
-the caps and the slow-upload rule (through `body.py`), deadlines, the cache, progress polls and the request log
-all live here, so the two engines answer with the same statuses and the same bytes. So do the hooks of the
-metrics (`metrics.py`: answers to `POST /v1/encode` by status and task, the `receive` and `send` phases, `GET
+Both engines call this one implementation: the aiohttp server (`aiohttp_app.py`) and the Ray Serve ingress
+(`ray_serve.py`, both in `engines/`) turn their request into an `Incoming` and send back the `Reply`. Routing, auth,
+the error model, the caps and the slow-upload rule (through `body.py`), deadlines, the cache, progress polls and the
+request log all live here, so the two engines answer with the same statuses and the same bytes. So do the hooks of
+the metrics (`metrics.py`: answers to `POST /v1/encode` by status and task, the `receive` and `send` phases, `GET
 /metrics`), of readiness (503 `loading` until the models are loaded) and of the fair queue (the client key).
 
     Handler(service)(incoming) --(route, auth, caps, parse, cache lookup)--> compute() --> Reply
@@ -25,12 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
-from .. import __version__, rules
-from ..progress import Cancelled
-from . import body, ingest, metrics, protocol, request_schema, tracking
+from ... import __version__, rules
+from ...progress import Cancelled
+from .. import protocol, tracking
+from ..protocol import ProtocolError
+from . import body, ingest, metrics, request_schema
 from .clock import Clock
 from .ingest import Part
-from .protocol import ProtocolError
 from .service import Abandoned, EncoderService, Job, QueueFull
 
 log = logging.getLogger("h3_core.remote.server")
@@ -92,7 +93,7 @@ def authorized(headers: Mapping[str, str], token: str) -> bool:
 
 
 def capabilities(service: EncoderService) -> dict[str, Any]:
-    from ..contract import FORMAT_ID, WIRE_VERSION
+    from ...contract import FORMAT_ID, WIRE_VERSION
 
     return {
         "protocol": {"name": protocol.PROTOCOL_NAME, "version": protocol.PROTOCOL_VERSION,
@@ -125,7 +126,7 @@ def conditioning_reply(item: tuple[Any, str], service: EncoderService, rid: str,
                        encode_s: float) -> Reply:
     """`item`: (the wire form - `Encoded`, or its bytes on the Ray ingress -, its xxh3 checksum)."""
     data, checksum = item
-    from ..contract import FORMAT_ID, WIRE_VERSION
+    from ...contract import FORMAT_ID, WIRE_VERSION
 
     return Reply(200, {
         protocol.H_PROTOCOL: str(protocol.PROTOCOL_VERSION),

@@ -116,7 +116,7 @@ def sharded_stage(source: Any, components: tuple[str, ...], dtype: torch.dtype, 
     """An `EncoderStage` whose text encoder spans GPUs 0..gpus-1 (the VAEs on GPU 0). Needs `gpus` CUDA devices."""
     from accelerate import dispatch_model
 
-    from ..encoder import EncoderStage
+    from ...encoder import EncoderStage
 
     if torch.cuda.device_count() < gpus:
         raise RuntimeError(f"--gpus-per-replica {gpus}: this replica sees {torch.cuda.device_count()} GPU(s)")

@@ -2,9 +2,9 @@
 
     aiohttp request --Incoming--> handler.Handler (routes, auth, caps, parse, cache, queue) --Reply--> response
 
-The request handling itself (`handler.py`, `body.py`) is engine-neutral: the Ray Serve ingress (`ray_engine.py`)
-calls the same code. Every request body is read through its `Admission`: bytes are counted as they arrive (per
-request, per client, server-wide) and an upload slower than the minimum rate is dropped with 408.
+The request handling itself (`server/handler.py`, `server/body.py`) is engine-neutral: the Ray Serve ingress
+(`ray_serve.py`) calls the same code. Every request body is read through its `Admission`: bytes are counted as they
+arrive (per request, per client, server-wide) and an upload slower than the minimum rate is dropped with 408.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any
 
 from aiohttp import web
 
-from . import handler as handling
-from . import protocol
-from .config import ServerConfig
-from .handler import Handler, Incoming, Reply
+from .. import protocol
+from ..server import handler as handling
+from ..server.config import ServerConfig
+from ..server.handler import Handler, Incoming, Reply
+from ..server.service import EncoderService
 from .sending import EncodedPayload
-from .service import EncoderService
 
 log = logging.getLogger("h3_core.remote.server")
 

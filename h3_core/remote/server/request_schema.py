@@ -17,9 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .. import facts, guides, rules
-from ..request import needed_encoders
-from .protocol import (
+from ... import facts, guides, rules
+from ...request import needed_encoders
+from ..protocol import (
     CONVERSION_ID,
     PROTOCOL_NAME,
     PROTOCOL_VERSION,

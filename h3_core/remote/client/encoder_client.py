@@ -26,11 +26,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..contract import ChecksumError, ContractError, H3Conditioning
-from ..contract.wire import Receiving
-from ..progress import Cancelled, ProgressFn, check_cancel
-from ..request import EncodeRequest
-from . import credentials, packing, polling, protocol, tracking
+from ...contract import ChecksumError, ContractError, H3Conditioning
+from ...contract.wire import Receiving
+from ...progress import Cancelled, ProgressFn, check_cancel
+from ...request import EncodeRequest
+from .. import protocol, tracking
+from . import credentials, packing, polling
 from .transport import (
     MAX_SMALL_RESPONSE_BYTES,
     Endpoint,
@@ -107,7 +108,7 @@ class EncoderClient:
         self.endpoints = [parse_url(u) for u in urls]
         if token is None:
             # A token from the environment goes only to the endpoints the environment binds it to
-            # (H3_ENCODER_URLS / H3_ENCODER_TOKENS, remote/credentials.py): a URL from elsewhere never collects it.
+            # (H3_ENCODER_URLS / H3_ENCODER_TOKENS, client/credentials.py): a URL from elsewhere never collects it.
             env = dict(os.environ)
             if token_env != credentials.TOKEN_ENV:
                 env[credentials.TOKEN_ENV] = os.environ.get(token_env, "")

@@ -19,10 +19,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .. import facts, media
-from ..progress import check_cancel
-from ..request import EncodeRequest
-from .protocol import GUIDE_AUDIO_SECONDS, PROTOCOL_VERSION, REQUEST_PART, Limits
+from ... import facts, media
+from ...progress import check_cancel
+from ...request import EncodeRequest
+from ..protocol import GUIDE_AUDIO_SECONDS, PROTOCOL_VERSION, REQUEST_PART, Limits
 
 __all__ = ["request_to_wire", "encode_multipart", "json_part", "conditioning_bound"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .protocol import ProtocolError
+from ..protocol import ProtocolError
 
 if TYPE_CHECKING:
     from .service import EncoderService

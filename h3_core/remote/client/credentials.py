@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .protocol import is_loopback
+from ..protocol import is_loopback
 
 TOKEN_ENV = "H3_ENCODER_TOKEN"
 URLS_ENV = "H3_ENCODER_URLS"

@@ -1,7 +1,7 @@
 """The H3 encoder server: `python -m h3_core serve --models DIR [--host 127.0.0.1] [--port 8190]`.
 
-Running the aiohttp application (`http.py`) around ONE `EncoderStage` (`service.py`): in a background thread for
-tests and embedding (`ServerThread`), or as the CLI's process with signal handling (`main`).
+Running the aiohttp application (`aiohttp_app.py`) around ONE `EncoderStage` (`server/service.py`): in a background
+thread for tests and embedding (`ServerThread`), or as the CLI's process with signal handling (`main`).
 
 * The model (and media decoding, which allocates the big arrays) runs in a single worker thread; requests wait
   in a bounded queue in front of it; a full queue answers 429 with Retry-After.
@@ -19,7 +19,7 @@ tests and embedding (`ServerThread`), or as the CLI's process with signal handli
   to a reverse proxy (docs/DEPLOY.md).
 
 No pickle, no eval; nothing written to disk but the optional component cache directory (`--cache-dir`,
-`disk_cache.py`): part and file names are never used as paths.
+`server/disk_cache.py`): part and file names are never used as paths.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from typing import Any
 
 from aiohttp import web
 
-from . import protocol
-from .config import ServerConfig, ServerConfigError, check_bind, limits_from_args
+from .. import protocol
+from ..protocol import Limits, is_loopback
+from ..server.config import ServerConfig, ServerConfigError, check_bind, limits_from_args
+from ..server.service import EncoderService
+from .aiohttp_app import SERVICE_KEY, create_app
 from .connections import AcceptErrorLimiter, ConnectionReaper
-from .http import SERVICE_KEY, create_app
-from .protocol import Limits, is_loopback
-from .service import EncoderService
 
 __all__ = ["ServerThread", "config_from_args", "start_site", "shutdown", "main"]
 
@@ -215,10 +215,10 @@ def main(args) -> int:
         log.warning("listening on %s beyond loopback: bearer token required; terminate TLS in a reverse proxy "
                     "(docs/DEPLOY.md) - plain HTTP exposes the token and the prompts", host)
 
-    from ..devices import DeviceError, Placement
-    from ..dtypes import name as dtype_label
-    from ..encoder import ENCODER_COMPONENTS, EncoderStage
-    from ..models import ModelSource
+    from ...devices import DeviceError, Placement
+    from ...dtypes import name as dtype_label
+    from ...encoder import ENCODER_COMPONENTS, EncoderStage
+    from ...models import ModelSource
 
     components = tuple(getattr(args, "components", None) or ENCODER_COMPONENTS)
     try:

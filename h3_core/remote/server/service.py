@@ -1,6 +1,6 @@
 """The encoder service without HTTP: admission, the fair queue, one model thread, the cache (settings: config.py).
 
-Pure asyncio (no aiohttp): `http.py` is the transport in front of it, and tests drive it directly.
+Pure asyncio (no aiohttp): an engine (`engines/`) is the transport in front of it, and tests drive it directly.
 
     client = service.client_key(peer, forwarded_for)                  # whose turn a job takes (fair_queue.py)
     async with service.admit(declared_bytes, client=client) as slot:  # counts the request, owns its body budget
@@ -28,17 +28,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from .. import component_cache
-from .. import progress as progress_phases
-from . import ingest, protocol, request_schema
+from ... import component_cache
+from ... import progress as progress_phases
+from .. import protocol
+from ..protocol import ProtocolError, is_loopback
+from ..tracking import PhaseLog
+from . import ingest, request_schema
 from .admission import Admission
 from .cache import ComponentTiers, ConditioningCache
 from .config import ServerConfig
 from .fair_queue import FairQueue
 from .ingest import Part
 from .metrics import ServerMetrics, Timeline
-from .protocol import ProtocolError, is_loopback
-from .tracking import PhaseLog
 
 __all__ = ["Abandoned", "EncoderService", "Job", "QueueFull"]
 
@@ -115,7 +116,7 @@ class EncoderService:
 
     def attach(self, stage: Any, load_seconds: float | None = None) -> None:
         """Serve with `stage` from now on (the models finished loading); `load_seconds`: the whole load."""
-        from ..text_batching import TextBatcher
+        from ...text_batching import TextBatcher
 
         self.stage = stage
         self.fingerprint = str(stage.fingerprint)
@@ -318,8 +319,8 @@ class EncoderService:
         """Runs in the model thread: t2va jobs whose prompts have the same token count, one text forward."""
         import torch
 
-        from ..progress import Cancelled, check_cancel
-        from ..text_batching import progress_to_all
+        from ...progress import Cancelled, check_cancel
+        from ...text_batching import progress_to_all
 
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -474,7 +475,7 @@ def _without_frames(error: BaseException, job: Job) -> BaseException:
     import traceback
 
     if protocol.error_from_exception(error) is None and not isinstance(error, (Abandoned, asyncio.CancelledError)):
-        from ..progress import Cancelled
+        from ...progress import Cancelled
 
         if not isinstance(error, Cancelled):
             logging.getLogger("h3_core.remote.server").error(

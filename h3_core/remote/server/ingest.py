@@ -30,12 +30,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import guides, media, rules
-from ..guides import GuideMedia
-from ..media import sandbox as media_sandbox
-from ..progress import check_cancel
-from ..request import AudioInput, EncodeRequest, VideoInput
-from .protocol import GUIDE_AUDIO_SECONDS, Limits, ProtocolError, bad, invalid, too_large
+from ... import guides, media, rules
+from ...guides import GuideMedia
+from ...media import sandbox as media_sandbox
+from ...progress import check_cancel
+from ...request import AudioInput, EncodeRequest, VideoInput
+from ..protocol import GUIDE_AUDIO_SECONDS, Limits, ProtocolError, bad, invalid, too_large
 from .request_schema import GuideRef, MediaRef, RequestSpec
 
 __all__ = ["Part", "sniff", "check_filename", "content_type_family", "check_part", "max_part_bytes",

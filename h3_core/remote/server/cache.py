@@ -46,7 +46,7 @@ class ComponentTiers:
     copied into memory; a computed part goes to both. Thread-safe (the model thread uses it)."""
 
     def __init__(self, memory_bytes: int, cache_dir: str | None = None, disk_bytes: int = 0):
-        from ..component_cache import MemoryTier
+        from ...component_cache import MemoryTier
 
         self.memory = MemoryTier(memory_bytes) if memory_bytes > 0 else None
         self.disk = None

@@ -17,10 +17,11 @@ from typing import Any, Mapping
 from aiohttp import MultipartReader
 from aiohttp.http_exceptions import HttpProcessingError
 
-from . import ingest, protocol, request_schema
+from .. import protocol
+from ..protocol import Limits, ProtocolError
+from . import ingest, request_schema
 from .admission import Admission
 from .ingest import Part
-from .protocol import Limits, ProtocolError
 from .service import EncoderService
 
 # aiohttp raises these when the body itself is broken (bad chunked framing, corrupt Content-Encoding): the

@@ -1,5 +1,5 @@
 """Connection-level guards of the server: idle and slow-header connections reaped, accept() error storms and
-malformed-request tracebacks kept out of the log. Moved out of http.py, which keeps the request handlers."""
+malformed-request tracebacks kept out of the log. Moved out of aiohttp_app.py, which keeps the request handlers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from .clock import SYSTEM_CLOCK, Clock
-from .service import EncoderService
+from ..server.clock import SYSTEM_CLOCK, Clock
+from ..server.service import EncoderService
 
 log = logging.getLogger("h3_core.remote.server")
 

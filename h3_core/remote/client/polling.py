@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..progress import Cancelled
-from . import tracking
+from ...progress import Cancelled
+from .. import tracking
 from .transport import RemoteEncodeError, Reply, Transient, loads
 
 log = logging.getLogger("h3_core.remote.client")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .. import facts
-from . import protocol
+from ... import facts
+from .. import protocol
+from ..protocol import Limits, is_loopback
 from .clock import SYSTEM_CLOCK, Clock
-from .protocol import Limits, is_loopback
 
 MIN_TOKEN_CHARS = 16
 CLIENT_KEYS = ("peer", "forwarded")
@@ -43,7 +43,7 @@ class ServerConfig:
     cache_bytes: int = 512 * protocol.MiB
     cache_entries: int = 4096
     # The encoder's per-component cache (h3_core/component_cache.py): text, each reference's latents, in memory
-    # (0 disables), and on disk when cache_dir is set, bounded by cache_disk_bytes (remote/disk_cache.py).
+    # (0 disables), and on disk when cache_dir is set, bounded by cache_disk_bytes (remote/server/disk_cache.py).
     component_cache_bytes: int = 512 * protocol.MiB
     cache_dir: str | None = None
     cache_disk_bytes: int = 10 * 1024 * protocol.MiB

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from ..progress import Cancelled
-from . import protocol
+from ...progress import Cancelled
+from .. import protocol
 
 MAX_SMALL_RESPONSE_BYTES = 1024 * 1024  # capabilities, health and error answers
 MAX_MESSAGE_CHARS = 300  # of a server's error message, as repeated in this client's exceptions
