@@ -93,6 +93,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_bench_quick": (SLOW,),
     "test_cli_components": (SLOW,),
     "test_clock": (),
+    "test_body_streams": (),
     "test_comfy_run": (),
     "test_comfy0375_smoke": (COMFYUI,),
     "test_comfyui_server": (COMFYUI,),

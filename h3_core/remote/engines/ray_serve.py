@@ -51,7 +51,7 @@ from ..server.config import ServerConfig, check_bind
 from ..server.handler import Handler, Incoming, Reply
 from ..server.ingest import Part
 from ..server.service import EncoderService
-from .streams import FedStream
+from .streams import ChunkReader
 
 log = logging.getLogger("h3_core.remote.server")
 
@@ -381,9 +381,9 @@ class H3Ingress:
 
     async def __call__(self, request: Request) -> Response:
         shared = await self.handler()
-        fed = FedStream(_chunks(request), request.headers.get("Content-Encoding"))
+        body = ChunkReader(_chunks(request), request.headers.get("Content-Encoding"))
         incoming = Incoming(method=request.method, path=request.url.path, headers=request.headers,
-                            remote=request.client.host if request.client else "", content=fed.reader)
+                            remote=request.client.host if request.client else "", content=body)
         # Ray's proxy adds its own X-Request-Id to every answer (a client's, if it sent a sane one): use that id
         # throughout (logs, error bodies), and leave the header to the proxy so it appears once.
         ray_id = request.headers.get(protocol.H_REQUEST_ID)
@@ -392,7 +392,7 @@ class H3Ingress:
         try:
             reply = await shared(incoming)
         finally:
-            await fed.close()
+            await body.close()
         headers = dict(reply.headers)
         if ray_id == incoming.request_id:
             headers.pop(protocol.H_REQUEST_ID, None)

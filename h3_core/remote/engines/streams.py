@@ -1,41 +1,27 @@
-"""A request body from any async chunk source as aiohttp's `StreamReader`, for engines other than aiohttp.
+"""A request body from any async chunk source, with the reading interface the shared body reader uses.
 
-`body.read_body` parses multipart with aiohttp's `MultipartReader`, which reads a `StreamReader`. aiohttp's server
-feeds one from the socket and undoes `Content-Encoding` itself; another engine (Ray Serve's ASGI receive) hands
-over raw chunks, so `fed_stream` pumps them into a real `StreamReader`, un-gzipping on the way. Flow control is
-aiohttp's own: the pump waits while the reader holds more than its high-water mark, so a client's body is pulled
-only as fast as the handler consumes it, and a small compressed body cannot inflate into memory all at once.
+`server/body.py` reads a body through four calls of aiohttp's `StreamReader` interface: `read(n)`,
+`readline(max_line_length=)`, `at_eof()` and `unread_data()` (the last three are what aiohttp's `MultipartReader`
+calls). aiohttp's own server hands over its request payload; another engine (Ray Serve's ASGI receive) has only an
+async iterator of raw chunks, and `ChunkReader` answers those four calls from it, un-gzipping on the way. It is a
+reader of its own, not aiohttp's `StreamReader` fed through an imitation of aiohttp's protocol object.
+
+Pull, not push: a chunk is taken from the source only when the buffer cannot answer a read, so a client's body is
+pulled only as fast as the handler consumes it (no pump task, no flow-control flags), and a compressed body is
+inflated `_INFLATE_STEP` bytes at a time: the buffer never holds more than one line's limit plus one chunk or step.
+The limits and errors are aiohttp's, so both engines answer a body the same: a line over the limit is `LineTooLong`
+(limit `2 * LIMIT`, aiohttp's server default), an unknown or broken Content-Encoding `ContentEncodingError`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import zlib
 from typing import AsyncIterator
 
-from aiohttp import StreamReader
-from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.http_exceptions import ContentEncodingError, LineTooLong
 
-LIMIT = 2**16  # aiohttp's default read buffer: the reader pauses its feeder beyond twice this
-_INFLATE_STEP = 256 * 1024  # most bytes one decompress call may produce before the pump checks flow control
-
-
-class _Valve:
-    """Stands in for aiohttp's protocol: the reader pauses and resumes reading through it."""
-
-    def __init__(self):
-        self._reading_paused = False
-        self.connected = True  # the reader refuses to wait on a closed connection
-        self.open = asyncio.Event()
-        self.open.set()
-
-    def pause_reading(self) -> None:
-        self._reading_paused = True
-        self.open.clear()
-
-    def resume_reading(self, *args, **kwargs) -> None:
-        self._reading_paused = False
-        self.open.set()
+LIMIT = 2**16  # aiohttp's default read buffer; its readline refuses lines over twice this
+_INFLATE_STEP = 256 * 1024  # most bytes one decompress call may produce
 
 
 def _decoder(encoding: str | None):
@@ -50,56 +36,119 @@ def _decoder(encoding: str | None):
     raise ContentEncodingError(f"Can not decode content-encoding: {name[:40]}")
 
 
-class FedStream:
-    """A `StreamReader` (`.reader`) and the task that feeds it from `chunks`; `close()` stops the pump."""
+class ChunkReader:
+    """`read` / `readline` / `at_eof` / `unread_data` over `chunks` (raw body bytes, in `content_encoding`).
 
-    def __init__(self, chunks: AsyncIterator[bytes], content_encoding: str | None = None):
-        loop = asyncio.get_running_loop()
-        self._valve = _Valve()
-        self.reader = StreamReader(self._valve, LIMIT, loop=loop)
-        self._chunks, self._encoding = chunks, content_encoding
-        self._task = loop.create_task(self._pump(), name="h3-body-pump")
+    An error of the source (a client that left: the engine raises ConnectionResetError) or of the decoding is raised
+    by the read that met it and by every later one. `close()` closes the source."""
 
-    async def _feed(self, data: bytes) -> None:
-        await self._valve.open.wait()
-        self.reader.feed_data(data)
+    def __init__(self, chunks: AsyncIterator[bytes], content_encoding: str | None = None, limit: int = LIMIT):
+        self._chunks = chunks
+        self._encoding = content_encoding
+        self._decoder = None
+        self._started = False
+        self._pending = b""  # compressed bytes not yet inflated (the decoder's unconsumed tail)
+        self._buffer = bytearray()
+        self._eof = False
+        self._error: BaseException | None = None
+        self._line_limit = 2 * limit
 
-    async def _pump(self) -> None:
-        try:
-            decoder = _decoder(self._encoding)
-            async for chunk in self._chunks:
-                if not chunk:
-                    continue
-                if decoder is None:
-                    await self._feed(chunk)
-                    continue
-                pending = chunk
-                while pending:
-                    try:
-                        out = decoder.decompress(pending, _INFLATE_STEP)
-                    except zlib.error as error:
-                        raise ContentEncodingError(f"Can not decode content-encoding: {error}") from None
-                    pending = decoder.unconsumed_tail
-                    if out:
-                        await self._feed(out)
-            if decoder is not None:
-                if not decoder.eof:
-                    raise ContentEncodingError("Can not decode content-encoding: the compressed body is truncated")
-                tail = decoder.flush()
-                if tail:
-                    await self._feed(tail)
-            self.reader.feed_eof()
-        except asyncio.CancelledError:
-            self._valve.connected = False
-            self.reader.set_exception(ConnectionResetError("the request was cancelled"))
-            raise
-        except Exception as error:  # noqa: BLE001 - the reader raises it to the handler, which maps it
-            self.reader.set_exception(error)
+    # --- the reading interface --------------------------------------------------------------------------------
+
+    async def read(self, n: int) -> bytes:
+        """Up to `n` bytes (at least one unless the body has ended: then b"")."""
+        if n < 0:
+            raise ValueError("ChunkReader.read needs a size: a body is read in bounded pieces")
+        if self._error is not None:
+            raise self._error
+        if n == 0:
+            return b""
+        if not self._buffer:
+            await self._fill()
+        data = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return data
+
+    async def readline(self, *, max_line_length: int | None = None) -> bytes:
+        """Up to and including the next b"\\n" (or what is left at the end); LineTooLong past the limit."""
+        if self._error is not None:
+            raise self._error
+        limit = max_line_length or self._line_limit
+        searched = 0
+        while True:
+            end = self._buffer.find(b"\n", searched)
+            if end >= 0:
+                if end + 1 > limit:
+                    raise LineTooLong(bytes(self._buffer[:100]) + b"...", limit)
+                line = bytes(self._buffer[:end + 1])
+                del self._buffer[:end + 1]
+                return line
+            if len(self._buffer) > limit:
+                raise LineTooLong(bytes(self._buffer[:100]) + b"...", limit)
+            searched = len(self._buffer)
+            if not await self._fill():
+                line = bytes(self._buffer)
+                self._buffer.clear()
+                return line
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._buffer
+
+    def unread_data(self, data: bytes) -> None:
+        """Put `data` back in front: the multipart reader hands back what it read past a boundary."""
+        if data:
+            self._buffer[:0] = data
 
     async def close(self) -> None:
-        if not self._task.done():
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        close = getattr(self._chunks, "aclose", None)
+        if close is not None:
+            await close()
+
+    # --- the source -------------------------------------------------------------------------------------------
+
+    async def _fill(self) -> bool:
+        """Append the body's next bytes to the buffer: False when it has ended (nothing appended)."""
+        if self._eof:
+            return False
+        try:
+            if not self._started:
+                self._started = True
+                self._decoder = _decoder(self._encoding)
+            while True:
+                if self._pending:
+                    out = self._inflate()
+                    if out:
+                        self._buffer += out
+                        return True
+                    continue
+                try:
+                    chunk = await self._chunks.__anext__()
+                except StopAsyncIteration:
+                    tail = self._finish()
+                    self._eof = True
+                    self._buffer += tail
+                    return bool(tail)
+                if not chunk:
+                    continue
+                if self._decoder is None:
+                    self._buffer += chunk
+                    return True
+                self._pending = chunk
+        except Exception as error:  # the handler maps it (a 4xx, or a disconnect); every later read sees it too
+            self._error = error
+            raise
+
+    def _inflate(self) -> bytes:
+        try:
+            out = self._decoder.decompress(self._pending, _INFLATE_STEP)
+        except zlib.error as error:
+            raise ContentEncodingError(f"Can not decode content-encoding: {error}") from None
+        self._pending = self._decoder.unconsumed_tail
+        return out
+
+    def _finish(self) -> bytes:
+        if self._decoder is None:
+            return b""
+        if not self._decoder.eof:
+            raise ContentEncodingError("Can not decode content-encoding: the compressed body is truncated")
+        return self._decoder.flush()

@@ -1,8 +1,8 @@
 """Reading an encode request's body with its caps, engine-neutral: the JSON request, then the media parts.
 
-The body arrives as a stream with aiohttp's `StreamReader` interface (`read`, `readline`, `at_eof`,
-`unread_data`): aiohttp's own request payload, or `streams.FedStream` fed by another engine (Ray Serve's ASGI
-receive). Every byte is counted into the request's `Admission` as it arrives and every read waits at most what the
+The body arrives as a stream answering four calls of aiohttp's `StreamReader` interface (`read`, `readline`,
+`at_eof`, `unread_data`): aiohttp's own request payload, or `engines/streams.ChunkReader` over another engine's chunks
+(Ray Serve's ASGI receive). Every byte is counted into the request's `Admission` as it arrives and every read waits at most what the
 minimum upload rate allows, so the caps and the slow-upload rule hold whichever engine received the connection.
 """
 
