@@ -2,8 +2,9 @@
 
 The body arrives as a stream answering four calls of aiohttp's `StreamReader` interface (`read`, `readline`,
 `at_eof`, `unread_data`): aiohttp's own request payload, or `engines/streams.ChunkReader` over another engine's chunks
-(Ray Serve's ASGI receive). Every byte is counted into the request's `Admission` as it arrives and every read waits at most what the
-minimum upload rate allows, so the caps and the slow-upload rule hold whichever engine received the connection.
+(Ray Serve's ASGI receive). Every byte is counted into the request's `Admission` as it arrives and every read waits
+at most what the minimum upload rate allows, so the caps and the slow-upload rule hold whichever engine received the
+connection.
 """
 
 from __future__ import annotations
