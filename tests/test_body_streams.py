@@ -15,6 +15,7 @@ import pytest
 from aiohttp import MultipartReader, MultipartWriter, StreamReader
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_exceptions import ContentEncodingError, LineTooLong
+
 from h3_core.remote.engines.streams import LIMIT, ChunkReader
 
 BOUNDARY = "h3-test-boundary"
