@@ -244,7 +244,7 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-# --- pytest-xdist workers (scripts/test.sh: -n 2 --dist loadscope --no-loadscope-reorder) -----------------------
+# --- pytest-xdist workers (scripts/test.sh: -n 3 --dist loadscope --no-loadscope-reorder) -----------------------
 
 #: Modules that share a machine-wide resource run on one worker, one after the other: Ray (one local instance per
 #: machine) and the README's fixed port 8190. Every other module is a scheduling unit of its own.
