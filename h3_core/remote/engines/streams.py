@@ -15,6 +15,7 @@ The limits and errors are aiohttp's, so both engines answer a body the same: a l
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from typing import AsyncIterator
 
@@ -65,7 +66,12 @@ class ChunkReader:
             return b""
         if not self._buffer:
             await self._fill()
-        data = bytes(self._buffer[:n])
+        if n >= len(self._buffer):  # the usual case: the whole buffer, one copy and no move of a remainder
+            data = bytes(self._buffer)
+            self._buffer.clear()
+            return data
+        with memoryview(self._buffer) as view:
+            data = bytes(view[:n])
         del self._buffer[:n]
         return data
 
@@ -134,6 +140,9 @@ class ChunkReader:
                     self._buffer += chunk
                     return True
                 self._pending = chunk
+        except asyncio.CancelledError:  # the source was interrupted mid-chunk: what is left of the body is lost
+            self._error = ConnectionResetError("the request was cancelled")
+            raise
         except Exception as error:  # the handler maps it (a 4xx, or a disconnect); every later read sees it too
             self._error = error
             raise
