@@ -92,6 +92,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_audio_decode_cancel": (SLOW,),
     "test_bench_quick": (SLOW,),
     "test_cli_components": (SLOW,),
+    "test_client_watchdog": (),
     "test_clock": (),
     "test_body_streams": (),
     "test_comfy_run": (),

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -583,9 +585,11 @@ def run_ui_loader(
     search_nodes: Iterable[str] = (),
 ) -> dict:
     """Run tests/ui/load_workflow.mjs against a server at `url`; returns its JSON report with
-    `returncode` and `stderr_tail` added. Raises ComfyError if it printed no report."""
+    `returncode` (the script's exit status) and `stderr_tail` added. Raises ComfyError if it printed no report.
+    The load runs in this process's browser session for `url` (`UiSession`: one chromium for every load, each in
+    a fresh browser context), so only the first load against a server pays for starting chromium."""
     with tempfile.TemporaryDirectory(prefix="h3-ui-") as tmp:
-        argv = ["node", str(UI_DIR / "load_workflow.mjs"), "--timeout", str(int(timeout))]
+        argv = ["--timeout", str(int(timeout))]
         if template:
             argv += ["--template", template]
         elif workflow is None:
@@ -606,24 +610,94 @@ def run_ui_loader(
             argv += ["--search-templates", query]
         for query in search_nodes:
             argv += ["--search-nodes", query]
+        return UiSession.for_url(url).load(argv, timeout + 60, log_tail)
+
+
+class UiSession:
+    """One `node tests/ui/load_workflow.mjs --serve` (one headless chromium) for every load this process makes
+    against one ComfyUI URL: starting chromium once per server instead of once per load. Each load still opens a
+    browser context of its own (nothing stored or cached by the load before). At most `KEEP` sessions stay open
+    (a test module's server is seldom used again once the next module's has started); all close at exit."""
+
+    KEEP = 2
+    _open: dict[str, "UiSession"] = {}
+
+    @classmethod
+    def for_url(cls, url: str) -> "UiSession":
+        session = cls._open.pop(url, None)
+        if session is None or session.proc.poll() is not None:
+            session = cls(url)
+        cls._open[url] = session  # the most recently used last
+        while len(cls._open) > cls.KEEP:
+            cls._open.pop(next(iter(cls._open))).close()
+        return session
+
+    @classmethod
+    def close_all(cls) -> None:
+        while cls._open:
+            cls._open.popitem()[1].close()
+
+    def __init__(self, url: str):
+        self.url = url
+        self.log = tempfile.NamedTemporaryFile(prefix="h3-ui-session-", suffix=".log", delete=False)
         env = {**os.environ, "COMFY_URL": url, "CHROMIUM_PATH": chromium_path() or ""}
+        self.proc = subprocess.Popen(["node", str(UI_DIR / "load_workflow.mjs"), "--serve"], cwd=UI_DIR, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def load(self, argv: list[str], timeout: float, log_tail: Callable[[], str] | None = None) -> dict:
+        """One load (the script's arguments, as on its command line); its report. A load that prints no report
+        within `timeout` s, or a session that died, raises ComfyError (the session is closed; the next load
+        starts another)."""
+        stderr_from = os.path.getsize(self.log.name)
+        line = b""
         try:
-            p = subprocess.run(argv, cwd=UI_DIR, env=env, capture_output=True, text=True, timeout=timeout + 60)
-        except subprocess.TimeoutExpired as e:
-            raise ComfyError(
-                f"load_workflow.mjs timed out after {timeout + 60} s\n{(e.stderr or '')[-3000:]}"
-            ) from None
-    stderr_tail = "\n".join(p.stderr.splitlines()[-40:])
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        extra = log_tail() if log_tail else ""
-        raise ComfyError(
-            f"load_workflow.mjs exited {p.returncode} without a report\n{p.stdout[-2000:]}\n{stderr_tail}\n{extra}"
-        )
-    report = json.loads(lines[-1])
-    report["returncode"] = p.returncode
-    report["stderr_tail"] = stderr_tail
-    return report
+            self.proc.stdin.write(json.dumps(argv).encode() + b"\n")
+            self.proc.stdin.flush()
+            deadline = time.monotonic() + timeout
+            while not line.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    break
+                ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
+                if ready:
+                    piece = os.read(self.proc.stdout.fileno(), 1 << 20)
+                    if not piece:
+                        break
+                    line += piece
+        except (BrokenPipeError, OSError):
+            pass
+        stderr_tail = "\n".join(self._stderr(stderr_from).splitlines()[-40:])
+        if not line.endswith(b"\n"):
+            self.close()
+            UiSession._open.pop(self.url, None)
+            extra = log_tail() if log_tail else ""
+            why = "died" if self.proc.returncode is not None else f"printed no report within {timeout:g} s"
+            raise ComfyError(f"load_workflow.mjs --serve {why}\n{line[-2000:]!r}\n{stderr_tail}\n{extra}")
+        report = json.loads(line)
+        report["returncode"] = report.get("exit_code", 3)
+        report["stderr_tail"] = stderr_tail
+        return report
+
+    def _stderr(self, start: int) -> str:
+        with open(self.log.name, "rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # EOF: the script closes chromium and exits
+                self.proc.wait(15)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(15)
+        self.proc.stdout.close()
+        self.log.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.log.name)
+
+
+atexit.register(UiSession.close_all)
 
 
 # ------------------------------------------------------------------------------------- fixtures

@@ -4,6 +4,8 @@
 //     node tests/ui/load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]...
 //     node tests/ui/load_workflow.mjs --template PACK/NAME [...]   (as the template browser does; the report
 //                                                                   adds templates_listed and thumbnail)
+//     node tests/ui/load_workflow.mjs --serve   (one browser, many loads: a JSON list of the arguments above per
+//                                                stdin line, a report per stdout line; see serve() below)
 //     --screenshot PNG: the whole graph fitted into a 1600x1000 window, dialogs closed
 //
 // Prints one JSON line on stdout:
@@ -25,36 +27,43 @@ import { basename } from "node:path";
 import { randomUUID } from "node:crypto";
 import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAndDialogs, runAndReport, launchChromium } from "./graph_checks.mjs";
 
-const args = process.argv.slice(2);
-const opt = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null,
-  searchTemplates: [], searchNodes: [] };
-for (let i = 0; i < args.length; i++) {
-  const a = args[i];
-  if (a === "--run") opt.run = true;
-  else if (a === "--timeout") opt.timeout = Number(args[++i]);
-  else if (a === "--screenshot") opt.screenshot = args[++i];
-  else if (a === "--wait-type") opt.waitTypes.push(args[++i]);
-  else if (a === "--template") opt.template = args[++i];
-  else if (a === "--search-templates") opt.searchTemplates.push(args[++i]);
-  else if (a === "--search-nodes") opt.searchNodes.push(args[++i]);
-  else if (!opt.workflow) opt.workflow = a;
-  else throw new Error(`unexpected argument ${a}`);
+function parseArgs(args) {
+  const o = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null,
+    searchTemplates: [], searchNodes: [], serve: false };
+  for (let i = 0; i < args.length; i++) {
+    const a = args[i];
+    if (a === "--run") o.run = true;
+    else if (a === "--serve") o.serve = true;
+    else if (a === "--timeout") o.timeout = Number(args[++i]);
+    else if (a === "--screenshot") o.screenshot = args[++i];
+    else if (a === "--wait-type") o.waitTypes.push(args[++i]);
+    else if (a === "--template") o.template = args[++i];
+    else if (a === "--search-templates") o.searchTemplates.push(args[++i]);
+    else if (a === "--search-nodes") o.searchNodes.push(args[++i]);
+    else if (!o.workflow) o.workflow = a;
+    else throw new Error(`unexpected argument ${a}`);
+  }
+  return o;
 }
 const BASE = (process.env.COMFY_URL || "").replace(/\/$/, "");
-if (!BASE || !(opt.workflow || opt.template || opt.searchTemplates.length || opt.searchNodes.length)) {
+// One load's state: the options, the workflow, its report and its clock (a --serve session resets them per load).
+let opt = parseArgs(process.argv.slice(2));
+if (!BASE || !(opt.serve || opt.workflow || opt.template || opt.searchTemplates.length || opt.searchNodes.length)) {
   console.error("usage: COMFY_URL=... CHROMIUM_PATH=... node load_workflow.mjs WORKFLOW.json [--run] [--timeout S] [--screenshot PNG] [--wait-type T]");
   process.exit(3);
 }
 let workflow = null;
-const t0 = Date.now();
+let t0 = Date.now();
 const since = () => (Date.now() - t0) / 1000;
-const report = { ok: false, workflow: opt.workflow, timings: {}, console_errors: [], run: null };
+let report = { ok: false, workflow: opt.workflow, timings: {}, console_errors: [], run: null };
+let shared = null; // --serve: the one browser every load opens its own context in
 
 async function main() {
   if (opt.workflow) workflow = JSON.parse(readFileSync(opt.workflow, "utf8"));
-  const browser = await launchChromium();
+  const browser = shared || await launchChromium();
+  const context = shared ? await browser.newContext() : null; // a load of a session starts as a fresh browser does
   try {
-    const page = await browser.newPage({ viewport: opt.screenshot ? { width: 1600, height: 1000 } : { width: 1400, height: 900 } });
+    const page = await (context || browser).newPage({ viewport: opt.screenshot ? { width: 1600, height: 1000 } : { width: 1400, height: 900 } });
     await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());
     // What a user would see or what broke: window.alert/confirm, toasts (the frontend's alerts),
     // dialogs (missing nodes / missing models), uncaught page errors, console errors.
@@ -234,7 +243,8 @@ async function main() {
     report.ok = true;
     return 0;
   } finally {
-    await browser.close();
+    if (context) await context.close();
+    else await browser.close();
   }
 }
 
@@ -266,4 +276,34 @@ async function runPrompt(prompt) {
   return { prompt_id: id, status_str: "timeout" };
 }
 
-await runAndReport(main, report);
+// --serve: one browser for many loads. Each stdin line is one load's arguments as a JSON list (as on the command
+// line); each answer is one JSON report line on stdout, its exit status in `exit_code`, in a browser context of its
+// own (no storage, cache or page shared with the load before). EOF closes the browser.
+async function serve() {
+  const { createInterface } = await import("node:readline");
+  shared = await launchChromium();
+  for await (const line of createInterface({ input: process.stdin })) {
+    if (!line.trim()) continue;
+    try {
+      opt = parseArgs(JSON.parse(line));
+    } catch (e) {
+      process.stdout.write(JSON.stringify({ ok: false, error: `bad request: ${e}`, exit_code: 3 }) + "\n");
+      continue;
+    }
+    workflow = null;
+    t0 = Date.now();
+    report = { ok: false, workflow: opt.workflow, timings: {}, console_errors: [], run: null };
+    let code = 3;
+    try {
+      code = await main();
+    } catch (e) {
+      report.error = String(e?.stack || e).slice(0, 4000);
+    }
+    report.exit_code = code;
+    await new Promise((done) => process.stdout.write(JSON.stringify(report) + "\n", done));
+  }
+  await shared.close();
+}
+
+if (opt.serve) await serve();
+else await runAndReport(main, report);

@@ -4,10 +4,11 @@
   endpoint used must serve the same weights, or `expect_model`), the encoders the request needs, body size.
 * Connect and read timeouts on every call; bounded retries with exponential backoff and jitter for `encode`
   (idempotent: the server's answer is a pure function of the request); several endpoints with failover.
-* `cancel` (a `threading.Event`) aborts promptly, in any phase: the HTTP call runs in a helper thread and the
-  caller's thread closes the socket when the event is set, which the server sees as a disconnect and answers by
-  abandoning the work. `progress(done, total)` reports the phases (pack, upload, the server's own phases while
-  it works - polled from servers that publish them, docs/PROTOCOL.md "Progress" - and download).
+* `cancel` (a `threading.Event`) aborts promptly, in any phase: the HTTP call runs in the caller's thread and the
+  process's one watchdog thread (`watchdog.py`) shuts its socket down when the event is set, which the server sees
+  as a disconnect and answers by abandoning the work. `progress(done, total)` reports the phases (pack, upload,
+  the server's own phases while it works - polled from servers that publish them, docs/PROTOCOL.md "Progress" -
+  and download).
 * The bearer token comes from the environment (H3_ENCODER_TOKEN by default), never from a workflow widget.
 
 Errors are `RemoteEncodeError` (a RuntimeError) carrying the server's JSON error, with subclasses for the cases a
@@ -522,7 +523,8 @@ def _checked_capabilities(body: bytes, url: str) -> dict:
 
 class _Status:
     """The caller's `on_status` hook, or nothing; a hook that raises is logged, so it never breaks an encode (it
-    also runs on the HTTP helper thread, where an exception would be taken for the answer's failure)."""
+    also runs inside the HTTP exchange, from `on_sent` and the body's first read, where an exception would be taken
+    for the answer's failure)."""
 
     def __init__(self, hook: Callable[[dict], None] | None):
         self.hook = hook

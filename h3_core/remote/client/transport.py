@@ -1,8 +1,10 @@
 """The client's side of one HTTP exchange, and the errors a remote encode can end in.
 
-`exchange` runs one request in a helper thread while the calling thread watches `cancel` and a monotonic
-deadline: whichever comes first closes the socket, in any phase (connect, send, status line, headers, body), so
-a server trickling one byte at a time cannot hold the caller past its deadline. Every answer is read with a
+`exchange` runs one request in the calling thread, registered with the client's one watchdog thread
+(`watchdog.py`), which shuts the socket down when `cancel` is set or the monotonic deadline passes, in any phase
+(name lookup, connect, TLS handshake, send, status line, headers, body): a prompt's Cancel reaches the server as a
+closed connection at once, and a server trickling one byte at a time cannot hold the caller past its deadline. One
+watchdog serves every exchange in flight, so an exchange costs no thread of its own. Every answer is read with a
 cap on what it can legitimately be; a Content-Length over the cap is refused before reading.
 """
 
@@ -20,6 +22,7 @@ from urllib.parse import urlsplit
 
 from ...progress import Cancelled
 from .. import protocol
+from .watchdog import ABORTED, Watch
 
 MAX_SMALL_RESPONSE_BYTES = 1024 * 1024  # capabilities, health and error answers
 MAX_MESSAGE_CHARS = 300  # of a server's error message, as repeated in this client's exceptions
@@ -142,119 +145,122 @@ def parse_url(url: str) -> Endpoint:
                      port=port, prefix=prefix)
 
 
-
 def exchange(conn: http.client.HTTPConnection, endpoint: Endpoint, method: str, path: str, body: list | None,
              headers: dict[str, str], cancel: threading.Event | None, connect_timeout: float, read_timeout: float,
              deadline: float, max_bytes: int, on_sent: Callable[[], None] | None = None,
              on_body: Callable[[int], Any] | None = None) -> Reply:
-    """One HTTP exchange in a helper thread; the calling thread closes the socket when `cancel` is set or
-    the monotonic `deadline` passes (whatever phase: connect, send, headers, body). A 200 answer may be at
-    most `max_bytes`, any other at most MAX_SMALL_RESPONSE_BYTES. For a 200 answer with a Content-Length,
-    `on_body(length)` returns an object holding the buffer to read into (`.buf`) whose `advance(end)` is called
-    after each read (bytes [0, end) in place); it comes back as `Reply.receipt`, its buffer as `Reply.body`."""
+    """One HTTP exchange in the calling thread; the watchdog closes the socket when `cancel` is set or the
+    monotonic `deadline` passes (whatever phase: connect, send, headers, body). `on_sent()` is called once the
+    body is wholly sent, before the answer is read. A 200 answer may be at most `max_bytes`, any other at most
+    MAX_SMALL_RESPONSE_BYTES. For a 200 answer with a Content-Length, `on_body(length)` returns an object holding
+    the buffer to read into (`.buf`) whose `advance(end)` is called after each read (bytes [0, end) in place); it
+    comes back as `Reply.receipt`, its buffer as `Reply.body`."""
     if deadline - time.monotonic() <= 0:
         raise Transient("deadline passed before the call", code=TIMED_OUT)
     conn.timeout = min(connect_timeout, max(0.01, deadline - time.monotonic()))
-    outcome: dict[str, Any] = {"phase": "connect"}
-    aborted = threading.Event()
     buffers = [memoryview(b) for b in body] if body is not None else None
-
-    def run() -> None:
+    failure: Exception | None = None
+    with Watch(cancel, deadline) as watch:
+        conn._create_connection = watch.connect  # connect(): resolution and connect under the watch
         try:
-            conn.connect()
-            if aborted.is_set():
-                return
-            outcome["phase"] = "send"
-            conn.sock.settimeout(read_timeout)
-            all_headers = dict(headers)
-            if buffers is not None:
-                all_headers["Content-Length"] = str(sum(b.nbytes for b in buffers))
-            conn.putrequest(method, endpoint.path(path), skip_accept_encoding=True)
-            for key, value in all_headers.items():
-                conn.putheader(key, value)
-            conn.endheaders()
-            send_error = None
             try:
-                for buffer in buffers or ():
-                    for offset in range(0, buffer.nbytes, 1 << 20):
-                        if aborted.is_set():
-                            return
-                        conn.sock.sendall(buffer[offset:offset + (1 << 20)])
-            except (BrokenPipeError, ConnectionResetError) as error:
-                send_error = error  # the server may have answered early (401, 413, 429): read that answer
-            outcome["sent"] = send_error is None  # reported by the calling thread, not this one
-            outcome["phase"] = "read"
-            try:
-                response = conn.getresponse()
-            except (http.client.HTTPException, OSError):
-                if send_error is not None:
-                    raise send_error from None
-                raise
-            cap = max_bytes if response.status == 200 else MAX_SMALL_RESPONSE_BYTES
-            declared = (response.getheader("Content-Length") or "").strip()
-            if declared.isdigit() and (len(declared) > 18 or int(declared) > cap):
-                raise RemoteEncodeError(f"{endpoint.url}: the answer declares {short(declared, 24)} bytes, over "
-                                        f"the client's limit of {cap} bytes for it", url=endpoint.url)
-            # http.client's own reading of Content-Length (None when chunked or unparsable)
-            length = None if response.chunked else response.length
-            receipt: list = []
-            watch = on_body if response.status == 200 else None
-            data = _read_body(response, length, cap, aborted, endpoint.url, watch, receipt)
-            if data is None:
-                return
-            outcome["reply"] = Reply(response.status, response.headers, data, receipt[0] if receipt else None)
-        except BaseException as error:  # noqa: BLE001 - handed to the calling thread
-            outcome["error"] = error
+                send_error = _send(conn, watch, endpoint.path(path), method, headers, buffers, read_timeout)
+            except Exception as error:
+                failure = error
+            else:
+                if on_sent is not None and send_error is None:
+                    on_sent()  # the caller's own: what it raises is not the network's
+                try:
+                    return _receive(conn, watch, endpoint.url, send_error, max_bytes, on_body)
+                except Exception as error:
+                    failure = error
         finally:
             conn.close()
+    raise _failure(failure, watch, cancel, endpoint.url, connect_timeout, read_timeout)
 
-    worker = threading.Thread(target=run, name="h3-encoder-client", daemon=True)
-    worker.start()
-    while worker.is_alive():
-        worker.join(0.05)
-        if on_sent is not None and outcome.get("sent"):
-            on_sent()
-            on_sent = None
-        if cancel is not None and cancel.is_set() and worker.is_alive():
-            aborted.set()
-            abort(conn)
-            worker.join(2.0)
-            raise Cancelled(f"cancelled; the connection to {endpoint.url} was closed so the server abandons "
-                            "the work")
-        if time.monotonic() >= deadline and worker.is_alive():
-            aborted.set()
-            abort(conn)
-            worker.join(2.0)
-            raise Transient(f"the call's deadline passed during {outcome['phase']} (connect + send + read are "
-                             "bounded together by total_timeout)", code=TIMED_OUT)
-    if on_sent is not None and outcome.get("sent"):
-        on_sent()
-    if "reply" in outcome:
-        return outcome["reply"]
-    error = outcome.get("error")
+
+def _send(conn: http.client.HTTPConnection, watch: Watch, target: str, method: str, headers: dict[str, str],
+          buffers: list[memoryview] | None, read_timeout: float) -> OSError | None:
+    """Connect, then send the request; the error that cut the body short (the server may have answered early:
+    401, 413, 429), or None when all of it was sent."""
+    conn.connect()
+    if watch.aborted.is_set():
+        raise ConnectionAbortedError(ABORTED)
+    watch.phase = "send"
+    conn.sock.settimeout(read_timeout)
+    all_headers = dict(headers)
+    if buffers is not None:
+        all_headers["Content-Length"] = str(sum(b.nbytes for b in buffers))
+    conn.putrequest(method, target, skip_accept_encoding=True)
+    for key, value in all_headers.items():
+        conn.putheader(key, value)
+    conn.endheaders()
+    send_error = None
+    try:
+        for buffer in buffers or ():
+            for offset in range(0, buffer.nbytes, 1 << 20):
+                if watch.aborted.is_set():
+                    raise ConnectionAbortedError(ABORTED)
+                conn.sock.sendall(buffer[offset:offset + (1 << 20)])
+    except (BrokenPipeError, ConnectionResetError) as error:
+        send_error = error  # the server may have answered early (401, 413, 429): read that answer
+    watch.phase = "read"
+    return send_error
+
+
+def _receive(conn: http.client.HTTPConnection, watch: Watch, url: str, send_error: OSError | None, max_bytes: int,
+             on_body: Callable[[int], Any] | None) -> Reply:
+    try:
+        response = conn.getresponse()
+    except (http.client.HTTPException, OSError):
+        if send_error is not None:
+            raise send_error from None
+        raise
+    cap = max_bytes if response.status == 200 else MAX_SMALL_RESPONSE_BYTES
+    declared = (response.getheader("Content-Length") or "").strip()
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > cap):
+        raise RemoteEncodeError(f"{url}: the answer declares {short(declared, 24)} bytes, over the client's limit "
+                                f"of {cap} bytes for it", url=url)
+    # http.client's own reading of Content-Length (None when chunked or unparsable)
+    length = None if response.chunked else response.length
+    receipt: list = []
+    watch_body = on_body if response.status == 200 else None
+    data = _read_body(response, length, cap, watch.aborted, url, watch_body, receipt)
+    if data is None or watch.aborted.is_set():
+        raise ConnectionAbortedError(ABORTED)
+    return Reply(response.status, response.headers, data, receipt[0] if receipt else None)
+
+
+def _failure(error: Exception | None, watch: Watch, cancel: threading.Event | None, url: str,
+             connect_timeout: float, read_timeout: float) -> BaseException:
+    """What a failed exchange raises: the watchdog's abort, else the network's error as this client's own."""
+    if watch.reason == "cancel":
+        return Cancelled(f"cancelled; the connection to {url} was closed so the server abandons the work")
+    if watch.reason == "deadline":
+        return Transient(f"the call's deadline passed during {watch.phase_aborted} (connect + send + read are "
+                         "bounded together by total_timeout)", code=TIMED_OUT)
     if cancel is not None and cancel.is_set():
-        raise Cancelled("cancelled")
+        return Cancelled("cancelled")
     if isinstance(error, RemoteEncodeError):
-        raise error
+        return error
     if isinstance(error, ssl.SSLCertVerificationError):
-        raise RemoteEncodeError(f"{endpoint.url}: TLS certificate not trusted: {error}", url=endpoint.url,
-                                code=TLS_UNTRUSTED)
+        return RemoteEncodeError(f"{url}: TLS certificate not trusted: {error}", url=url, code=TLS_UNTRUSTED)
     if isinstance(error, (socket.timeout, TimeoutError)):
-        phase = outcome["phase"]
-        limit = connect_timeout if phase == "connect" else read_timeout
-        raise Transient(f"{phase} timeout after {limit:g} s", code=TIMED_OUT)
+        limit = connect_timeout if watch.phase == "connect" else read_timeout
+        return Transient(f"{watch.phase} timeout after {limit:g} s", code=TIMED_OUT)
     if isinstance(error, ConnectionRefusedError):
-        raise Transient("connection refused (server down or not listening)", code=CONNECTION_REFUSED)
+        return Transient("connection refused (server down or not listening)", code=CONNECTION_REFUSED)
     if isinstance(error, (http.client.RemoteDisconnected, http.client.IncompleteRead, ConnectionError,
                           http.client.BadStatusLine)):
-        raise Transient(f"connection lost mid-request ({type(error).__name__}: {error})", code=CONNECTION_LOST)
+        return Transient(f"connection lost mid-request ({type(error).__name__}: {error})", code=CONNECTION_LOST)
     if isinstance(error, socket.gaierror):
-        raise Transient(f"host name not found ({error})", code=HOST_NOT_FOUND)
+        return Transient(f"host name not found ({error})", code=HOST_NOT_FOUND)
     if isinstance(error, OSError):
-        raise Transient(f"network error ({type(error).__name__}: {error})", code=NETWORK_ERROR)
+        return Transient(f"network error ({type(error).__name__}: {error})", code=NETWORK_ERROR)
     if isinstance(error, http.client.HTTPException):
-        raise Transient(f"malformed HTTP answer ({type(error).__name__}: {error})", code=MALFORMED_ANSWER)
-    raise error  # type: ignore[misc]
+        return Transient(f"malformed HTTP answer ({type(error).__name__}: {error})", code=MALFORMED_ANSWER)
+    return error  # type: ignore[return-value]
+
 
 def _read_body(response: http.client.HTTPResponse, length: int | None, cap: int, aborted: threading.Event,
                url: str, on_body: Callable[[int], Any] | None = None, receipt: list | None = None) -> Any:
@@ -290,19 +296,6 @@ def _read_body(response: http.client.HTTPResponse, length: int | None, cap: int,
             raise RemoteEncodeError(f"{url}: the answer is over the client's limit of {cap} bytes for it", url=url)
         if aborted.is_set():
             return None
-
-
-def abort(conn: http.client.HTTPConnection) -> None:
-    sock = conn.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            sock.close()
-        except OSError:
-            pass
 
 
 def parse_retry_after(value: str | None) -> float | None:

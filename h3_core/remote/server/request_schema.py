@@ -1,11 +1,11 @@
 """The encode request's JSON part (protocol version 2): its schema, the strict reader, and the cache key.
 
 `parse_request_json` reads the bytes (UTF-8, bounded, no NaN, no duplicate keys); `parse_request` turns the object
-into a `RequestSpec`, one reader per field in a fixed order, and checks every H3 rule that needs no media (counts,
-frames, canvas, task, where each guide stands). The optional "guides" list (protocol feature "guides",
-`protocol.FEATURES`) is additive: a request without it parses, and keys its cache, exactly as before. Every refusal
-is a `protocol.ProtocolError` naming the field. The media bytes are read later, by `ingest.py`;
-`RequestSpec.needed_components()` says which encoders they need before any is read.
+into a `RequestSpec`, reading the fields `_SCHEMA` declares (type, bounds, default) in their order, and checks
+every H3 rule that needs no media (counts, frames, canvas, task, where each guide stands). The optional "guides"
+list (protocol feature "guides", `protocol.FEATURES`) is additive: a request without it parses, and keys its cache,
+exactly as before. Every refusal is a `protocol.ProtocolError` naming the field. The media bytes are read later, by
+`ingest.py`; `RequestSpec.needed_components()` says which encoders they need before any is read.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Collection, Mapping
 
 from ... import facts, guides, rules
 from ...request import needed_encoders
@@ -34,13 +34,7 @@ from ..protocol import (
 __all__ = ["MediaRef", "GuideRef", "RequestSpec", "parse_request_json", "parse_request", "cache_key"]
 
 _PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-_TOP_KEYS = frozenset({"protocol", "prompt", "task", "width", "height", "num_frames", "first_frame", "last_frame",
-                       "ref_images", "ref_videos", "ref_audios", "guides", "model", "deadline_s"})
-_MEDIA_KEYS = frozenset({"part"})
-_VIDEO_KEYS = frozenset({"part", "fps", "soundtrack"})
-_GUIDE_KEYS = frozenset({"frame_index", "image", "video", "audio"})
 _GUIDE_MEDIA = ("image", "video", "audio")  # a guide's media keys, each its own kind of part
-_MAX_LIST = 16  # absolute cap on any media list before H3's own counts are checked
 
 
 @dataclass(frozen=True)
@@ -256,7 +250,11 @@ def parse_request_json(data: bytes | str, limits: Limits = Limits()) -> Any:
     return obj
 
 
+# --------------------------------------------------------------------------------------------------------------
+# the schema: what a field can be (its refusals), then `_SCHEMA`, the request's fields in the order they are read
+
 _MAX_INT = 10**9  # no integer field means anything near this; past it the value is refused, not used
+_MAX_LIST = 16  # absolute cap on any media list before H3's own counts are checked
 
 
 def _shown_number(value: int | float) -> str:
@@ -265,16 +263,9 @@ def _shown_number(value: int | float) -> str:
     return text if len(text) <= 24 else f"{text[:12]}...e{len(text) - 1} ({len(text)} digits)"
 
 
-def _int(obj: Mapping, key: str, default: Any = None, *, required: bool = False) -> Any:
-    if key not in obj or obj[key] is None:
-        if required:
-            raise bad(f"{key} is required", key)
-        return default
-    value = obj[key]
+def _require_int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"{key} must be an integer, got {type(value).__name__}", key)
-    if abs(value) > _MAX_INT:
-        raise invalid(f"{key} is out of range, got {_shown_number(value)}", key)
+        raise bad(f"{where} must be an integer, got {type(value).__name__}", where)
     return value
 
 
@@ -291,7 +282,7 @@ def _finite_number(value: Any, where: str, what: str) -> float:
     return float(value)
 
 
-def _check_keys(obj: Mapping, allowed: frozenset, where: str) -> None:
+def _check_keys(obj: Mapping, allowed: Collection[str], where: str) -> None:
     unknown = sorted(str(key)[:64] for key in obj if key not in allowed)
     if unknown:
         raise bad(f"unknown field(s) {unknown} in {where}; allowed: {sorted(allowed)}", where)
@@ -301,120 +292,330 @@ def _part_name(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise bad(f"{where} must be a part name (string), got {type(value).__name__}", where)
     if not _PART_NAME.match(value) or ".." in value:
-        raise bad(
-            f"{where} {value[:80]!r} is not a safe part name: 1-64 characters from [A-Za-z0-9_.-], "
-            "starting with a letter or digit, no '..'",
-            where,
-        )
+        raise bad(f"{where} {value[:80]!r} is not a safe part name: 1-64 characters from [A-Za-z0-9_.-], "
+                  "starting with a letter or digit, no '..'", where)
     if value == REQUEST_PART:
         raise bad(f"{where} may not be {REQUEST_PART!r} (reserved for the JSON request)", where)
     return value
 
 
-def _media_ref(value: Any, where: str, kind: str, limits: Limits) -> MediaRef:
-    if not isinstance(value, dict):
-        raise bad(f"{where} must be an object {{\"part\": NAME}}, got {type(value).__name__}", where)
-    allowed = _VIDEO_KEYS if kind == "video" else _MEDIA_KEYS
-    _check_keys(value, allowed, where)
-    if "part" not in value:
-        raise bad(f"{where}.part is required", f"{where}.part")
-    part = _part_name(value["part"], f"{where}.part")
-    fps, soundtrack = None, None
-    if kind == "video":
-        fps = _video_fps(value.get("fps"), f"{where}.fps", limits)
-        soundtrack = _video_soundtrack(value.get("soundtrack"), f"{where}.soundtrack")
-    return MediaRef(field=where, part=part, kind=kind, fps=fps, soundtrack=soundtrack)
-
-
-def _video_fps(fps: Any, where: str, limits: Limits) -> float | None:
-    """A video's frame rate as a float, or None (absent/null: the container's own rate)."""
-    if fps is None:
-        return None
-    _finite_number(fps, where, "a number")
-    if not 0 < fps <= limits.max_fps:
-        raise invalid(f"{where} must be in (0, {limits.max_fps:g}] frames per second, got {fps}", where)
-    return float(fps)
-
-
-def _video_soundtrack(soundtrack: Any, where: str) -> str | bool | None:
-    """A video's soundtrack: a part name, False (none) or None (the container's own audio); `true` is refused:
-    it names no part."""
-    if soundtrack is True:
-        raise bad(f"{where} must be a part name, false (no soundtrack) or absent/null "
-                  "(the container's own audio)", where)
-    if isinstance(soundtrack, str):
-        return _part_name(soundtrack, where)
-    if soundtrack not in (None, False):
-        raise bad(f"{where} must be a part name, false or null, got {type(soundtrack).__name__}", where)
-    return soundtrack
-
-
-def _keyframe_ref(obj: Mapping, key: str, limits: Limits) -> MediaRef | None:
-    """`first_frame` / `last_frame`: an image part, or None when absent or null."""
-    return None if obj.get(key) is None else _media_ref(obj[key], key, "image", limits)
-
-
-def _media_list(obj: Mapping, key: str, kind: str, limits: Limits) -> tuple[MediaRef, ...]:
-    value = obj.get(key)
+def _entries(value: Any, where: str, cap: int, over: str) -> list:
+    """A list field's entries: none when absent or null, else a list of at most `cap` (past it: "...; `over`")."""
     if value is None:
-        return ()
+        return []
     if not isinstance(value, list):
-        raise bad(f"{key} must be a list, got {type(value).__name__}", key)
-    if len(value) > _MAX_LIST:
-        raise invalid(f"{key} has {len(value)} entries; H3 accepts at most {facts.MAX_REFS} references", key)
-    return tuple(_media_ref(item, f"{key}[{index}]", kind, limits) for index, item in enumerate(value))
+        raise bad(f"{where} must be a list, got {type(value).__name__}", where)
+    if len(value) > cap:
+        raise invalid(f"{where} has {len(value)} entries; {over}", where)
+    return value
 
 
-def _guides(obj: Mapping, num_frames: int) -> tuple[GuideRef, ...]:
-    """The optional "guides" list: at most facts.MAX_GUIDES entries, each {"frame_index": int, "image" | "video":
-    {"part": NAME}, "audio": {"part": NAME}}; where each stands is checked against the output length here (a clip's
-    length only after decoding, `ingest.build_request`), with `guides.fit_error`'s words."""
-    value = obj.get("guides")
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise bad(f"guides must be a list, got {type(value).__name__}", "guides")
-    if len(value) > facts.MAX_GUIDES:
-        raise invalid(f"guides has {len(value)} entries; at most {facts.MAX_GUIDES} guides per request", "guides")
-    return tuple(_guide(item, f"guides[{index}]", index + 1, num_frames) for index, item in enumerate(value))
+@dataclass
+class _Reading:
+    """One request being read: the caps a field names (`Limits`' fields, and the server's max_deadline_s), and the
+    request's fields read so far (a guide stands against num_frames)."""
+
+    caps: dict[str, Any]
+    request: dict[str, Any]
 
 
-def _guide(item: Any, where: str, number: int, num_frames: int) -> GuideRef:
-    if not isinstance(item, dict):
-        raise bad(f"{where} must be an object {{\"frame_index\": INT, \"image\" | \"video\": {{\"part\": NAME}}, "
-                  f"\"audio\": {{\"part\": NAME}}}}, got {type(item).__name__}", where)
-    _check_keys(item, _GUIDE_KEYS, where)
-    index = item.get("frame_index")
-    if index is None:
-        raise bad(f"{where}.frame_index is required", f"{where}.frame_index")
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise bad(f"{where}.frame_index must be an integer, got {type(index).__name__}", f"{where}.frame_index")
-    if abs(index) > facts.MAX_FRAMES:
-        raise invalid(f"{where}.frame_index must be within ±{facts.MAX_FRAMES} (negative counts from the end), got "
-                      f"{_shown_number(index)}", f"{where}.frame_index")
-    refs = {key: None if item.get(key) is None else _part_ref(item[key], f"{where}.{key}", key)
-            for key in _GUIDE_MEDIA}
-    if refs["image"] is not None and refs["video"] is not None:
-        raise bad(f"{where} takes an image or a video, not both", f"{where}.video")
-    if not any(refs.values()):
-        raise invalid(f"{where} needs an image, a video or an audio to anchor", where)
-    # Where it starts (a clip anchors at least one frame): the rest of its fit needs its decoded length.
-    frames = int(refs["image"] is not None or refs["video"] is not None)
-    problem = guides.fit_error(index, frames, num_frames, audio=refs["audio"] is not None)
-    if problem:
-        raise invalid(f"guide {number}: {problem}", f"{where}.frame_index")
-    return GuideRef(field=where, frame_index=index, **refs)
+@dataclass(frozen=True)
+class _Field:
+    """One key of a JSON object; its type's `read(value, where, reading)` turns the value (None when absent or null)
+    into the spec's, or raises a `ProtocolError` naming `where`, the key's path ("ref_videos[0].fps")."""
+
+    name: str
 
 
-def _part_ref(value: Any, where: str, kind: str) -> MediaRef:
-    """A guide's {"part": NAME} of one kind; a guide clip's container audio is never read (soundtrack False)."""
-    if not isinstance(value, dict):
-        raise bad(f"{where} must be an object {{\"part\": NAME}}, got {type(value).__name__}", where)
-    _check_keys(value, _MEDIA_KEYS, where)
-    if "part" not in value:
-        raise bad(f"{where}.part is required", f"{where}.part")
-    return MediaRef(field=where, part=_part_name(value["part"], f"{where}.part"), kind=kind,
-                    soundtrack=False if kind == "video" else None)
+_Check = Callable[[dict[str, Any], _Reading], None]  # a check across the fields read before it
+
+
+def _read(obj: Mapping, schema: tuple[_Field | _Check, ...], reading: _Reading, values: dict[str, Any],
+          prefix: str = "") -> dict[str, Any]:
+    """`obj`'s fields into `values`, read (and checked) in the order `schema` declares them. Each raises on the first
+    thing it refuses, so the order decides which error a request with several faults gets (clients and the tests
+    rely on it)."""
+    for row in schema:
+        if isinstance(row, _Field):
+            values[row.name] = row.read(obj.get(row.name), prefix + row.name, reading)
+        else:
+            row(values, reading)
+    return values
+
+
+@dataclass(frozen=True)
+class _Version(_Field):
+    """Required, an integer, exactly `version`: a mismatch is its own code (protocol_mismatch) so clients can say so."""
+
+    version: int
+
+    def read(self, value: Any, where: str, reading: _Reading) -> int:
+        if value is None:
+            raise bad(f"{where} is required (this server speaks {PROTOCOL_NAME} version {self.version})", where)
+        if _require_int(value, where) != self.version:
+            raise ProtocolError(400, "protocol_mismatch",
+                                f"this server speaks {PROTOCOL_NAME} version {self.version}; the request declares "
+                                f"version {_shown_number(value)} (update the client or the server so they match)",
+                                where)
+        return value
+
+
+@dataclass(frozen=True)
+class _Text(_Field):
+    """Required text the text encoder can take: a string within the cap `cap` (characters), UTF-8, no NUL, not blank."""
+
+    cap: str
+
+    def read(self, value: Any, where: str, reading: _Reading) -> str:
+        if not isinstance(value, str):
+            raise bad(f"{where} is required and must be a string, got {type(value).__name__}", where)
+        cap = reading.caps[self.cap]
+        if len(value) > cap:
+            raise too_large(f"{where} has {len(value)} characters, over the limit of {self.cap}={cap}", where)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(f"{where} contains unpaired UTF-16 surrogates (not encodable as UTF-8)", where) from None
+        if "\x00" in value:
+            raise bad(f"{where} contains a NUL character", where)
+        if not value.strip():
+            raise invalid(f"{where} must be a non-empty string", where)
+        return value
+
+
+@dataclass(frozen=True)
+class _OneOf(_Field):
+    """One of `choices`, or None: inferred (the task: from the media once they are counted, `_resolved_task`)."""
+
+    choices: tuple[str, ...]
+
+    def read(self, value: Any, where: str, reading: _Reading) -> str | None:
+        if value is not None and value not in self.choices:
+            shown = value[:32] if isinstance(value, str) else type(value).__name__
+            raise invalid(f"{where} must be one of {', '.join(self.choices)} or null (inferred), got {shown!r}", where)
+        return value
+
+
+@dataclass(frozen=True)
+class _Int(_Field):
+    """An integer within +-`_MAX_INT`, or `default` when absent or null."""
+
+    default: int | None = None
+
+    def read(self, value: Any, where: str, reading: _Reading) -> int | None:
+        if value is None:
+            return self.default
+        if abs(_require_int(value, where)) > _MAX_INT:
+            raise invalid(f"{where} is out of range, got {_shown_number(value)}", where)
+        return value
+
+
+@dataclass(frozen=True)
+class _Frames(_Int):
+    """An output length on H3's grid (`rules.check_output_frames`), at most the cap `cap` (`serve --max-frames`)."""
+
+    cap: str = ""
+
+    def read(self, value: Any, where: str, reading: _Reading) -> int:
+        frames = super().read(value, where, reading)
+        try:
+            rules.check_output_frames(frames)
+        except rules.H3InputError as error:
+            raise invalid(str(error), where) from None
+        cap = reading.caps[self.cap]
+        if frames > cap:
+            raise invalid(f"{where} {frames} ({frames / facts.FPS:.2f} s) is over this server's limit "
+                          f"({self.cap}={cap}, `serve --max-frames`); H3 allows up to {facts.MAX_FRAMES}", where)
+        return frames
+
+
+@dataclass(frozen=True)
+class _Index(_Field):
+    """A required frame index within +-`reach` (`h3_core.guides`: a negative index counts from the end)."""
+
+    reach: int
+
+    def read(self, value: Any, where: str, reading: _Reading) -> int:
+        if value is None:
+            raise bad(f"{where} is required", where)
+        if abs(_require_int(value, where)) > self.reach:
+            raise invalid(f"{where} must be within ±{self.reach} (negative counts from the end), got "
+                          f"{_shown_number(value)}", where)
+        return value
+
+
+@dataclass(frozen=True)
+class _Number(_Field):
+    """A finite number (`what`) in (0, the cap `cap`] (`unit`; no upper bound if it is None) as a float, or None."""
+
+    what: str
+    unit: str
+    cap: str
+
+    def read(self, value: Any, where: str, reading: _Reading) -> float | None:
+        if value is None:
+            return None
+        _finite_number(value, where, self.what)
+        high = reading.caps[self.cap]
+        if value <= 0 or (high is not None and value > high):
+            raise invalid(f"{where} must be in (0, {high:g}] {self.unit}, got {value}" if high is not None
+                          else f"{where} must be positive, got {value}", where)
+        return float(value)
+
+
+@dataclass(frozen=True)
+class _Match(_Field):
+    """A string matching `pattern` in full (`what` in the refusal), or None."""
+
+    pattern: str
+    what: str
+
+    def read(self, value: Any, where: str, reading: _Reading) -> str | None:
+        if value is not None and (not isinstance(value, str) or not re.fullmatch(self.pattern, value)):
+            raise bad(f"{where} must be {self.what}, or null", where)
+        return value
+
+
+@dataclass(frozen=True)
+class _Soundtrack(_Field):
+    """A video's soundtrack: a part name, False (none) or None (the container's own audio); `true` is refused: it
+    names no part."""
+
+    def read(self, value: Any, where: str, reading: _Reading) -> str | bool | None:
+        if value is True:
+            raise bad(f"{where} must be a part name, false (no soundtrack) or absent/null "
+                      "(the container's own audio)", where)
+        if isinstance(value, str):
+            return _part_name(value, where)
+        if value not in (None, False):
+            raise bad(f"{where} must be a part name, false or null, got {type(value).__name__}", where)
+        return value
+
+
+@dataclass(frozen=True)
+class _Media(_Field):
+    """One media item {"part": NAME} of `kind` (and the fields `extras`), or None when absent or null; `soundtrack`
+    is the item's when `extras` do not read one."""
+
+    kind: str
+    extras: tuple[_Field, ...] = ()
+    soundtrack: bool | None = None
+
+    def read(self, value: Any, where: str, reading: _Reading) -> MediaRef | None:
+        return None if value is None else self.ref(value, where, reading)
+
+    def ref(self, value: Any, where: str, reading: _Reading) -> MediaRef:
+        if not isinstance(value, dict):
+            raise bad(f"{where} must be an object {{\"part\": NAME}}, got {type(value).__name__}", where)
+        _check_keys(value, {"part", *(extra.name for extra in self.extras)}, where)
+        if "part" not in value:
+            raise bad(f"{where}.part is required", f"{where}.part")
+        part = _part_name(value["part"], f"{where}.part")
+        extras = _read(value, self.extras, reading, {"soundtrack": self.soundtrack}, f"{where}.")
+        return MediaRef(field=where, part=part, kind=self.kind, **extras)
+
+
+@dataclass(frozen=True)
+class _MediaList(_Media):
+    """A list of at most `cap` such items, empty when absent or null (H3's own counts are checked after)."""
+
+    cap: int = _MAX_LIST
+
+    def read(self, value: Any, where: str, reading: _Reading) -> tuple[MediaRef, ...]:
+        entries = _entries(value, where, self.cap, f"H3 accepts at most {facts.MAX_REFS} references")
+        return tuple(self.ref(item, f"{where}[{index}]", reading) for index, item in enumerate(entries))
+
+
+@dataclass(frozen=True)
+class _Guides(_Field):
+    """The optional guides (protocol feature "guides"): at most `cap` objects of the fields `schema`; where each
+    stands is checked against the output length here (a clip's length only after decoding, `ingest.build_request`),
+    with `guides.fit_error`'s words."""
+
+    schema: tuple[_Field, ...]
+    cap: int
+
+    def read(self, value: Any, where: str, reading: _Reading) -> tuple[GuideRef, ...]:
+        entries = _entries(value, where, self.cap, f"at most {self.cap} guides per request")
+        return tuple(self.guide(item, f"{where}[{index}]", index + 1, reading) for index, item in enumerate(entries))
+
+    def guide(self, item: Any, where: str, number: int, reading: _Reading) -> GuideRef:
+        if not isinstance(item, dict):
+            raise bad(f"{where} must be an object {{\"frame_index\": INT, \"image\" | \"video\": {{\"part\": NAME}}, "
+                      f"\"audio\": {{\"part\": NAME}}}}, got {type(item).__name__}", where)
+        _check_keys(item, {row.name for row in self.schema}, where)
+        found = _read(item, self.schema, reading, {}, f"{where}.")
+        if found["image"] is not None and found["video"] is not None:
+            raise bad(f"{where} takes an image or a video, not both", f"{where}.video")
+        if not any(found[key] for key in _GUIDE_MEDIA):
+            raise invalid(f"{where} needs an image, a video or an audio to anchor", where)
+        # Where it starts (a clip anchors at least one frame): the rest of its fit needs its decoded length.
+        frames = int(found["image"] is not None or found["video"] is not None)
+        problem = guides.fit_error(found["frame_index"], frames, reading.request["num_frames"],
+                                   audio=found["audio"] is not None)
+        if problem:
+            raise invalid(f"guide {number}: {problem}", f"{where}.frame_index")
+        return GuideRef(field=where, **found)
+
+
+def _canvas(values: dict[str, Any], reading: _Reading) -> None:
+    """Width and height: both or neither (neither: the media decide). A canvas over H3's or this server's size caps is
+    413 before H3's other canvas rules (422), whatever else is wrong with it; non-positive sizes are left to those."""
+    width, height, caps = values["width"], values["height"], reading.caps
+    if (width is None) != (height is None):
+        raise invalid("width and height must be given together, or neither", "width" if width is None else "height")
+    if width is None:
+        return
+    if width > 0 and height > 0:
+        oversize = rules.canvas_size_error(width, height)
+        if oversize:
+            raise too_large(oversize, "width")
+        if max(width, height) > caps["max_canvas_edge"] or width * height > caps["max_canvas_pixels"]:
+            raise too_large(
+                f"canvas {width}x{height} is over this server's limits (max_canvas_edge={caps['max_canvas_edge']}, "
+                f"max_canvas_pixels={caps['max_canvas_pixels']}; by default H3's trained range, which an operator "
+                f"may raise with serve --max-canvas-edge / --max-canvas-pixels up to {facts.MAX_CANVAS_EDGE} px and "
+                f"{facts.MAX_CANVAS_PIXELS} px)", "width")
+    try:
+        rules.check_canvas(width, height)
+    except rules.H3InputError as error:  # a rule on the height alone names the height; the others, the width
+        raise invalid(str(error), "height" if str(error).startswith("height") else "width") from None
+
+
+# A reference video's fields beside its "part".
+_VIDEO_FIELDS = (
+    _Number("fps", "a number", "frames per second", cap="max_fps"),  # null: the container's own rate
+    _Soundtrack("soundtrack"),  # a part name, false (none) or null (the container's own audio)
+)
+# One guide: where it anchors, and an image or a clip (its frames as decoded), and/or an audio.
+_GUIDE_FIELDS = (
+    _Index("frame_index", reach=facts.MAX_FRAMES),
+    _Media("image", "image"),
+    _Media("video", "video", soundtrack=False),  # a guide clip's container audio is never read
+    _Media("audio", "audio"),
+)
+# The request, row by row: name, type (its refusals are the type's), bounds (a string names the `Limits` field, or
+# max_deadline_s, that holds the cap), default (absent and null alike: None, or empty for a list, unless given). Read
+# in this order, the first refusal winning, the canvas checked before any media; then H3's rules on counts and task
+# (`_resolved_task`) and the parts (`_check_parts`).
+_SCHEMA: tuple[_Field | _Check, ...] = (
+    _Version("protocol", PROTOCOL_VERSION),  # required
+    _Text("prompt", cap="max_prompt_chars"),  # required
+    _OneOf("task", rules.TASKS),  # null: inferred from the media
+    _Frames("num_frames", default=facts.DEFAULT_FRAMES, cap="max_num_frames"),
+    _Int("width"),
+    _Int("height"),
+    _canvas,  # both or neither; over a size cap is 413 before H3's canvas rules
+    _Media("first_frame", "image"),
+    _Media("last_frame", "image"),
+    _MediaList("ref_images", "image", cap=_MAX_LIST),
+    _MediaList("ref_videos", "video", extras=_VIDEO_FIELDS, cap=_MAX_LIST),
+    _MediaList("ref_audios", "audio", cap=_MAX_LIST),
+    _Guides("guides", _GUIDE_FIELDS, cap=facts.MAX_GUIDES),
+    _Match("model", r"[0-9a-f]{1,64}", "the hex model fingerprint from /v1/capabilities"),  # null: any; checked later
+    _Number("deadline_s", "a number of seconds", "seconds", cap="max_deadline_s"),  # serve's cap, when it sets one
+)
+_KEYS = frozenset(row.name for row in _SCHEMA if isinstance(row, _Field))
 
 
 def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | None = None) -> RequestSpec:
@@ -422,175 +623,36 @@ def parse_request(obj: Any, limits: Limits = Limits(), max_deadline_s: float | N
 
     Raises `ProtocolError` (400 malformed, 413 over a size cap, 422 against an H3 rule).
     """
-    # One reader per field, run in this order: each raises on the first thing it refuses, so the order decides
-    # which error a request with several faults gets (clients and the tests rely on it).
     if not isinstance(obj, dict):
         raise bad(f"the JSON request must be an object, got {type(obj).__name__}", REQUEST_PART)
-    _check_keys(obj, _TOP_KEYS, "the request")
-    _check_protocol(obj)
-    prompt = _prompt(obj, limits)
-    task = _task(obj)
-    num_frames = _num_frames(obj, limits)
-    width, height = _canvas(obj, limits)
-    first, last = _keyframe_ref(obj, "first_frame", limits), _keyframe_ref(obj, "last_frame", limits)
-    images = _media_list(obj, "ref_images", "image", limits)
-    videos = _media_list(obj, "ref_videos", "video", limits)
-    audios = _media_list(obj, "ref_audios", "audio", limits)
-    guide_refs = _guides(obj, num_frames)
-    model = _model(obj)
-    deadline = _deadline(obj, max_deadline_s)
-    summary = _media_summary(first, last, images, videos, audios, len(guide_refs))
-    spec = RequestSpec(
-        prompt=prompt,
-        task=task,
-        width=width,
-        height=height,
-        num_frames=num_frames,
-        first_frame=first,
-        last_frame=last,
-        ref_images=images,
-        ref_videos=videos,
-        ref_audios=audios,
-        guides=guide_refs,
-        model=model,
-        deadline_s=deadline,
-        resolved_task=_resolved_task(task, prompt, summary, num_frames),
-    )
+    _check_keys(obj, _KEYS, "the request")
+    caps = {cap.name: getattr(limits, cap.name) for cap in fields(limits)}
+    reading = _Reading({**caps, "max_deadline_s": max_deadline_s}, {})
+    values = _read(obj, _SCHEMA, reading, reading.request)
+    del values["protocol"]  # checked, not kept
+    spec = RequestSpec(**values)
+    spec = replace(spec, resolved_task=_resolved_task(spec))
     _check_parts(spec, limits)
     return spec
 
 
-def _check_protocol(obj: Mapping) -> None:
-    """The protocol version, required and exactly this server's: a mismatch is its own code so clients can say so."""
-    version = obj.get("protocol")
-    if version is None:
-        raise bad(f"protocol is required (this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION})",
-                  "protocol")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise bad(f"protocol must be an integer, got {type(version).__name__}", "protocol")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(400, "protocol_mismatch",
-                            f"this server speaks {PROTOCOL_NAME} version {PROTOCOL_VERSION}; the request declares "
-                            f"version {_shown_number(version)} (update the client or the server so they match)",
-                            "protocol")
-
-
-def _prompt(obj: Mapping, limits: Limits) -> str:
-    """The prompt: a string within max_prompt_chars that the text encoder can take (UTF-8, no NUL, not blank)."""
-    prompt = obj.get("prompt")
-    if not isinstance(prompt, str):
-        raise bad(f"prompt is required and must be a string, got {type(prompt).__name__}", "prompt")
-    if len(prompt) > limits.max_prompt_chars:
-        raise too_large(f"prompt has {len(prompt)} characters, over the limit of "
-                        f"max_prompt_chars={limits.max_prompt_chars}", "prompt")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad("prompt contains unpaired UTF-16 surrogates (not encodable as UTF-8)", "prompt") from None
-    if "\x00" in prompt:
-        raise bad("prompt contains a NUL character", "prompt")
-    if not prompt.strip():
-        raise invalid("prompt must be a non-empty string", "prompt")
-    return prompt
-
-
-def _task(obj: Mapping) -> str | None:
-    """One of H3's tasks, or None: inferred from the media once they are counted (`_resolved_task`)."""
-    task = obj.get("task")
-    if task is not None and task not in rules.TASKS:
-        shown = task[:32] if isinstance(task, str) else type(task).__name__
-        raise invalid(f"task must be one of {', '.join(rules.TASKS)} or null (inferred), got {shown!r}", "task")
-    return task
-
-
-def _num_frames(obj: Mapping, limits: Limits) -> int:
-    """Output frames on H3's grid (rules.check_output_frames) and within this server's `max_num_frames`; absent means
-    the default clip (facts.DEFAULT_FRAMES)."""
-    num_frames = _int(obj, "num_frames", facts.DEFAULT_FRAMES)
-    try:
-        rules.check_output_frames(num_frames)
-    except rules.H3InputError as error:
-        raise invalid(str(error), "num_frames") from None
-    if num_frames > limits.max_num_frames:
-        raise invalid(f"num_frames {num_frames} ({num_frames / facts.FPS:.2f} s) is over this server's limit "
-                      f"(max_num_frames={limits.max_num_frames}, `serve --max-frames`); H3 allows up to "
-                      f"{facts.MAX_FRAMES}", "num_frames")
-    return num_frames
-
-
-def _canvas(obj: Mapping, limits: Limits) -> tuple[int | None, int | None]:
-    """Width and height in pixels, both or neither (neither: the media decide); within H3's and this server's caps."""
-    width, height = _int(obj, "width"), _int(obj, "height")
-    if (width is None) != (height is None):
-        raise invalid("width and height must be given together, or neither", "width" if width is None else "height")
-    if width is not None:
-        _check_canvas_size(width, height, limits)
-        try:
-            rules.check_canvas(width, height)
-        except rules.H3InputError as error:  # a rule on the height alone names the height; the others, the width
-            raise invalid(str(error), "height" if str(error).startswith("height") else "width") from None
-    return width, height
-
-
-def _check_canvas_size(width: int, height: int, limits: Limits) -> None:
-    """413 for a canvas over H3's or this server's size caps, checked before H3's other canvas rules (422): a canvas
-    too large is 413 whatever else is wrong with it. Non-positive sizes are left to those rules."""
-    if width <= 0 or height <= 0:
-        return
-    oversize = rules.canvas_size_error(width, height)
-    if oversize:
-        raise too_large(oversize, "width")
-    if max(width, height) > limits.max_canvas_edge or width * height > limits.max_canvas_pixels:
-        raise too_large(
-            f"canvas {width}x{height} is over this server's limits (max_canvas_edge={limits.max_canvas_edge}, "
-            f"max_canvas_pixels={limits.max_canvas_pixels}; by default H3's trained range, which an operator may "
-            f"raise with serve --max-canvas-edge / --max-canvas-pixels up to {facts.MAX_CANVAS_EDGE} px and "
-            f"{facts.MAX_CANVAS_PIXELS} px)", "width")
-
-
-def _model(obj: Mapping) -> str | None:
-    """The model fingerprint the client expects (checked against the loaded one later), or None for any."""
-    model = obj.get("model")
-    if model is not None and (not isinstance(model, str) or not re.fullmatch(r"[0-9a-f]{1,64}", model)):
-        raise bad("model must be the hex model fingerprint from /v1/capabilities, or null", "model")
-    return model
-
-
-def _deadline(obj: Mapping, max_deadline_s: float | None) -> float | None:
-    """The client's deadline in seconds (positive, at most the server's max_deadline_s when it sets one), or None."""
-    deadline = obj.get("deadline_s")
-    if deadline is None:
-        return None
-    _finite_number(deadline, "deadline_s", "a number of seconds")
-    if deadline <= 0 or (max_deadline_s is not None and deadline > max_deadline_s):
-        raise invalid(f"deadline_s must be in (0, {max_deadline_s:g}] seconds, got {deadline}"
-                      if max_deadline_s is not None else f"deadline_s must be positive, got {deadline}",
-                      "deadline_s")
-    return float(deadline)
-
-
-def _media_summary(first: MediaRef | None, last: MediaRef | None, images: tuple[MediaRef, ...],
-                   videos: tuple[MediaRef, ...], audios: tuple[MediaRef, ...], guide_count: int = 0
-                   ) -> rules.MediaSummary:
-    """The request's media counts for H3's rules, with placeholder (valid) durations: the real durations are checked
-    by EncodeRequest.validate() after decoding, with the same messages as a local run."""
-    return rules.MediaSummary(
-        keyframes=int(first is not None) + int(last is not None),
-        image_refs=len(images),
-        video_ref_seconds=(facts.MIN_REFERENCE_VIDEO_S,) * len(videos),
-        soundtrack_seconds=(None,) * len(videos),
-        audio_ref_seconds=(facts.MIN_AUDIO_CLIP_S,) * len(audios),
-        guides=guide_count,
+def _resolved_task(spec: RequestSpec) -> str:
+    """The task (given, or inferred from the media counts), checked against H3's own rules on counts and task. The
+    durations are placeholders (valid): the real ones are checked by EncodeRequest.validate() after decoding, with
+    the same messages as a local run."""
+    summary = rules.MediaSummary(
+        keyframes=int(spec.first_frame is not None) + int(spec.last_frame is not None),
+        image_refs=len(spec.ref_images),
+        video_ref_seconds=(facts.MIN_REFERENCE_VIDEO_S,) * len(spec.ref_videos),
+        soundtrack_seconds=(None,) * len(spec.ref_videos),
+        audio_ref_seconds=(facts.MIN_AUDIO_CLIP_S,) * len(spec.ref_audios),
+        guides=len(spec.guides),
     )
-
-
-def _resolved_task(task: str | None, prompt: str, summary: rules.MediaSummary, num_frames: int) -> str:
-    """The task (given, or inferred from the media counts), checked against H3's own rules on counts and task."""
-    resolved = task or rules.infer_task(summary)
+    resolved = spec.task or rules.infer_task(summary)
     try:
-        rules.check_request(resolved, prompt, summary, num_frames)
+        rules.check_request(resolved, spec.prompt, summary, spec.num_frames)
     except rules.H3InputError as error:
-        raise invalid(str(error), "task" if task else None) from None
+        raise invalid(str(error), "task" if spec.task else None) from None
     return resolved
 
 
