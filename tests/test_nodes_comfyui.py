@@ -305,7 +305,8 @@ def test_ui_workflow_loads_in_the_real_frontend(server, encoder_url, name):
     """The template's graph with every loader on the embedded tiny H3 (built from the same source as the shipped
     template): it loads, each loader shows the tiny badge, and graphToPrompt's graph runs."""
     workflow = build_workflows.tiny_templates(server.object_info())[name]
-    report = server.load_workflow_ui(workflow, run=False)  # dropped onto the canvas
+    # dropped onto the canvas, one file after another into one page, as a user does
+    report = server.load_workflow_ui(workflow, run=False, same_page=True)
     assert report["missing_types"] == [] and report["dangling_links"] == [], report
     # No alert, toast or page error (schema validation included), nothing unexpected on the console.
     assert report["problems"] == [] and report["returncode"] == 0, report["problems"]
@@ -325,7 +326,9 @@ def test_ui_workflow_loads_in_the_real_frontend(server, encoder_url, name):
     }
     if name == "ref2va_remote":
         node_of(prompt, "H3SplitRemoteEncode")["inputs"]["endpoint"] = encoder_url
-    # graphToPrompt's graph runs (with a fresh seed so nothing is served from cache)
+    # graphToPrompt's graph runs (with a fresh seed so nothing is served from cache): the frontend's form of the
+    # prompt (every widget's value, defaults included; 1.49.6's SaveVideo as `format.codec` ...) is what a user
+    # queues, not the shipped API workflow's, so it runs here too
     node_of(prompt, "H3SplitSampler")["inputs"]["seed"] = 11
     assert server.run_prompt(prompt, timeout=600).status == "success"
 
@@ -335,7 +338,7 @@ def test_templates_are_listed_and_load_from_the_template_browser(server, name, t
     """As the template browser loads it: no problem, no overlapping nodes, no tiny badge (the loaders select the
     published files), and a screenshot of the whole graph (docs/images/ with H3_UPDATE_SCREENSHOTS=1)."""
     shot = (SCREENSHOTS if os.environ.get("H3_UPDATE_SCREENSHOTS") else tmp_path) / f"template_{name}.png"
-    report = server.load_workflow_ui(template=TITLES[name], screenshot=shot)
+    report = server.load_workflow_ui(template=TITLES[name], screenshot=shot, same_page=True)  # one after another
     assert sorted(report["templates_listed"][PACK_NAME]) == sorted(TITLES.values())  # each once
     assert report["overlaps"] == [], [(b["id"], b["title"], b["y"], b["h"]) for b in report["boxes"]]
     assert report["tiny_badges"] == {}
@@ -438,7 +441,10 @@ def test_interrupt_stops_the_sampler_within_one_step(server):
     result = server.run_prompt(graph, timeout=600, check=False, on_message=on_message)
     assert result.status == "interrupted", result.error
     steps = [m["value"] for m in result.of_type("progress") if m.get("node") == sampler and m.get("max") == 199]
-    assert max(steps) <= seen["sent"] + 1  # stopped at the next step boundary
+    # The sampler stops at the next step boundary once ComfyUI's flag is set (counted in steps, without a clock:
+    # tests/test_step_cache.py). Here the flag is set an HTTP round trip after a websocket message, while the tiny
+    # DiT runs ~100 steps a second (CI saw 26 more steps go by on a busy machine): stopped far short of its 200.
+    assert max(steps) < 199 - 50, (seen, steps)
     assert server.run_prompt(api("t2va"), timeout=600).status == "success"  # and the server keeps serving
 
 

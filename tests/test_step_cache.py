@@ -212,3 +212,24 @@ def test_cli_generate_prints_the_block_passes(tiny_dir, cond, tmp_path, capsys):
     assert "cache: computed 4 of 8 DiT block runs (50% skipped)" in capsys.readouterr().err
     assert cli.main([*args, "--cache", "every:0"]) == 1
     assert "every:K needs an integer K >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cache", [None, "every:2"])
+def test_a_cancel_stops_the_sampler_at_the_next_step(stage, cond, cache):
+    """The sampler checks its cancel (ComfyUI's interrupt, in the nodes) at every step boundary, cached or not: set
+    from the progress of step 3, no fourth forward starts. Counted in steps, not seconds (the ComfyUI test of the
+    same, tests/test_nodes_comfyui.py, sees it through a websocket and an HTTP round trip)."""
+    import threading
+
+    from h3_core.progress import Cancelled
+
+    cancel, ticks = threading.Event(), []
+
+    def progress(done, total):
+        ticks.append(done)
+        if done == 3:
+            cancel.set()
+
+    with pytest.raises(Cancelled, match="after 3 of"):
+        _sample(stage, cond, cache, steps=30, progress=progress, cancel=cancel)
+    assert max(ticks) == 3, ticks

@@ -395,6 +395,7 @@ class ComfyServer:
         wait_for_types: Iterable[str] = (),
         search_templates: Iterable[str] = (),
         search_nodes: Iterable[str] = (),
+        same_page: bool = False,
     ) -> dict:
         """Load a UI-format workflow into the real frontend in headless chromium
         (tests/ui/load_workflow.mjs) the way a dropped file is loaded, or `template="NAME"` (one of
@@ -404,7 +405,9 @@ class ComfyServer:
         app.graphToPrompt()'s output and waits for it. search_templates / search_nodes: type each
         query into the template browser's search / the canvas's node search first and report what
         they list (`template_search`, `node_search`); without a workflow or template, only that.
-        Skips (fails in CI) when chromium/node/playwright-core is missing."""
+        same_page: load into the page the previous same_page load against this server left open (its frontend
+        booted once: ~4.5 CPU-s of chromium saved a load), as a user loads one template after another; the report
+        covers this load only. Skips (fails in CI) when chromium/node/playwright-core is missing."""
         ok, reason = ui_available()
         if not ok:
             unavailable(reason)
@@ -419,6 +422,7 @@ class ComfyServer:
             log_tail=self.log_tail,
             search_templates=search_templates,
             search_nodes=search_nodes,
+            same_page=same_page,
         )
 
     # ---------------------------------------------------------------- lifecycle
@@ -583,6 +587,7 @@ def run_ui_loader(
     log_tail: Callable[[], str] | None = None,
     search_templates: Iterable[str] = (),
     search_nodes: Iterable[str] = (),
+    same_page: bool = False,
 ) -> dict:
     """Run tests/ui/load_workflow.mjs against a server at `url`; returns its JSON report with
     `returncode` (the script's exit status) and `stderr_tail` added. Raises ComfyError if it printed no report.
@@ -610,6 +615,8 @@ def run_ui_loader(
             argv += ["--search-templates", query]
         for query in search_nodes:
             argv += ["--search-nodes", query]
+        if same_page:
+            argv.append("--same-page")
         return UiSession.for_url(url).load(argv, timeout + 60, log_tail)
 
 

@@ -5,7 +5,8 @@
 //     node tests/ui/load_workflow.mjs --template PACK/NAME [...]   (as the template browser does; the report
 //                                                                   adds templates_listed and thumbnail)
 //     node tests/ui/load_workflow.mjs --serve   (one browser, many loads: a JSON list of the arguments above per
-//                                                stdin line, a report per stdout line; see serve() below)
+//                                                stdin line, a report per stdout line; see serve() below; a
+//                                                load's --same-page reuses the previous --same-page load's page)
 //     --screenshot PNG: the whole graph fitted into a 1600x1000 window, dialogs closed
 //
 // Prints one JSON line on stdout:
@@ -29,11 +30,12 @@ import { fileLinkProblems, graphLayout, inspectGraph, problemsOf, recordToastsAn
 
 function parseArgs(args) {
   const o = { run: false, timeout: 240, screenshot: null, waitTypes: [], workflow: null, template: null,
-    searchTemplates: [], searchNodes: [], serve: false };
+    searchTemplates: [], searchNodes: [], serve: false, samePage: false };
   for (let i = 0; i < args.length; i++) {
     const a = args[i];
     if (a === "--run") o.run = true;
     else if (a === "--serve") o.serve = true;
+    else if (a === "--same-page") o.samePage = true;
     else if (a === "--timeout") o.timeout = Number(args[++i]);
     else if (a === "--screenshot") o.screenshot = args[++i];
     else if (a === "--wait-type") o.waitTypes.push(args[++i]);
@@ -57,36 +59,55 @@ let t0 = Date.now();
 const since = () => (Date.now() - t0) / 1000;
 let report = { ok: false, workflow: opt.workflow, timings: {}, console_errors: [], run: null };
 let shared = null; // --serve: the one browser every load opens its own context in
+let kept = null; // --serve: { context, page } a --same-page load left open for the next
 
 async function main() {
   if (opt.workflow) workflow = JSON.parse(readFileSync(opt.workflow, "utf8"));
+  // What a user would see or what broke: window.alert/confirm, toasts (the frontend's alerts),
+  // dialogs (missing nodes / missing models), uncaught page errors, console errors.
+  report.alerts = []; report.toasts = []; report.dialogs = []; report.page_errors = [];
+  report.failed_requests = [];
+  // Until the frontend is ready nothing of the workflow has run: what the frontend's own boot logs
+  // (frontend 1.32.9 sets LiteGraph.Canvas.MinFontSizeForLOD before defining it, a TypeError; a fresh
+  // user's settings files are 404s) is reported apart and judged by nobody here.
+  report.boot_console_errors = []; report.boot_failed_requests = [];
+  const viewport = opt.screenshot ? { width: 1600, height: 1000 } : { width: 1400, height: 900 };
+  // --same-page (a --serve session only): this load goes into the page the session's previous --same-page load
+  // left open, its frontend already booted (a boot is ~4.5 CPU-s of chromium), as a user loads one template after
+  // another. Its report covers what happened from this load's start; dialogs left open are closed first.
+  const reuse = Boolean(shared && kept && opt.samePage);
+  if (kept && !reuse) { await kept.context.close().catch(() => {}); kept = null; }
   const browser = shared || await launchChromium();
-  const context = shared ? await browser.newContext() : null; // a load of a session starts as a fresh browser does
+  // a load of a session that does not reuse a page starts as a fresh browser does: a context of its own
+  const context = reuse ? kept.context : shared ? await browser.newContext() : null;
+  let page = reuse ? kept.page : null, keep = false;
   try {
-    const page = await (context || browser).newPage({ viewport: opt.screenshot ? { width: 1600, height: 1000 } : { width: 1400, height: 900 } });
-    await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());
-    // What a user would see or what broke: window.alert/confirm, toasts (the frontend's alerts),
-    // dialogs (missing nodes / missing models), uncaught page errors, console errors.
-    report.alerts = []; report.toasts = []; report.dialogs = []; report.page_errors = [];
-    report.failed_requests = [];
-    // Until the frontend is ready nothing of the workflow has run: what the frontend's own boot logs
-    // (frontend 1.32.9 sets LiteGraph.Canvas.MinFontSizeForLOD before defining it, a TypeError; a fresh
-    // user's settings files are 404s) is reported apart and judged by nobody here.
-    report.boot_console_errors = []; report.boot_failed_requests = [];
-    const booting = () => report.timings.frontend_ready_s === undefined;
-    page.on("console", (m) => {
-      if (m.type() !== "error") return;
-      (booting() ? report.boot_console_errors : report.console_errors).push(m.text().slice(0, 300));
-    });
-    page.on("response", (r) => {
-      if (r.status() >= 400) (booting() ? report.boot_failed_requests : report.failed_requests).push(`${r.status()} ${r.url()}`);
-    });
-    page.on("pageerror", (e) => report.page_errors.push(String(e.message).slice(0, 300)));
-    page.on("dialog", async (d) => { report.alerts.push(`${d.type()}: ${d.message().slice(0, 300)}`); await d.dismiss(); });
-    await page.addInitScript(recordToastsAndDialogs);
-    page.setDefaultTimeout(opt.timeout * 1000);
+    if (reuse) {
+      report.timings.frontend_ready_s = 0; // booted by an earlier load: everything from here is this load's
+      page.setDefaultTimeout(opt.timeout * 1000);
+      await page.setViewportSize(viewport);
+      for (let i = 0; i < 2; i++) await page.keyboard.press("Escape");
+      await page.waitForTimeout(300);
+      await page.evaluate(() => { window.__h3Seen = { toasts: [], dialogs: [] }; });
+    } else {
+      page = await (context || browser).newPage({ viewport });
+      await page.route((u) => !u.href.startsWith(BASE), (r) => r.abort());
+      // The handlers write into `report`, the current load's (a --same-page load has a report of its own).
+      const booting = () => report.timings.frontend_ready_s === undefined;
+      page.on("console", (m) => {
+        if (m.type() !== "error") return;
+        (booting() ? report.boot_console_errors : report.console_errors).push(m.text().slice(0, 300));
+      });
+      page.on("response", (r) => {
+        if (r.status() >= 400) (booting() ? report.boot_failed_requests : report.failed_requests).push(`${r.status()} ${r.url()}`);
+      });
+      page.on("pageerror", (e) => report.page_errors.push(String(e.message).slice(0, 300)));
+      page.on("dialog", async (d) => { report.alerts.push(`${d.type()}: ${d.message().slice(0, 300)}`); await d.dismiss(); });
+      await page.addInitScript(recordToastsAndDialogs);
+      page.setDefaultTimeout(opt.timeout * 1000);
 
-    await page.goto(BASE + "/", { waitUntil: "domcontentloaded" });
+      await page.goto(BASE + "/", { waitUntil: "domcontentloaded" });
+    }
     await page.waitForFunction(
       (types) => {
         const reg = window.LiteGraph?.registered_node_types;
@@ -95,11 +116,12 @@ async function main() {
       opt.waitTypes,
       { polling: 100 },
     );
-    report.timings.frontend_ready_s = since();
+    if (!reuse) report.timings.frontend_ready_s = since();
+    keep = Boolean(shared && opt.samePage);
 
     if (opt.searchTemplates.length || opt.searchNodes.length) {
       // What a user finds by typing into the template browser's search and the canvas's node search (double-click).
-      report.node_search = {};
+      report.node_search = {}; report.node_search_tries = {};
       if (opt.searchNodes.length) await page.evaluate(() => window.app.graph.clear()); // an empty canvas to click on
       for (const query of opt.searchNodes) {
         const canvas = page.locator("#graph-canvas");
@@ -108,14 +130,16 @@ async function main() {
         const box = page.locator(".comfy-vue-node-search-container input, "
           + ".p-dialog input[placeholder^='Add a node']").first();
         // A double-click whose two clicks the canvas sees too far apart (a busy machine: the page's main thread
-        // stalls between them) is two clicks and opens nothing; a user double-clicks again, and so does this.
+        // stalls between them) is two clicks and opens nothing; a user double-clicks again, and so does this. The
+        // box opens within a second when the double-click counted, so a try waits 8 s, not the whole timeout.
         for (let attempt = 1; ; attempt++) {
           await canvas.dblclick({ position: { x: 700, y: 500 } });
           try {
-            await box.waitFor({ timeout: Math.min(30000, opt.timeout * 1000) });
+            await box.waitFor({ timeout: Math.min(8000, opt.timeout * 1000) });
+            report.node_search_tries[query] = attempt;
             break;
           } catch (e) {
-            if (attempt >= 5) throw e;
+            if (attempt >= 8) throw e;
             await page.keyboard.press("Escape");
           }
         }
@@ -126,6 +150,7 @@ async function main() {
           (items) => items.map((i) => i.innerText.trim().split("\n")[0]));
         await page.keyboard.press("Escape");
         await page.waitForTimeout(300);
+        report.timings[`node_search ${query}`] = since();
       }
       report.template_search = {};
       if (opt.searchTemplates.length) {
@@ -162,6 +187,7 @@ async function main() {
             if (last !== "[]" && Date.now() - stableSince > 3000) break;
           }
           report.template_search[query] = JSON.parse(last);
+          report.timings[`template_search ${query}`] = since();
         }
       }
       if (!opt.workflow && !opt.template) { report.ok = true; return 0; }
@@ -242,8 +268,12 @@ async function main() {
     if (opt.run && report.run?.status_str !== "success") return 2;
     report.ok = true;
     return 0;
+  } catch (e) {
+    keep = false; // a page a load failed in is not handed to the next
+    throw e;
   } finally {
-    if (context) await context.close();
+    if (keep) kept = { context, page };
+    else if (context) { kept = null; await context.close(); }
     else await browser.close();
   }
 }
@@ -302,6 +332,7 @@ async function serve() {
     report.exit_code = code;
     await new Promise((done) => process.stdout.write(JSON.stringify(report) + "\n", done));
   }
+  if (kept) await kept.context.close().catch(() => {});
   await shared.close();
 }
 
