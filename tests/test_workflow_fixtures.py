@@ -39,7 +39,7 @@ def test_every_ui_fixture_has_its_api_twin():
 @pytest.mark.parametrize("name", NAMES)
 def test_ui_fixture_loads_into_the_api_fixtures_graph(server, name):
     workflow = fixture("ui", name)
-    report = server.load_workflow_ui(workflow)
+    report = server.load_workflow_ui(workflow, same_page=True)  # dropped one after another into one page
     assert report["missing_types"] == [] and report["dangling_links"] == [] and report["error_nodes"] == [], report
     assert report["node_count"] == len(workflow["nodes"])
     assert report["problems"] == [] and report["returncode"] == 0, report["problems"]
