@@ -591,8 +591,8 @@ def run_ui_loader(
 ) -> dict:
     """Run tests/ui/load_workflow.mjs against a server at `url`; returns its JSON report with
     `returncode` (the script's exit status) and `stderr_tail` added. Raises ComfyError if it printed no report.
-    The load runs in this process's browser session for `url` (`UiSession`: one chromium for every load, each in
-    a fresh browser context), so only the first load against a server pays for starting chromium."""
+    A load runs in a chromium of its own; a `same_page` load runs in this process's browser session for `url`
+    (`UiSession`: one chromium, the page the previous same_page load left open, its frontend booted once)."""
     with tempfile.TemporaryDirectory(prefix="h3-ui-") as tmp:
         argv = ["--timeout", str(int(timeout))]
         if template:
@@ -616,15 +616,36 @@ def run_ui_loader(
         for query in search_nodes:
             argv += ["--search-nodes", query]
         if same_page:
-            argv.append("--same-page")
-        return UiSession.for_url(url).load(argv, timeout + 60, log_tail)
+            return UiSession.for_url(url).load([*argv, "--same-page"], timeout + 60, log_tail)
+        return _run_ui_once(url, argv, timeout + 60, log_tail)
+
+
+def _run_ui_once(url: str, argv: list[str], timeout: float, log_tail: Callable[[], str] | None) -> dict:
+    """One load in a chromium of its own (`node load_workflow.mjs ARGS`): a fresh browser, as a user opening ComfyUI."""
+    env = {**os.environ, "COMFY_URL": url, "CHROMIUM_PATH": chromium_path() or ""}
+    try:
+        p = subprocess.run(["node", str(UI_DIR / "load_workflow.mjs"), *argv], cwd=UI_DIR, env=env,
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise ComfyError(f"load_workflow.mjs timed out after {timeout} s\n{(e.stderr or '')[-3000:]}") from None
+    stderr_tail = "\n".join(p.stderr.splitlines()[-40:])
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        extra = log_tail() if log_tail else ""
+        raise ComfyError(
+            f"load_workflow.mjs exited {p.returncode} without a report\n{p.stdout[-2000:]}\n{stderr_tail}\n{extra}"
+        )
+    report = json.loads(lines[-1])
+    report["returncode"] = p.returncode
+    report["stderr_tail"] = stderr_tail
+    return report
 
 
 class UiSession:
-    """One `node tests/ui/load_workflow.mjs --serve` (one headless chromium) for every load this process makes
-    against one ComfyUI URL: starting chromium once per server instead of once per load. Each load still opens a
-    browser context of its own (nothing stored or cached by the load before). At most `KEEP` sessions stay open
-    (a test module's server is seldom used again once the next module's has started); all close at exit."""
+    """One `node tests/ui/load_workflow.mjs --serve` (one headless chromium) for the same_page loads this process
+    makes against one ComfyUI URL: the frontend boots once (~4.5 CPU-s of chromium) and each load goes into the page
+    the one before left open, as a user loads one template after another. At most `KEEP` sessions stay open (a test
+    module's server is seldom used again once the next module's has started); all close at exit."""
 
     KEEP = 2
     _open: dict[str, "UiSession"] = {}
