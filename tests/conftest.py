@@ -203,6 +203,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_templates_newest_frontend": (COMFYUI,),
     "test_tiny": (SLOW,),
     "test_vae_encode": (SLOW,),
+    "test_warm_cli": (SLOW, PROCESS),
     "test_vae_stream": (SLOW,),
     "test_weight_identity": (),
     "test_weights_detect_check": (SLOW,),

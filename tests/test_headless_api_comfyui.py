@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import av
 import pytest
+from support import warm_cli
 from support.comfy_harness import comfy  # noqa: F401  (session fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,8 +32,8 @@ def _workdir(tmp_path: Path) -> Path:
 
 
 def _comfy_run(*args: str, cwd: Path, url: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "h3_core", "comfy-run", *args, "--server", url], cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    return warm_cli.run(["comfy-run", *args, "--server", url], cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)},
+                        capture_output=True, text=True, timeout=600)
 
 
 def test_the_readme_block_runs_a_shipped_workflow_and_downloads_its_mp4(comfy, tmp_path):  # noqa: F811

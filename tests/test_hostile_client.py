@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import warm_cli
 from support.hostile_peer import CAPS, REQUEST, HostileServer, MiB
 
 from h3_core.remote.client import packing
@@ -151,9 +150,9 @@ def test_cli_encode_with_a_trickling_server_ends_at_its_timeout(hostile, tmp_pat
     server = hostile(encode=_trickling_headers)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "h3_core", "encode", "--server", server.url, "--timeout", "4",
-                           "--prompt", "A red fox.", "--width", "64", "--height", "64", "--out",
-                           str(tmp_path / "c.safetensors")], cwd=REPO, env=env, capture_output=True, timeout=120)
+    done = warm_cli.run(["encode", "--server", server.url, "--timeout", "4", "--prompt", "A red fox.", "--width", "64",
+                         "--height", "64", "--out", str(tmp_path / "c.safetensors")], cwd=REPO, env=env,
+                        capture_output=True, timeout=120)
     elapsed = time.monotonic() - started
     assert done.returncode != 0 and b"deadline" in done.stderr, done.stderr[-2000:]
     print(f"slow-byte server: CLI exited after {elapsed:.1f} s (timeout 4 s, including start-up)")

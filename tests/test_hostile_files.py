@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch as st
 import torch
+from support import warm_cli
 from support.contract_cases import _retamper, make
 from support.hostile_peer import CAPS, REQUEST, HostileServer
 
@@ -125,10 +126,9 @@ def test_frames_beyond_the_longest_output_are_refused_on_read(frames):
 
 
 def test_cli_refuses_a_canvas_beyond_the_absolute_bound(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "h3_core", "encode", "--models", str(tmp_path), "--prompt", "A fox.",
-                           "--width", "8192", "--height", "8192", "--out", str(tmp_path / "c.safetensors")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    done = warm_cli.run(["encode", "--models", str(tmp_path), "--prompt", "A fox.", "--width", "8192", "--height",
+                         "8192", "--out", str(tmp_path / "c.safetensors")], cwd=REPO, capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert done.returncode != 0 and "larger than the pack runs" in done.stderr, done.stderr[-2000:]
 
 

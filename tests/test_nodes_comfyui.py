@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import re
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support import warm_cli
 from support.comfy_harness import (  # noqa: F401  (comfy: session fixture)
     COMFY_0375,
     PACK_NAME,
@@ -468,8 +468,8 @@ def test_local_nodes_equal_the_cli(server, tiny_dir, tmp_path):
 
     inputs = WORKFLOWS / "inputs"
     cond_path, dump = tmp_path / "cond.safetensors", tmp_path / "dump.safetensors"
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "h3_core", *args],
+    run = lambda *args: warm_cli.run(
+        args,
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import warm_cli
 from support.encoder_process import REPO, ServerProcess, server_env
 
 from h3_core.remote.client.encoder_client import EncoderClient, RemoteUnavailableError
@@ -62,8 +61,8 @@ def test_non_loopback_bind_without_token_is_refused_at_start(tmp_path):
     cases = (("0.0.0.0", env, ()), ("::", env, ()), ("0.0.0.0", dict(env, H3_ENCODER_TOKEN="short"), ()),
              ("0.0.0.0", dict(env, H3_ENCODER_TOKEN="t" * 32), ("--token-env", "MY_H3_TOKEN")))
     for host, case_env, extra in cases:
-        result = subprocess.run([sys.executable, "-m", "h3_core", "serve", "--models", str(absent), "--host", host,
-                                 "--port", "0", *extra], cwd=REPO, env=case_env, capture_output=True, timeout=600)
+        result = warm_cli.run(["serve", "--models", str(absent), "--host", host, "--port", "0", *extra], cwd=REPO,
+                              env=case_env, capture_output=True, timeout=600)
         message = result.stderr.decode()
         assert result.returncode == 2, message[-2000:]
         assert "refusing to bind" in message or "at least 16" in message, message
@@ -116,9 +115,9 @@ def test_kill_mid_request_then_restart_and_drain(tiny_dir, request):
         # The CLI's `encode --server` goes through the same client: same bytes as a local encode.
         with tempfile.TemporaryDirectory() as folder:
             out = Path(folder) / "cond.safetensors"
-            result = subprocess.run([sys.executable, "-m", "h3_core", "encode", "--server", url, "--prompt",
-                                     "From the command line.", "--width", "64", "--height", "64", "--out", str(out)],
-                                    cwd=REPO, env=server_env(), capture_output=True, timeout=120)
+            result = warm_cli.run(["encode", "--server", url, "--prompt", "From the command line.", "--width", "64",
+                                   "--height", "64", "--out", str(out)], cwd=REPO, env=server_env(),
+                                  capture_output=True, timeout=120)
             assert result.returncode == 0, result.stderr.decode()[-2000:]
             local = stage.encode(EncodeRequest(prompt="From the command line.", width=64, height=64))
             assert out.read_bytes() == local.to_bytes()

@@ -8,12 +8,12 @@ ranks forked warm by one launcher)."""
 import dataclasses
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import warm_cli
 
 from h3_core import cli, sequence_parallel
 from h3_core.diffusion import DiffusionStage, SamplingOptions
@@ -70,9 +70,9 @@ def _reference(tiny_dir, cond_path, dit: str | None):
 
 def _generate(tiny_dir, cond_path, out: Path, *extra) -> subprocess.CompletedProcess:
     env = {**os.environ, "H3_THREADS": "1", "OMP_NUM_THREADS": "1"}  # two ranks on the shared cores
-    command = [sys.executable, "-m", "h3_core", "generate", "--models", str(tiny_dir), "--layout", "comfyui",
-               "--cond", str(cond_path), "--out", str(out), "--steps", str(STEPS), "--seed", "3", *extra]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    command = ["generate", "--models", str(tiny_dir), "--layout", "comfyui", "--cond", str(cond_path), "--out",
+               str(out), "--steps", str(STEPS), "--seed", "3", *extra]
+    return warm_cli.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

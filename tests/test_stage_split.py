@@ -7,6 +7,7 @@ The stage split's acceptance bar: on the tiny model at >= 124 frames, for t2va, 
 
 import pytest
 import torch
+from support import warm_cli
 from support.h3_reference import monolithic
 
 from h3_core.contract import H3Conditioning
@@ -65,8 +66,6 @@ def test_every_layout_generates_the_same(layout, stages, tiny_dir):
 
 def test_cli_encode_generate_dump(tiny_dir, tmp_path):
     """The headless path end to end: files in, mp4 + tensors out, equal to the in-process split."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -81,8 +80,7 @@ def test_cli_encode_generate_dump(tiny_dir, tmp_path):
     import os
 
     env = {**os.environ, **env}
-    run = lambda *args: subprocess.run([sys.executable, "-m", "h3_core", *args], cwd=repo, env=env,
-                                       capture_output=True, text=True, timeout=600)
+    run = lambda *args: warm_cli.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     enc = run("encode", "--models", str(tiny_dir), "--prompt", "The door opens.", "--first-frame", str(first),
               "--out", str(cond_path))
     assert enc.returncode == 0, enc.stderr

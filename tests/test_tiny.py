@@ -1,13 +1,11 @@
 """The embedded tiny H3: deterministic, loadable by diffusers itself, same weights in every layout."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from support import tiny_bytes
+from support import tiny_bytes, warm_cli
 
 from h3_core import facts, tiny
 from h3_core.models import ModelSource
@@ -87,8 +85,8 @@ def _same_audio_decode(reference, loaded):
 
 def test_cli_builds(tmp_path):
     out = tmp_path / "cli-tiny"
-    result = subprocess.run([sys.executable, "-m", "h3_core", "tiny", "--out", str(out), "--seed", "3"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = warm_cli.run(["tiny", "--out", str(out), "--seed", "3"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out)
     assert json.loads((out / "tiny.json").read_text())["seed"] == 3

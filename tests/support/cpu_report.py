@@ -1,7 +1,8 @@
 """CPU-seconds per tier, printed at the end of every run (issue: the suite's CPU is a budget, seen in each CI log).
 
 Each test's CPU is the change, across its setup, call and teardown, of its process's own user+sys time plus the time
-of the child processes it reaped (servers, CLI runs, ranks, ComfyUI): a server a module fixture starts is counted when
+of the child processes it reaped (servers, CLI runs, ranks, ComfyUI; commands forked by support/warm_cli.py's fork
+server count when the test sees them end): a server a module fixture starts is counted when
 its teardown reaps it, in the tier of the module's last test; session-wide servers in the run's last test. Processes
 never reaped (daemons that outlive the run) are not counted: the harness stops and waits for each it starts.
 Under pytest-xdist each worker sends its totals to the controller, which prints the sum.
@@ -20,9 +21,11 @@ def tier_of(markers: set[str]) -> str:
 
 
 def cpu_seconds() -> float:
-    """User + sys CPU of this process and of every child it has reaped."""
+    """User + sys CPU of this process and of every child it has reaped, the commands it forked warm included."""
+    from . import warm_cli
+
     times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
+    return times.user + times.system + times.children_user + times.children_system + warm_cli.reaped_cpu_seconds()
 
 
 class CpuByTier:

@@ -1,5 +1,5 @@
-"""The encoder server as a real process (`python -m h3_core serve`) on loopback, for tests that kill, restart,
-limit or measure it.
+"""The encoder server as a process of its own (`python -m h3_core serve`, forked warm by support/warm_cli.py) on
+loopback, for tests that kill, restart, limit or measure it.
 
 `ServerProcess` starts one and reads its URL from its "listening on" line; `spawn_serve` + `wait_healthy` start one
 on a given port for tests that only need it up (ComfyUI graphs); `server_env` is the environment they run in:
@@ -23,6 +23,8 @@ from h3_core.remote import protocol
 from h3_core.remote.client import packing
 from h3_core.testing import SERVER_THREADS, wait_until
 
+from . import warm_cli
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -39,10 +41,14 @@ class ServerProcess:
 
     def __init__(self, tiny_dir, port=0, args=(), env=None, preexec_fn=None):
         self.log = tempfile.NamedTemporaryFile(prefix="h3-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "h3_core", "serve", "--models", str(tiny_dir), "--port", str(port), *args],
-            cwd=REPO, env=env or server_env(), stdout=subprocess.PIPE, stderr=self.log, preexec_fn=preexec_fn,
-        )
+        command = ["serve", "--models", str(tiny_dir), "--port", str(port), *args]
+        if preexec_fn is None:  # forked warm (support/warm_cli.py): the same command without the imports
+            self.proc = warm_cli.popen(command, cwd=REPO, env=env or server_env(), stdout=subprocess.PIPE,
+                                       stderr=self.log)
+        else:  # limits set in the child before exec: a real interpreter
+            self.proc = subprocess.Popen([sys.executable, "-m", "h3_core", *command], cwd=REPO,
+                                         env=env or server_env(), stdout=subprocess.PIPE, stderr=self.log,
+                                         preexec_fn=preexec_fn)
         self.url = None
 
     def wait_listening(self, timeout=120.0) -> str:
@@ -91,8 +97,8 @@ def post_parts(url: str, body: dict, parts: list, timeout: float = 120) -> tuple
 
 def spawn_serve(models, port: int, log, env: dict | None = None) -> subprocess.Popen:
     """`serve --models DIR --port PORT` in its own session, output to `log` (an open file)."""
-    return subprocess.Popen([sys.executable, "-m", "h3_core", "serve", "--models", str(models), "--port", str(port)],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return warm_cli.popen(["serve", "--models", str(models), "--port", str(port)], cwd=REPO, stdout=log,
+                          stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def healthy(url: str) -> bool:
