@@ -62,6 +62,11 @@ def _child(request: dict, fds: list[int], server_fds: list[int]) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGPIPE stays ignored, as Python starts
         if request.get("new_session"):
             os.setsid()
+        try:  # what ps and top show: the children share the fork server's command line
+            with open("/proc/self/comm", "w") as comm:
+                comm.write(("h3 " + " ".join(request["args"][:1]))[:15])
+        except OSError:
+            pass
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in set(fds):
