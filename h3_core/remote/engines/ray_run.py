@@ -65,8 +65,18 @@ def start(settings: RaySettings, port: int, address: str | None = None, num_cpus
             os.environ["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
         if not address and num_cpus is None:  # room for every replica's threads, as the CLI's threads share cores
             num_cpus = max(os.cpu_count() or 1, settings.cpus_needed())
+        import signal
+        import threading
+
+        main_thread = threading.current_thread() is threading.main_thread()
+        kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
         ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,
                  log_to_driver=True)
+        # Ray's driver installs a C++ handler that aborts the process on SIGTERM (with a stack on stderr): keep the
+        # caller's, so a signal while the replicas deploy stops the command as it would once it serves.
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
     serve.start(http_options={"host": settings.host, "port": port})
     serve.run(application(settings), name=APP_NAME, route_prefix="/", blocking=False)
     shown = f"[{settings.host}]" if ":" in settings.host else settings.host
@@ -107,12 +117,22 @@ def main(args) -> int:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
             probe.bind((host, 0))
             port = probe.getsockname()[1]
+    stopping, starting = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        if starting.is_set() and stopping.is_set():  # a second signal while the replicas deploy: stop now
+            raise KeyboardInterrupt
+        stopping.set()
+
+    # Before Ray starts: a signal while the replicas deploy (a service manager, or `kill %1` as soon as /v1/health
+    # answers) stops the command once `start` returns, the way it stops a serving one.
+    starting.set()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     url = start(settings, port, getattr(args, "address", None))
+    starting.clear()
     print(f"h3 encoder listening on {url} (Ray Serve: {settings.autoscale or settings.replicas} encoder "
           f"replica(s))", flush=True)
-    stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
     log.info("shutting down: Ray finishes the replicas' requests (graceful_shutdown_timeout_s)")
     # A service manager may signal Ray's own processes too (the whole process group): never wait on a dead
