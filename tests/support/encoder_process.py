@@ -95,8 +95,8 @@ def post_parts(url: str, body: dict, parts: list, timeout: float = 120) -> tuple
     return reply.status, (json.loads(data) if reply.status != 200 else {})
 
 
-def spawn_serve(models, port: int, log, env: dict | None = None) -> subprocess.Popen:
-    """`serve --models DIR --port PORT` in its own session, output to `log` (an open file)."""
+def spawn_serve(models, port: int, log, env: dict | None = None) -> warm_cli.WarmProcess:
+    """`serve --models DIR --port PORT` in its own session, output to `log` (an open file); forked warm."""
     return warm_cli.popen(["serve", "--models", str(models), "--port", str(port)], cwd=REPO, stdout=log,
                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -110,7 +110,7 @@ def healthy(url: str) -> bool:
         return False
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+def wait_healthy(url: str, proc: "subprocess.Popen | warm_cli.WarmProcess", timeout: float = 300.0) -> None:
     """Wait until `url` answers /v1/health; fail at once if `proc` dies. Real time: a model load takes seconds
     idle, minutes at load average 8 on 2 cores."""
     def up() -> bool:
