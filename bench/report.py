@@ -254,13 +254,15 @@ def _why_wire(big: dict) -> str:
     return (
         f"the raw socket needs {1000 * raw:.0f} ms, the h3 path {1000 * h3:.0f} ms (no copy in user space on either "
         f"side; one copy of these bytes into a fresh buffer would cost {1000 * b['copy']:.0f} ms here). What the h3 "
-        f"path adds on top of moving the bytes: the server's to_wire {1000 * b['to_wire']:.1f} ms in-process (the "
-        f"header + one cold xxh3-128 pass over the tensors, before the first byte can go), the client's hashing of "
-        f"each piece as it lands (from_buffer alone, with its own pass: {1000 * b['from_buffer']:.1f} ms), the HTTP "
-        f"request and its hand-offs (event loop -> model thread -> event loop; ~2 ms of CPU for a 0.2 MB answer "
-        f"against 0.4 ms raw) and asyncio's paced 1 MiB writes instead of one blocking sendall.{cpu} What would "
-        f"close more of the gap: the checksum in a trailing 16-byte tensor, hashed piece by piece while sending (no "
-        f"cold pass before the first byte), and sending from a worker thread with blocking writes"
+        f"path adds on top of moving the bytes: the server's serialisation before its first byte ("
+        + (f"wire form 3, which the client asks for: {1000 * b['to_wire_3']:.2f} ms, the header only; each 1 MiB "
+           f"piece is hashed just before it is written and the digest follows the data; form 2 would first make a "
+           f"cold xxh3-128 pass, {1000 * b['to_wire']:.1f} ms" if "to_wire_3" in b else
+           f"to_wire {1000 * b['to_wire']:.1f} ms: the header + one cold xxh3-128 pass over the tensors")
+        + f"), the client's hashing of each piece as it lands (from_buffer alone, with its own pass: "
+        f"{1000 * b['from_buffer']:.1f} ms), the HTTP request and its hand-offs (event loop -> model thread -> event "
+        f"loop; ~2 ms of CPU for a 0.2 MB answer against 0.4 ms raw) and asyncio's paced 1 MiB writes instead of one "
+        f"blocking sendall.{cpu}"
     )
 
 
@@ -468,7 +470,7 @@ def _md_split(split, wire=None):
     big = (wire or {}).get("sizes", {}).get("70MB")
     if big:
         b = big["breakdown_s"]
-        ser = b["to_wire"] + b["from_buffer"]
+        ser = b["to_wire"] + b["from_buffer"]  # form 2 both ways: the most either side spends, file or wire
         L.append("")
         L.append(
             f"Projected to real contract sizes: to_wire + from_buffer of a 70 MB contract take {1000 * ser:.0f} ms "
@@ -570,12 +572,15 @@ def _md_wire(wire):
         "In-process cost of the pieces the h3 path adds (median ms; no sockets), and for scale one bare xxh3-128 "
         "pass and one copy into a fresh buffer:",
         "",
-        "| contract | to_wire (server) | from_buffer (client) | xxh3-128 pass | copy |",
-        "|---|---:|---:|---:|---:|",
+        "| contract | form 3 header (server, what answers the client) | to_wire, form 2 (header + checksum) | "
+        "from_buffer (client) | xxh3-128 pass | copy |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, s in wire["sizes"].items():
         b = s["breakdown_s"]
-        L.append(f"| {name} | {_ms(b['to_wire'])} | {_ms(b['from_buffer'])} | {_ms(b['xxh3'])} | {_ms(b['copy'])} |")
+        streamed = _ms(b["to_wire_3"]) if "to_wire_3" in b else "-"
+        L.append(f"| {name} | {streamed} | {_ms(b['to_wire'])} | {_ms(b['from_buffer'])} | {_ms(b['xxh3'])} | "
+                 f"{_ms(b['copy'])} |")
     return L
 
 
@@ -809,7 +814,8 @@ def plots(results: dict, out: Path) -> list[str]:
         a.set_xticks(list(x), names), a.set_ylabel("MB/s"), a.set_title("transfer throughput"), a.legend(fontsize=7)
         big = wire["sizes"][names[-1]]
         bd = big["breakdown_s"]
-        parts = [("raw transfer", big["raw_s"]["median"]), ("to_wire", bd["to_wire"]),
+        parts = [("raw transfer", big["raw_s"]["median"]),
+                 ("serialise", bd.get("to_wire_3", bd["to_wire"])),
                  ("from_buffer", bd["from_buffer"])]
         bottom = 0
         for label, v in parts:

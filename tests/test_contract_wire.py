@@ -131,8 +131,8 @@ def test_wrong_format():
 
 def test_unknown_version():
     data = make("fl2va").to_bytes()
-    err = _payload_error(_retamper(data, lambda h: h.update(version=3)), "unsupported version 3")
-    assert "reads versions 1, 2 (writes 2)" in str(err)
+    err = _payload_error(_retamper(data, lambda h: h.update(version=4)), "unsupported version 4")
+    assert "reads versions 1, 2, 3 (writes 2, and 3 on the wire for a client that asks)" in str(err)
 
 
 def test_extra_and_missing_tensors():
@@ -164,3 +164,54 @@ def test_validation_on_receipt():
     with pytest.raises(ContractError, match="^references: each entry"):
         H3Conditioning.from_bytes(_retamper(data, lambda h: h.update(task="ref2va", keyframe_anchors=[],
                                                                      references=["image"])))
+
+
+# --- form 3: the checksum after the data (answers to a client that asks) ----------------------------------------
+
+
+def test_form_3_round_trips_whole_and_as_it_arrives_and_converts_to_form_2():
+    from h3_core.contract import wire
+
+    cond = make("ref2va")
+    streamed = wire.encode(cond, wire.STREAM_VERSION)
+    data = streamed.tobytes()
+    assert streamed.version == 3 and streamed.checksum is None and len(streamed) == len(data)
+    assert b"".join(bytes(piece) for piece in streamed.pieces(1000)) == data  # hashed piece by piece as sent
+    assert data[-wire.TRAILER_BYTES:].hex() == wire.encode(cond, 3).tobytes()[-16:].hex()  # deterministic
+    assert hc.H3Conditioning.from_buffer(bytearray(data)) == cond
+    receiving = wire.Receiving.new(len(data))
+    for start in range(0, len(data), 777):  # pieces that cut the header, the tensors and the digest anywhere
+        end = min(start + 777, len(data))
+        receiving.buf[start:end] = memoryview(data)[start:end]
+        receiving.advance(end)
+    assert receiving.checked_plan() is not None
+    assert hc.H3Conditioning.from_buffer(receiving.buf, receiving) == cond
+    assert streamed.form(2).tobytes() == cond.to_bytes() and cond.to_wire().form(3).tobytes() == data
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    assert header["__metadata__"][hc.CHECKSUM_KEY] == "xxh3-128:trailing"
+    assert json.loads(header["__metadata__"][hc.HEADER_KEY])["version"] == 3
+
+
+def test_form_3_tampering_and_a_missing_digest_are_refused_by_name(tmp_path):
+    from h3_core.contract import ChecksumError, wire
+
+    cond = make("t2va")
+    data = wire.encode(cond, wire.STREAM_VERSION).tobytes()
+    for where in (-1, -wire.TRAILER_BYTES - 1, 40):  # the digest, the last data byte, the header's JSON
+        bad = bytearray(data)
+        bad[where] ^= 0x01
+        with pytest.raises(ContractError) as info:
+            hc.H3Conditioning.from_bytes(bytes(bad))
+        assert where == 40 or isinstance(info.value, ChecksumError)
+    _payload_error(data[:-wire.TRAILER_BYTES], "truncated: tensors need")
+    # each form's checksum where the other keeps it: refused as a corrupted header, not retried as a bad digest
+    form2 = cond.to_bytes()
+    _payload_error(_retamper(form2, lambda h: h.update(version=3)), "form 3's 'minimax_h3_checksum' must be")
+    marked = st.save(st.load(form2), metadata={hc.HEADER_KEY: _st_metadata(form2)[hc.HEADER_KEY],
+                                               hc.CHECKSUM_KEY: wire.TRAILING_CHECKSUM})
+    _payload_error(marked, "'minimax_h3_checksum' must be an xxh3-128 checksum")
+    path = tmp_path / "answer.safetensors"
+    path.write_bytes(data)  # an answer's body saved as it came: files hold form 2
+    with pytest.raises(ContractError, match="is in wire form 3 .* a conditioning file is form 2"):
+        hc.H3Conditioning.load(path)
+

@@ -221,6 +221,30 @@ def test_a_corrupted_answer_is_retried_then_refused(hostile):
     assert len(calls) == 2  # a flipped bit in transit is worth one more try; the answer is deterministic
 
 
+def test_a_form_3_answer_round_trips_and_a_wrong_trailing_checksum_is_retried_then_refused(hostile):
+    """Form 3 (the checksum after the data, what the client asks for): read like form 2, its trailing digest checked
+    against the pass made as the pieces arrived; a flipped bit in the digest is a corrupted answer like one in the
+    data, and an answer cut before its digest is refused by name."""
+    from support.contract_cases import make
+
+    from h3_core.contract import wire
+
+    body = wire.encode(make("t2va"), wire.STREAM_VERSION).tobytes()
+    assert EncoderClient(hostile(encode=_answering(body)).url, retries=0, read_timeout=10).encode(REQUEST) \
+        == make("t2va")
+    for where in (-1, -wire.TRAILER_BYTES - 3):  # the digest, the data
+        bad = bytearray(body)
+        bad[where] ^= 0x10
+        calls = []
+        server = hostile(encode=_answering(bytes(bad), counter=calls))
+        with pytest.raises(RemoteEncodeError, match="corrupted \\(checksum mismatch\\)"):
+            EncoderClient(server.url, retries=1, backoff_s=0.01, read_timeout=10).encode(REQUEST)
+        assert len(calls) == 2
+    server = hostile(encode=_answering(body[:-wire.TRAILER_BYTES]))
+    with pytest.raises(RemoteEncodeError, match="payload: truncated: tensors need"):
+        EncoderClient(server.url, retries=0, read_timeout=10).encode(REQUEST)
+
+
 def test_a_short_answer_is_refused(hostile):
     from support.contract_cases import make
 

@@ -210,9 +210,9 @@ def test_bench_clients_reach_the_server_as_distinct_clients(stage):
         seen = []
         submit = server.service.submit
 
-        def recording(key, spec, parts, client=""):
+        def recording(key, spec, parts, client="", **options):
             seen.append(client)
-            return submit(key, spec, parts, client=client)
+            return submit(key, spec, parts, client=client, **options)
 
         server.call(lambda: setattr(server.service, "submit", recording))
         result = fairness.many(server.url, "fair", 3, 2, [0])

@@ -94,6 +94,37 @@ def test_cache_answers_repeats_without_recomputing(stage, server):
           f"(client round trip incl. PNG/JSON packing and safetensors parsing)")
 
 
+def test_form_3_when_asked_form_2_otherwise_computed_or_cached_in_either_order(stage, server, monkeypatch):
+    """The client asks for wire form 3 (X-H3-Accept-Format) and gets it: the checksum after the data, hashed as it
+    is sent, so no X-H3-Checksum header. Any other request gets form 2, byte for byte `to_bytes()`. Each answer
+    names its form in X-H3-Format, and both read back as the local conditioning, computed or from the cache."""
+    from h3_core.contract import H3Conditioning
+    from h3_core.contract import wire as wire_form
+
+    forms = []
+    reply = handler_module.conditioning_reply
+    monkeypatch.setattr(handler_module, "conditioning_reply",
+                        lambda *args, **kwargs: forms.append(args[6]) or reply(*args, **kwargs))
+    client_request = EncodeRequest(prompt="Form 3 for the client: a kingfisher dives.", width=64, height=64)
+    assert EncoderClient(server.url).encode(client_request) == stage.encode(client_request)
+    assert forms == [True]
+    for prompt, order in (("Asked in form 3 first: a heron.", (3, 2, 3, 2)), ("Form 2 first: an egret.", (2, 3, 2))):
+        request = EncodeRequest(prompt=prompt, width=64, height=64)
+        local = stage.encode(request)
+        content_type, body = wire(request)
+        for version in order:  # a miss in the first form, then hits in both (converted once, then kept)
+            headers = {"Content-Type": content_type}
+            if version == 3:
+                headers[protocol.H_ACCEPT_FORMAT] = f"application/json, {protocol.STREAMED_FORMAT}"
+            status, answer, data = raw(server.url, "POST", protocol.ENCODE_PATH, body, headers)
+            assert status == 200 and answer[protocol.H_FORMAT] == f"minimax-h3-conditioning/{version}"
+            assert data == wire_form.encode(local, version).tobytes()
+            assert (protocol.H_CHECKSUM in answer) == (version == 2)
+            if version == 2:
+                assert data == local.to_bytes() and answer[protocol.H_CHECKSUM] == local.to_wire().checksum
+            assert H3Conditioning.from_bytes(data) == local
+
+
 def test_capabilities_and_health(server, stage):
     client = EncoderClient(server.url)
     caps = client.capabilities()

@@ -100,6 +100,10 @@ def load(cls, path: str | os.PathLike, *, mmap: bool | None = None):
         except st.HeaderError as error:
             raise _bad(str(error)) from None
         checked = wire.plan(parsed, info.st_size - parsed.data_start)
+        if checked.trailing:
+            raise _bad(f"{shown} is in wire form {wire.STREAM_VERSION} (an answer's streamed form, its checksum after "
+                       f"the data); a conditioning file is form {wire.WIRE_VERSION}: write it with "
+                       "H3Conditioning.save")
         buf = _read_data(f, checked.data_len, shown)
     wire.verify(checked, memoryview(buf))
     return wire.build(cls, checked, buf, 0)

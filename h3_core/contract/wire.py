@@ -13,6 +13,11 @@ built), that the tensors tile the data exactly (so no offset points outside the 
 Then the constructor validates the contract itself. Parsing the safetensors header is
 `h3_core.safetensors_header`'s job; files (`save`, `load`) are `contract.files`'.
 
+Form 3 (`STREAM_VERSION`) exists on the wire only, for a client that asks for it: the same bytes, but
+`CHECKSUM_KEY` says `TRAILING_CHECKSUM` and the same xxh3-128 digest follows the data (`TRAILER_BYTES`), so a sender
+hashes each piece as it sends it (`Encoded.pieces`) instead of reading the whole data once before its first byte
+can leave (on 2 cores that pass was most of what the wire cost over a raw socket: bench/wire.py).
+
 Version 1 (a sha256 per tensor in the contract header, no checksum key) is still read. No error message
 repeats bytes from the payload: sizes and counts are stated as numbers, names are escaped and cut short.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,16 +41,22 @@ from .errors import ChecksumError, ContractError, is_int, preview
 
 FORMAT_ID = "minimax-h3-conditioning"
 FORMAT_VERSION = 1  # the contract's fields, shared by every outside form (the ComfyUI and vLLM pack keys too)
-WIRE_VERSION = 2  # this safetensors form; 1 carried a sha256 per tensor instead of one checksum
-READ_VERSIONS = (1, 2)
+WIRE_VERSION = 2  # this safetensors form (files, and answers by default); 1 carried a sha256 per tensor
+# Form 3, on the wire only, for a client that asks (docs/PROTOCOL.md): form 2's bytes, but the checksum's 16 bytes
+# follow the data (`TRAILER_BYTES`) and the header says so (`TRAILING_CHECKSUM`), so the sender hashes each piece as
+# it sends it instead of making a whole pass over the data before the first byte can leave.
+STREAM_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 HEADER_KEY = "minimax_h3_conditioning"  # the contract header inside the safetensors `__metadata__`
 CHECKSUM_KEY = "minimax_h3_checksum"  # "xxh3-128:<32 hex digits>" (version 2)
 CHECKSUM_ALGORITHM = "xxh3-128"
+TRAILING_CHECKSUM = f"{CHECKSUM_ALGORITHM}:trailing"  # form 3's CHECKSUM_KEY value: the digest follows the data
+TRAILER_BYTES = 16  # form 3: the xxh3-128 digest (big-endian, as `hexdigest` writes it) after the last tensor
 _BASE_FIELDS = frozenset({
     "format", "version", "task", "height", "width", "num_frames", "keyframe_anchors", "references", "metadata",
     "num_condition_latents", "num_audio_condition_latents", "tensor_count",
 })
-HEADER_FIELDS = {1: _BASE_FIELDS | {"sha256"}, 2: _BASE_FIELDS}
+HEADER_FIELDS = {1: _BASE_FIELDS | {"sha256"}, 2: _BASE_FIELDS, 3: _BASE_FIELDS}
 # Fields a header carries only when they are not empty, so a conditioning without them keeps its bytes (and its
 # fingerprint) and a reader of an older build refuses one that has them by name ("unknown fields ['guides']").
 OPTIONAL_FIELDS = frozenset({"guides"})
@@ -151,20 +162,55 @@ def _canonical(obj: Any) -> str:
 
 class Encoded:
     """A conditioning's wire form, not joined: `head` (length prefix + JSON header), then `views` (each tensor's
-    storage, in data order). `checksum` is the one in the header; `len()` is the total byte count. The views keep
-    the tensors alive and share their memory: nothing may write to those tensors while this is being sent."""
+    storage, in data order), then in form 3 the checksum's `TRAILER_BYTES`. `checksum` is the one in the header
+    (form 2), or None in form 3, whose digest is made while `pieces` hands the data out. `len()` is the total byte
+    count. The views keep the tensors alive and share their memory: nothing may write to those tensors while this is
+    being sent."""
 
-    __slots__ = ("head", "views", "checksum", "nbytes")
+    __slots__ = ("head", "views", "checksum", "nbytes", "_prefix", "_cond", "_forms")
 
-    def __init__(self, head: bytes, views: tuple[memoryview, ...], checksum: str):
-        self.head, self.views, self.checksum = head, views, checksum
-        self.nbytes = len(head) + sum(view.nbytes for view in views)
+    def __init__(self, head: bytes, views: tuple[memoryview, ...], checksum: str | None,
+                 prefix: bytes | None = None, cond: Any = None):
+        # `prefix` (form 3 only): what the trailing digest covers before the data (`_seal_prefix`)
+        self.head, self.views, self.checksum, self._prefix, self._cond = head, views, checksum, prefix, cond
+        self.nbytes = len(head) + sum(view.nbytes for view in views) + (TRAILER_BYTES if prefix is not None else 0)
+        self._forms: dict[int, Encoded] = {}
+
+    @property
+    def version(self) -> int:
+        return STREAM_VERSION if self._prefix is not None else WIRE_VERSION
 
     def __len__(self) -> int:
         return self.nbytes
 
+    def form(self, version: int) -> Encoded:
+        """The same conditioning in wire form `version` (2 or 3): itself, or made once and kept. Form 2 from form 3
+        costs the checksum pass; form 3 from form 2 only a header."""
+        if version == self.version:
+            return self
+        if version not in self._forms:
+            self._forms[version] = encode(self._cond, version)
+        return self._forms[version]
+
+    def pieces(self, size: int) -> Iterator[bytes | memoryview]:
+        """The bytes in order, the tensors cut into pieces of at most `size` bytes (views: nothing is copied). In
+        form 3 each piece is hashed just before it is handed out, so the sender's copy of it reads it from the
+        CPU's cache, and the digest comes last."""
+        hasher = xxhash.xxh3_128(self._prefix) if self._prefix is not None else None
+        yield self.head
+        for view in self.views:
+            for offset in range(0, view.nbytes, size):
+                piece = view[offset:offset + size]
+                if hasher is not None:
+                    hasher.update(piece)
+                yield piece
+        if hasher is not None:
+            yield hasher.digest()
+
     def buffers(self) -> list[bytes | memoryview]:
-        return [self.head, *self.views]
+        if self._prefix is None:
+            return [self.head, *self.views]
+        return [self.head, *self.views, _digest(self._prefix, list(self.views))]
 
     def tobytes(self) -> bytes:
         """The joined bytes (one copy): for callers that need a single `bytes`."""
@@ -196,10 +242,10 @@ def identity_fields(cond) -> dict[str, Any]:
     }
 
 
-def _header(cond, count: int) -> dict[str, Any]:
+def _header(cond, count: int, version: int = WIRE_VERSION) -> dict[str, Any]:
     return {
         **identity_fields(cond),
-        "version": WIRE_VERSION,
+        "version": version,
         "keyframe_anchors": list(cond.keyframe_anchors),
         "references": [{"kind": r.kind, "has_audio": r.has_audio} for r in cond.references],
         "metadata": dict(cond.metadata),
@@ -217,16 +263,24 @@ def _seal_prefix(contract_header: str, entries: list[st.TensorEntry]) -> bytes:
     return _canonical([contract_header, table]).encode("ascii")
 
 
-def _seal(prefix: bytes, data: list[memoryview] | memoryview) -> str:
+def _digest(prefix: bytes, data: list[memoryview] | memoryview) -> bytes:
     hasher = xxhash.xxh3_128(prefix)
     for view in data if isinstance(data, list) else [data]:
         hasher.update(view)
-    return f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}"
+    return hasher.digest()
 
 
-def encode(cond) -> Encoded:
+def _seal(prefix: bytes, data: list[memoryview] | memoryview) -> str:
+    return f"{CHECKSUM_ALGORITHM}:{_digest(prefix, data).hex()}"
+
+
+def encode(cond, version: int = WIRE_VERSION) -> Encoded:
     """The wire form of `cond`: header bytes plus the tensors' storages as they are (no copy). Deterministic for
-    equal contents (canonical JSON, fixed order). Costs one checksum pass over the data."""
+    equal contents (canonical JSON, fixed order). Form 2 (files, and answers by default) costs one checksum pass over
+    the data here; form 3 (`STREAM_VERSION`, answers to a client that asks) none: its digest is made as it is sent
+    (`Encoded.pieces`)."""
+    if version not in (WIRE_VERSION, STREAM_VERSION):
+        raise ValueError(f"writes wire forms {WIRE_VERSION} and {STREAM_VERSION}, not {version!r}")
     tensors = _wire_tensors(cond)
     # Widest dtypes first (stable: the contract's field order within a width), so every tensor starts aligned.
     order = sorted(tensors, key=lambda name: -tensors[name].element_size())
@@ -238,13 +292,15 @@ def encode(cond) -> Encoded:
                                       offset + view.nbytes))
         views.append(view)
         offset += view.nbytes
-    contract_header = _canonical(_header(cond, len(tensors)))
-    checksum = _seal(_seal_prefix(contract_header, entries), views)
+    contract_header = _canonical(_header(cond, len(tensors), version))
+    prefix = _seal_prefix(contract_header, entries)
+    checksum = _seal(prefix, views) if version == WIRE_VERSION else None
     table = {e.name: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]} for e in entries}
-    text = json.dumps({"__metadata__": {HEADER_KEY: contract_header, CHECKSUM_KEY: checksum}, **table},
-                      separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    text = json.dumps({"__metadata__": {HEADER_KEY: contract_header, CHECKSUM_KEY: checksum or TRAILING_CHECKSUM},
+                       **table}, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     text += b" " * (-(8 + len(text)) % _ALIGN)
-    return Encoded(len(text).to_bytes(8, "little") + text, tuple(v for v in views if v.nbytes), checksum)
+    return Encoded(len(text).to_bytes(8, "little") + text, tuple(v for v in views if v.nbytes), checksum,
+                   None if checksum else prefix, cond)
 
 
 def to_bytes(cond) -> bytes:
@@ -273,8 +329,17 @@ class Plan:
     n_cond: int
     n_audio: int
     data_len: int
-    seal_prefix: bytes | None  # version 2: what the checksum covers before the data
-    checksum: str | None
+    seal_prefix: bytes | None  # versions 2 and 3: what the checksum covers before the data
+    checksum: str | None  # the header's CHECKSUM_KEY value (None: version 1)
+    trailing: bool = False  # version 3: the digest is the TRAILER_BYTES after the data
+
+    def expected_checksum(self, buf, data_start: int) -> str | None:
+        """The checksum the payload states: its header's, or in form 3 the digest after the data (in `buf`, whose
+        data section starts at `data_start`)."""
+        if not self.trailing:
+            return self.checksum
+        end = data_start + self.data_len
+        return f"{CHECKSUM_ALGORITHM}:{bytes(memoryview(buf)[end:end + TRAILER_BYTES]).hex()}"
 
 
 def _contract_header(parsed: st.ParsedHeader) -> tuple[str, dict[str, Any]]:
@@ -292,7 +357,8 @@ def _contract_header(parsed: st.ParsedHeader) -> tuple[str, dict[str, Any]]:
     version = header.get("version")
     if not is_int(version) or version not in READ_VERSIONS:
         raise _bad(f"unsupported version {version!r:.40} of {FORMAT_ID!r}; this build reads versions "
-                   f"{', '.join(map(str, READ_VERSIONS))} (writes {WIRE_VERSION})")
+                   f"{', '.join(map(str, READ_VERSIONS))} (writes {WIRE_VERSION}, and {STREAM_VERSION} on the wire "
+                   "for a client that asks)")
     missing, extra = HEADER_FIELDS[version] - set(header), set(header) - HEADER_FIELDS[version] - OPTIONAL_FIELDS
     if missing or extra:
         raise _bad(f"corrupted header: missing fields {preview(missing)}, unknown fields {preview(extra)}")
@@ -337,9 +403,18 @@ def _prompt_rows_bound(header: dict[str, Any]) -> int | None:
     return max_prompt_rows([r["kind"] for r in refs], len(anchors), frames)
 
 
-def plan(parsed: st.ParsedHeader, data_len: int) -> Plan:
-    """Every check that needs only the header and the data length, run before any data is read or viewed."""
+def plan(parsed: st.ParsedHeader, payload_len: int) -> Plan:
+    """Every check that needs only the header and the length of what follows it (`payload_len`: the data, and in
+    form 3 the digest after it), run before any data is read or viewed."""
     contract_header, header = _contract_header(parsed)
+    trailing = header["version"] == STREAM_VERSION
+    if trailing and parsed.metadata.get(CHECKSUM_KEY) != TRAILING_CHECKSUM:
+        raise _bad(f"corrupted header: form {STREAM_VERSION}'s {CHECKSUM_KEY!r} must be {TRAILING_CHECKSUM!r} (its "
+                   "checksum follows the data)")
+    data_len = payload_len - TRAILER_BYTES if trailing else payload_len
+    if data_len < 0:
+        raise _bad(f"truncated: form {STREAM_VERSION} ends with its {TRAILER_BYTES}-byte checksum, the payload holds "
+                   f"{payload_len} bytes after its header")
     expected = _checked_counts(header)
     present = set(parsed.tensors)
     if present != set(expected):
@@ -379,14 +454,18 @@ def plan(parsed: st.ParsedHeader, data_len: int) -> Plan:
         return Plan(header, entries, header["num_condition_latents"], header["num_audio_condition_latents"],
                     data_len, None, None)
     checksum = parsed.metadata.get(CHECKSUM_KEY)
-    if not isinstance(checksum, str) or not checksum.startswith(f"{CHECKSUM_ALGORITHM}:") or len(checksum) > 64:
+    if not isinstance(checksum, str) or not checksum.startswith(f"{CHECKSUM_ALGORITHM}:") or len(checksum) > 64 \
+            or not trailing and checksum == TRAILING_CHECKSUM:
         raise _bad(f"corrupted header: {CHECKSUM_KEY!r} must be an {CHECKSUM_ALGORITHM} checksum")
     return Plan(header, entries, header["num_condition_latents"], header["num_audio_condition_latents"], data_len,
-                _seal_prefix(contract_header, in_order), checksum)
+                _seal_prefix(contract_header, in_order), checksum, trailing)
 
 
 def verify(plan_: Plan, data: memoryview) -> None:
-    """One pass over `data` (the data section, `plan_.data_len` bytes): the checksum, else `ChecksumError`."""
+    """One pass over `data` (the data section, `plan_.data_len` bytes): the checksum, else `ChecksumError`. Forms 1
+    and 2 (a file's; form 3's digest lies outside the data section: `from_buffer` checks it)."""
+    if plan_.trailing:
+        raise _bad(f"form {STREAM_VERSION} is checked as a whole payload (from_buffer), not a data section")
     if plan_.checksum is not None:
         if _seal(plan_.seal_prefix, data) != plan_.checksum:
             raise ChecksumError(f"payload: corrupted: {CHECKSUM_ALGORITHM} checksum mismatch (the header, the "
@@ -455,11 +534,12 @@ class _Scan:
     checksum, for the first tensor in the contract's order, exactly as `check_finite` would. With `finite=False` it
     only hashes (`Receiving`: see there), and `build` tests each float tensor once after."""
 
-    __slots__ = ("hasher", "done", "finite", "nonfinite", "_floats", "_next", "_cursor", "_scratch")
+    __slots__ = ("hasher", "done", "stop", "finite", "nonfinite", "_floats", "_next", "_cursor", "_scratch")
 
     def __init__(self, plan_: Plan, data_start: int, finite: bool = True):
         self.hasher = xxhash.xxh3_128(plan_.seal_prefix)
         self.done = data_start  # bytes [data_start, done) of the buffer are hashed
+        self.stop = data_start + plan_.data_len  # the end of the data (form 3's digest follows it, unhashed)
         self.finite: set[str] = set()  # tensors every element of which was tested finite
         self.nonfinite: dict[str, int] = {}  # tensor -> its first non-finite element
         floats = sorted((e for e in plan_.entries.values() if finite and e.end > e.begin
@@ -471,6 +551,7 @@ class _Scan:
         self._scratch: dict[type, np.ndarray] = {}
 
     def update(self, view: memoryview, end: int) -> None:
+        end = min(end, self.stop)
         if end <= self.done:
             return
         self.hasher.update(view[self.done:end])
@@ -576,10 +657,12 @@ class Receiving:
         self.plan: Plan | None = None
         self.data_start = 0
         self._scan: _Scan | None = None
+        self._received = 0  # bytes [0, _received) of `buf` are in place
         self._stopped = False
         self.refusal: Exception | None = None  # a defect of the header: no later byte can make the payload valid
 
     def advance(self, end: int) -> None:
+        self._received = max(self._received, end)
         if self._stopped:
             return
         try:
@@ -606,9 +689,10 @@ class Receiving:
     def checked_plan(self) -> Plan | None:
         """The plan, once every data byte has been hashed and the checksum matched (`ChecksumError` if it did not);
         None if this pass did not cover the payload."""
-        if self._stopped or self._scan is None or self._scan.done != len(self.buf):
+        if self._stopped or self._scan is None or self._received != len(self.buf) \
+                or self._scan.done != self._scan.stop:
             return None
-        if self._scan.checksum() != self.plan.checksum:
+        if self._scan.checksum() != self.plan.expected_checksum(self.buf, self.data_start):
             raise ChecksumError(f"payload: corrupted: {CHECKSUM_ALGORITHM} checksum mismatch (the header, the "
                                 "tensor table or the data changed after it was written)", field="payload")
         return self.plan
@@ -636,7 +720,7 @@ def from_buffer(cls, buf: bytearray | np.ndarray, receiving: Receiving | None = 
     scan, view = _Scan(checked, parsed.data_start), memoryview(buf)
     for end in range(parsed.data_start + _SCAN_PIECE, len(buf) + _SCAN_PIECE, _SCAN_PIECE):
         scan.update(view, min(end, len(buf)))  # checksum and finiteness, piece by piece while it is in cache
-    if scan.checksum() != checked.checksum:
+    if scan.checksum() != checked.expected_checksum(buf, parsed.data_start):
         raise ChecksumError(f"payload: corrupted: {CHECKSUM_ALGORITHM} checksum mismatch (the header, the tensor "
                             "table or the data changed after it was written)", field="payload")
     return build(cls, checked, buf, parsed.data_start, scan)

@@ -8,7 +8,8 @@ Wire (docs/PROTOCOL.md has the full text):
                            200 -> the conditioning contract as safetensors bytes      (auth)
 
 Version 2 answers carry the contract's wire form 2 (`h3_core.contract.wire`: one xxh3-128 checksum inside the
-body instead of a sha256 per tensor and an X-H3-Sha256 header); the request side is version 1's, grown only by
+body instead of a sha256 per tensor and an X-H3-Sha256 header), or form 3 (the same digest after the data, hashed as
+it is sent) to a request whose `X-H3-Accept-Format` lists it; the request side is version 1's, grown only by
 optional fields a server announces in its capabilities' "features" (`FEATURES`: "guides"), so a request without
 them is byte for byte what it was.
 
@@ -29,10 +30,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import facts, guides, media, rules
+from ..contract.wire import FORMAT_ID, STREAM_VERSION
 
 __all__ = ["PROTOCOL_NAME", "PROTOCOL_VERSION", "FEATURES", "FEATURE_GUIDES", "HEALTH_PATH", "CAPABILITIES_PATH",
-           "ENCODE_PATH", "DEFAULT_TOKEN_ENV", "CONDITIONING_CONTENT_TYPE", "Limits", "ProtocolError", "is_loopback",
-           "error_body", "error_from_exception", "bad", "invalid", "too_large"]
+           "ENCODE_PATH", "DEFAULT_TOKEN_ENV", "CONDITIONING_CONTENT_TYPE", "H_ACCEPT_FORMAT", "STREAMED_FORMAT",
+           "Limits", "ProtocolError", "is_loopback", "wants_streamed", "error_body", "error_from_exception", "bad",
+           "invalid", "too_large"]
 
 
 PROTOCOL_NAME = "h3-encoder"
@@ -62,6 +65,12 @@ H_CACHE = "X-H3-Cache"
 H_CACHE_COMPONENTS = "X-H3-Cache-Components"  # computed answers: each encoder part's tier or miss
 H_CHECKSUM = "X-H3-Checksum"  # the body's own checksum, repeated for logs and proxies
 H_FORMAT = "X-H3-Format"
+# Request header: the conditioning forms the client reads beyond form 2, e.g. "minimax-h3-conditioning/3" (a comma
+# list). Form 3 carries its checksum after the data, so the server hashes the answer as it sends it (no pass over
+# the data before the first byte leaves). A server that does not know the header answers form 2, which every
+# client reads; so does the Ray engine.
+H_ACCEPT_FORMAT = "X-H3-Accept-Format"
+STREAMED_FORMAT = f"{FORMAT_ID}/{STREAM_VERSION}"
 H_REQUEST_ID = "X-Request-Id"
 H_QUEUE_S = "X-H3-Queue-Seconds"
 H_ENCODE_S = "X-H3-Encode-Seconds"
@@ -194,6 +203,11 @@ def error_from_exception(error: BaseException) -> ProtocolError | None:
     if StageError and isinstance(error, StageError):
         return ProtocolError(422, "component_not_loaded", str(error))
     return None
+
+
+def wants_streamed(accept: str | None) -> bool:
+    """Whether an `X-H3-Accept-Format` value lists the streamed form (`STREAMED_FORMAT`)."""
+    return bool(accept) and STREAMED_FORMAT in (item.strip() for item in accept[:256].split(","))
 
 
 def is_loopback(host: str) -> bool:

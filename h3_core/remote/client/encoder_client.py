@@ -370,7 +370,8 @@ class EncoderClient:
         fields = dict(body_json, model=self._pinned, deadline_s=round(server_deadline, 3))
         # The JSON part changes per attempt (deadline, model): only that buffer is rebuilt.
         payload = [buffers[0], packing.json_part(fields), *buffers[2:]]
-        headers = {**self._headers(), "Content-Type": content_type}
+        # Form 3 (the checksum after the data: the server hashes as it sends); servers that predate it answer form 2
+        headers = {**self._headers(), "Content-Type": content_type, protocol.H_ACCEPT_FORMAT: protocol.STREAMED_FORMAT}
         poller = self._poller(endpoint, caps, report, on_event, cancel, deadline)
         if poller is not None:
             headers[tracking.HEADER] = poller.progress_id

@@ -237,7 +237,9 @@ class RayHandler(Handler):
         return caps
 
     async def compute(self, key, spec, raw, parts, deadline, seconds, rid, gone=lambda: False, tracker=None,
-                      client: str = "") -> Reply:
+                      client: str = "", streamed: bool = False) -> Reply:
+        # `streamed` is not honoured: the replicas hand the ingress form-2 bytes (Ray moves bytes, not views), and
+        # every client reads form 2
         service = self.service
         flight = self.flights.get(key)
         joined = flight is not None

@@ -2,7 +2,8 @@
 
 The header and each tensor's storage go to the socket one after the other, in 1 MiB pieces with a drain after
 each, so the event loop's transport only ever holds the rest of one piece. A plain `bytes` body would be copied
-whole into the transport's buffer on Python < 3.12 (or joined first), and the wire form is never joined.
+whole into the transport's buffer on Python < 3.12 (or joined first), and the wire form is never joined. In form 3
+(`Encoded.pieces`) each piece is hashed just before it is written and the digest goes last.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class EncodedPayload(payload.Payload):
     def __init__(self, encoded, content_type: str = "application/octet-stream"):
         super().__init__(encoded, content_type=content_type)
         self._size = len(encoded)
-        self._buffers = [memoryview(buffer).cast("B") for buffer in encoded.buffers()]
+        self._encoded = encoded
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         raise TypeError("a conditioning body is binary")
@@ -30,10 +31,9 @@ class EncodedPayload(payload.Payload):
 
     async def write_with_length(self, writer, content_length: int | None) -> None:
         left = self._size if content_length is None else min(content_length, self._size)
-        for buffer in self._buffers:
-            for offset in range(0, buffer.nbytes, PIECE_BYTES):
-                if left <= 0:
-                    return
-                piece = buffer[offset:offset + min(PIECE_BYTES, left)]
-                await writer.write(piece)
-                left -= piece.nbytes
+        for piece in self._encoded.pieces(PIECE_BYTES):
+            if left <= 0:
+                return
+            piece = memoryview(piece).cast("B")[:left]
+            await writer.write(piece)
+            left -= piece.nbytes

@@ -4,18 +4,21 @@ the encoder's per-component results in two tiers (memory, and an optional direct
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 
 class ConditioningCache:
-    """LRU of conditioning bytes by content address, bounded in bytes and entries. Event-loop thread only."""
+    """LRU of answers by content address, bounded in bytes and entries: a conditioning's wire form (`Encoded`, or
+    form-2 bytes on the Ray ingress) and its checksum (None for form 3, hashed as it is sent). Event-loop thread
+    only."""
 
     def __init__(self, max_bytes: int, max_entries: int):
         self.max_bytes, self.max_entries = max_bytes, max_entries
-        self._items: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[str, tuple[Any, str | None]] = collections.OrderedDict()
         self.bytes = 0
         self.hits = self.misses = 0
 
-    def get(self, key: str) -> tuple[bytes, str] | None:
+    def get(self, key: str) -> tuple[Any, str | None] | None:
         item = self._items.get(key)
         if item is None:
             self.misses += 1
@@ -24,7 +27,7 @@ class ConditioningCache:
         self.hits += 1
         return item
 
-    def put(self, key: str, data: bytes, digest: str) -> None:
+    def put(self, key: str, data: Any, digest: str | None) -> None:
         if self.max_bytes <= 0 or len(data) > self.max_bytes:
             return
         old = self._items.pop(key, None)

@@ -122,22 +122,30 @@ def capabilities(service: EncoderService) -> dict[str, Any]:
     }
 
 
-def conditioning_reply(item: tuple[Any, str], service: EncoderService, rid: str, cache: str, queue_s: float,
-                       encode_s: float) -> Reply:
-    """`item`: (the wire form - `Encoded`, or its bytes on the Ray ingress -, its xxh3 checksum)."""
+def conditioning_reply(item: tuple[Any, str | None], service: EncoderService, rid: str, cache: str, queue_s: float,
+                       encode_s: float, streamed: bool = False) -> Reply:
+    """`item`: (the wire form - `Encoded`, or its form-2 bytes on the Ray ingress -, its xxh3 checksum if form 2).
+    `streamed`: the client reads form 3 (`protocol.wants_streamed`); an `Encoded` is answered in that form, bytes
+    always in form 2. Form 3's checksum is made as it is sent, so its answer has no `X-H3-Checksum` header."""
     data, checksum = item
-    from ...contract import FORMAT_ID, WIRE_VERSION
+    from ...contract import FORMAT_ID, WIRE_VERSION, wire
 
-    return Reply(200, {
+    version = WIRE_VERSION
+    if isinstance(data, wire.Encoded):
+        data = data.form(wire.STREAM_VERSION if streamed else WIRE_VERSION)
+        version, checksum = data.version, data.checksum
+    headers = {
         protocol.H_PROTOCOL: str(protocol.PROTOCOL_VERSION),
         protocol.H_MODEL: service.fingerprint,
         protocol.H_CACHE: cache,
-        protocol.H_CHECKSUM: checksum,
-        protocol.H_FORMAT: f"{FORMAT_ID}/{WIRE_VERSION}",
+        protocol.H_FORMAT: f"{FORMAT_ID}/{version}",
         protocol.H_REQUEST_ID: rid,
         protocol.H_QUEUE_S: f"{queue_s:.4f}",
         protocol.H_ENCODE_S: f"{encode_s:.4f}",
-    }, data, protocol.CONDITIONING_CONTENT_TYPE)
+    }
+    if checksum is not None:
+        headers[protocol.H_CHECKSUM] = checksum
+    return Reply(200, headers, data, protocol.CONDITIONING_CONTENT_TYPE)
 
 
 class Handler:
@@ -330,6 +338,7 @@ class Handler:
                 return error_reply(409, "model_mismatch", f"the request expects model {spec.model!r}; this server "
                                                           f"has {service.fingerprint!r}", "model", rid)
             digests = {name: part.sha256 for name, part in parts.items()}
+            streamed = protocol.wants_streamed(incoming.headers.get(protocol.H_ACCEPT_FORMAT))
             key = request_schema.cache_key(spec, digests, service.fingerprint)
             hit = service.cache.get(key)
             if hit is not None:
@@ -337,10 +346,10 @@ class Handler:
                 if tracker is not None:
                     tracker.cache = "hit"
                     tracker.own.enter("sending")
-                return conditioning_reply(hit, service, rid, "hit", 0.0, 0.0)
+                return conditioning_reply(hit, service, rid, "hit", 0.0, 0.0, streamed)
             seconds = spec.deadline_s or service.config.default_deadline_s
             reply = await self.compute(key, spec, raw, parts, received + seconds, seconds, rid, incoming.gone,
-                                       tracker, client=client)
+                                       tracker, client=client, streamed=streamed)
             if reply.status == 200 and reply.cache_state() == "miss":  # one count per computed answer, any engine
                 service.metrics.observe_components(reply.headers.get(protocol.H_CACHE_COMPONENTS))
             if tracker is not None and reply.status == 200:
@@ -349,16 +358,16 @@ class Handler:
 
     async def compute(self, key: str, spec: request_schema.RequestSpec, raw: bytes, parts: dict[str, Part],
                       deadline: float, seconds: float, rid: str, gone: Callable[[], bool] = lambda: False,
-                      tracker: tracking.Tracker | None = None, client: str = "") -> Reply:
+                      tracker: tracking.Tracker | None = None, client: str = "", streamed: bool = False) -> Reply:
         """The conditioning for a cache miss, from this process's queue and model thread, as a `Reply`.
 
         `deadline` is an instant on `service.clock` (clock.py); `seconds` the deadline the request asked for (for
         messages); `client` the client key (`EncoderService.client_key`: whose turn in the fair queue; the Ray
-        ingress forwards it to the replica).
+        ingress forwards it to the replica); `streamed`: answer in wire form 3 (`conditioning_reply`).
         """
         service = self.service
         try:
-            job, joined = service.submit(key, spec, parts, client=client)
+            job, joined = service.submit(key, spec, parts, client=client, seal=not streamed)
         except QueueFull as full:
             return error_reply(429, "queue_full", f"the encoder queue is full ({service.config.queue_size} "
                                                   f"requests); retry after {full.retry_after} s", None, rid,
@@ -389,7 +398,7 @@ class Handler:
         queue_s = (job.started or job.finished) - job.enqueued
         encode_s = job.finished - (job.started or job.finished)
         reply = conditioning_reply(job.future.result(), service, rid, "joined" if joined else "miss", queue_s,
-                                   encode_s)
+                                   encode_s, streamed)
         if job.components.outcomes:  # which encoder parts came from the component cache (docs/PROTOCOL.md)
             reply.headers[protocol.H_CACHE_COMPONENTS] = job.components.header()
         if not joined:  # one report per job, as the service's own metrics count it

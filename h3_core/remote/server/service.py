@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator
 
 from ... import component_cache
 from ... import progress as progress_phases
+from ...contract import wire
 from .. import protocol
 from ..protocol import ProtocolError, is_loopback
 from ..tracking import PhaseLog
@@ -64,6 +65,10 @@ class Job:
     finished: float | None = None
     phases: PhaseLog = field(default_factory=PhaseLog)  # what progress polls report (tracking.py)
     client: str = ""  # whose turn it takes in the fair queue
+    # Seal the answer in wire form 2 in the model thread (its checksum pass), for a requester that reads form 2; one
+    # that reads form 3 has it hashed while it is sent. A later requester of the other form converts it
+    # (`Encoded.form`).
+    seal: bool = True
     batch_key: tuple | None = None  # jobs with equal keys may share a text-encoder forward (text_batching.py)
     timeline: Timeline = field(default_factory=Timeline)  # phase timings for the metrics
     components: component_cache.CacheRecord = field(default_factory=component_cache.CacheRecord)  # parts found
@@ -376,10 +381,11 @@ class EncoderService:
 
         return coarse, fine
 
-    def _serialise(self, job: Job, conditioning) -> tuple[Any, str]:
+    def _serialise(self, job: Job, conditioning) -> tuple[Any, str | None]:
         job.phases.enter("serialise")
         job.timeline.mark("serialise")
-        encoded = conditioning.to_wire()  # header + the tensors' storages, sealed by one checksum; never joined
+        # header + the tensors' storages, never joined: form 2 sealed here by one checksum pass, form 3 unsealed
+        encoded = wire.encode(conditioning, wire.WIRE_VERSION if job.seal else wire.STREAM_VERSION)
         return encoded, encoded.checksum
 
     def _decode_settings(self, job: Job) -> ingest.DecodeSettings:
@@ -411,8 +417,8 @@ class EncoderService:
         if self._inflight.get(job.key) is job:
             del self._inflight[job.key]
 
-    def submit(self, key: str, spec: request_schema.RequestSpec, parts: dict[str, Part], client: str = ""
-               ) -> tuple[Job, bool]:
+    def submit(self, key: str, spec: request_schema.RequestSpec, parts: dict[str, Part], client: str = "",
+               seal: bool = True) -> tuple[Job, bool]:
         """The job for `key`: joined if one is in flight, else queued in `client`'s turn.
 
         A full queue makes room by refusing the newest job of the client holding the most (429 to its waiters),
@@ -432,7 +438,8 @@ class EncoderService:
             self._finish(victim, exception=ProtocolError(
                 429, "queue_full", "the encoder queue is full and this client holds more of it than others; "
                                    "retry later"))
-        job = Job(key=key, spec=spec, parts=parts, future=asyncio.get_running_loop().create_future(), client=client)
+        job = Job(key=key, spec=spec, parts=parts, future=asyncio.get_running_loop().create_future(), client=client,
+                  seal=seal)
         if self.batcher is not None and not parts:
             job.batch_key = self.batcher.key(spec.resolved_task, spec.prompt, bool(spec.media()))
         job.phases.enter("queued")
