@@ -88,6 +88,8 @@ def targets(results: dict) -> list[dict[str, Any]]:
             previous = _get(results, "wire", "previous") or {}
             before = (f"; before protocol 2: {previous['throughput_ratio']:.3f} ({previous['ci95'][0]:.3f} .. "
                       f"{previous['ci95'][1]:.3f})") if previous else ""
+            if "form2_throughput_ratio" in big:  # the same run's client asking for form 2 (checksum in the header)
+                before = f"; wire form 2 side by side: {big['form2_throughput_ratio']:.3f}" + before
             add(
                 WIRE_TARGET,
                 big["throughput_ratio"],
@@ -263,6 +265,9 @@ def _why_wire(big: dict) -> str:
         f"{1000 * b['from_buffer']:.1f} ms), the HTTP request and its hand-offs (event loop -> model thread -> event "
         f"loop; ~2 ms of CPU for a 0.2 MB answer against 0.4 ms raw) and asyncio's paced 1 MiB writes instead of one "
         f"blocking sendall.{cpu}"
+        + (f" Side by side in this run, the same client asking for wire form 2 (its checksum in the header, so the "
+           f"server's whole pass before the first byte): {big['form2_throughput_ratio']:.3f} of raw."
+           if "form2_throughput_ratio" in big else "")
     )
 
 

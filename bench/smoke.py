@@ -57,8 +57,9 @@ class Band:
 
 BANDS = (
     Band("wire_bytes", "wire bytes <= 1.01", "wire", None, 0.001),
-    # h3/raw wall on 2 shared cores: 0.91 quiet (2026-11-30), 0.47-0.55 at load 3-6; one extra copy of the 70 MB per
-    # side, or protocol 1's passes (0.105), lands below 0.40
+    # h3/raw wall on 2 shared cores, answers in wire form 3: 0.86-0.96 quiet (2026-12-07, Intel Xeon; form 2 there:
+    # 0.68-0.76), lower at load 3-6; one extra copy of the 70 MB per side, or protocol 1's passes (0.105), lands
+    # below 0.40
     Band("wire_throughput", "transfer throughput >= 85 %", "wire", None, 0.45),
     Band("split_overhead", "stage-split overhead", "split", 1.25, 0.15,
          "4 steps instead of 50: the split's fixed per-call costs (to_bytes + from_bytes, its pipelines built per "

@@ -8,8 +8,10 @@ last) + receive (client: one Content-Length buffer, each piece hashed as it land
 tensors viewed out of the buffer, checked finite, the contract validated), i.e.
 `EncoderClient.encode` end to end on a synthetic stage, against a raw loopback TCP transfer of the same bytes
 (sendall / recv_into a fresh buffer of the same kind the client uses: uninitialised, `wire.new_buffer`), both
-served by the same subprocess and measured interleaved in the same run. A third arm, a raw client that zero-fills a
-bytearray first, is the baseline the protocol-1 figure (0.105) was measured against.
+served by the same subprocess and measured interleaved in the same run. A third arm is the same client asking for
+wire form 2 (the checksum in the header: the server's whole pass over the data before its first byte), what older
+clients, curl and the Ray engine get; a fourth, a raw client that zero-fills a bytearray first, is the baseline the
+protocol-1 figure (0.105) was measured against.
 
     python -m bench.wire [--quick]     this section alone: prints the ratio with its 95 % interval
 """
@@ -208,6 +210,11 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
     with WireServer(sizes, threads) as server:
         client = EncoderClient(server.url, retries=0, read_timeout=120)
         client.capabilities()  # handshake once, as a long-lived client does (re-done every 5 minutes)
+        # The same client asking for wire form 2 only (the checksum in the header: one pass before the first byte
+        # leaves), what older clients, curl and the Ray engine get: the gain of form 3, side by side in this run
+        form2_client = EncoderClient(server.url, retries=0, read_timeout=120)
+        form2_client.accept_formats = ()
+        form2_client.capabilities()
         for name, tokens in sizes.items():
             cond = synth_conditioning(tokens)
             raw_bytes = raw_tensor_bytes(cond)
@@ -241,12 +248,16 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
                 client.encode(request)
                 server_cpu["h3"].append(server.cpu_s() - before)
 
+            def h3_form2(i, request=request):
+                form2_client.encode(request)
+
             check = h3(0)
             assert check.prompt_embeds.view(torch.int16).equal(cond.prompt_embeds.view(torch.int16))
             assert check.text_token_tags.equal(cond.text_token_tags) and check.task == cond.task
             del check
             common.log(f"wire: {name}: {reps[name]} interleaved rounds (h3 client/server, raw socket)")
-            runs = common.interleaved({"raw": raw, "h3": h3_timed, "raw_zeroed": raw_zeroed}, reps[name], warmup=1)
+            runs = common.interleaved({"raw": raw, "h3": h3_timed, "h3_form2": h3_form2, "raw_zeroed": raw_zeroed},
+                                      reps[name], warmup=1)
             # CPU both processes spent per transfer (client: the whole bench process; server: its threads), which
             # wall time follows when the machine has more runnable threads than cores
             cpu = {arm: [c + s for c, s in zip(runs[arm]["cpu"], server_cpu[arm][-reps[name]:])] for arm in server_cpu}
@@ -280,6 +291,10 @@ def run(*, reps: dict[str, int], threads: int, sizes: dict[str, int] = SIZES) ->
                 "throughput_ratio_vs_zeroed_ci95": common.paired(h3_s, zeroed_s)["ci95"],
                 "throughput_ratio": ratio["median_ratio"],
                 "throughput_ratio_ci95": ratio["ci95"],
+                # the same client asking for form 2 (checksum in the header), against the same raw transfers
+                "form2_s": common.summary(runs["h3_form2"]["wall"]),
+                "form2_throughput_ratio": common.paired(runs["h3_form2"]["wall"], raw_s)["median_ratio"],
+                "form2_throughput_ratio_ci95": common.paired(runs["h3_form2"]["wall"], raw_s)["ci95"],
                 "breakdown_s": _breakdown(cond, 3 if tokens > 1000 else 7),
             }
             r = out["sizes"][name]
@@ -318,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{1000 * r['h3_cpu_s']['median']:.1f} ms vs raw {1000 * r['raw_cpu_s']['median']:.1f} ms; vs a raw "
               f"client that zero-fills a bytearray first {r['throughput_ratio_vs_zeroed']:.3f} "
               f"({r['throughput_ratio_vs_zeroed_ci95'][0]:.3f} .. {r['throughput_ratio_vs_zeroed_ci95'][1]:.3f}); "
-              f"breakdown ms "
+              f"form 2 (checksum in the header) {r['form2_throughput_ratio']:.3f} "
+              f"({r['form2_throughput_ratio_ci95'][0]:.3f} .. {r['form2_throughput_ratio_ci95'][1]:.3f}); breakdown ms "
               + ", ".join(f"{k} {1000 * v:.1f}" for k, v in r["breakdown_s"].items()))
     print(f"load average before / after: {out['loadavg_before']} / {out['loadavg_after']}")
     print(f"previous (protocol 1) 70MB: {PREVIOUS['throughput_ratio']:.3f} (95 % CI {PREVIOUS['ci95'][0]:.3f} .. "

@@ -85,6 +85,11 @@ class EncoderClient:
     lossless_video:  send reference videos losslessly (bit-identical to a local encode) or as H.264 CRF 18
     """
 
+    # The answer forms beyond wire form 2 this client asks for (X-H3-Accept-Format): form 3, whose checksum follows
+    # the data so the server hashes as it sends. Every server may answer form 2, which is always read; an empty
+    # tuple asks for form 2 only (bench/wire.py's form-2 arm).
+    accept_formats: tuple[str, ...] = (protocol.STREAMED_FORMAT,)
+
     def __init__(
         self,
         urls: str | list[str] | tuple[str, ...],
@@ -370,8 +375,9 @@ class EncoderClient:
         fields = dict(body_json, model=self._pinned, deadline_s=round(server_deadline, 3))
         # The JSON part changes per attempt (deadline, model): only that buffer is rebuilt.
         payload = [buffers[0], packing.json_part(fields), *buffers[2:]]
-        # Form 3 (the checksum after the data: the server hashes as it sends); servers that predate it answer form 2
-        headers = {**self._headers(), "Content-Type": content_type, protocol.H_ACCEPT_FORMAT: protocol.STREAMED_FORMAT}
+        headers = {**self._headers(), "Content-Type": content_type}
+        if self.accept_formats:
+            headers[protocol.H_ACCEPT_FORMAT] = ", ".join(self.accept_formats)
         poller = self._poller(endpoint, caps, report, on_event, cancel, deadline)
         if poller is not None:
             headers[tracking.HEADER] = poller.progress_id
