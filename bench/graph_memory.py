@@ -147,29 +147,37 @@ def release_normalisation(width: int, height: int, seconds: float) -> dict:
             "rss_after_release_bytes": released}
 
 
-def run(models: Path, *, base_ref: str = "main", small: bool = False, threads: int = 1) -> dict:
+def run(models: Path, *, base_ref: str | None = "main", small: bool = False, threads: int = 1) -> dict:
+    """Both servers, or with `base_ref=None` this tree's alone (no comparison: what a smoke needs, at half the cost:
+    a ComfyUI start and a run)."""
     sizes = SMALL if small else FULL
     width, height, seconds = sizes["video"]
     canvas = sizes["canvas"]
     folder = Path(tempfile.mkdtemp(prefix="h3-graph-memory-"))
-    base_pack = folder / "base_pack"
-    base_pack.mkdir()
-    archive = subprocess.run(["git", "-C", str(common.REPO), "archive", base_ref], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(base_pack)], input=archive.stdout, check=True)
+    arms = [("this tree", common.REPO)]
+    if base_ref is not None:
+        base_pack = folder / "base_pack"
+        base_pack.mkdir()
+        archive = subprocess.run(["git", "-C", str(common.REPO), "archive", base_ref], check=True,
+                                 capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(base_pack)], input=archive.stdout, check=True)
+        arms.insert(0, (base_ref, base_pack))
     video = folder / "h3_bench_reference.mp4"
     reference_video(video, width, height, seconds)
     results = {}
-    for name, pack in ((base_ref, base_pack), ("this tree", common.REPO)):
+    for name, pack in arms:
         common.log(f"graph-memory: {name}")
         results[name] = measure(pack, models, folder / name.replace(" ", "_"), video, canvas, threads)
     frames = 124
     normalised = frames * canvas[0] * canvas[1] * 3 + 2 * int(min(seconds, frames / 24) * 32000) * 4
-    before, after = results[base_ref]["held_by_cache"], results["this tree"]["held_by_cache"]
+    after = results["this tree"]["held_by_cache"]
+    before = results[base_ref]["held_by_cache"] if base_ref is not None else None
     return {
         "reference_video": {"width": width, "height": height, "seconds": seconds,
                             "decoded_bytes": int(seconds * 24) * width * height * 3},
         "canvas": canvas, "normalised_media_bytes": normalised, "results": results,
-        "held_saved_bytes": before - after, "held_ratio": after / before if before else None,
+        "held_saved_bytes": None if before is None else before - after,
+        "held_ratio": after / before if before else None,
         "release_size": release_normalisation(width, height, seconds),
         "loadavg": common.loadavg(),
     }

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
+from support import warm_cli
 
 from bench import common, report, smoke, split, vae, wire
 from bench.synth import raw_tensor_bytes, synth_conditioning
@@ -206,9 +209,25 @@ def test_smoke_verdicts_on_fabricated_ratios():
     assert "| wire_throughput | 0.2000 | >= 0.85 | ±0.450 | REGRESSION |" in text
 
 
-def test_bench_smoke_runs_every_target(tiny_dir, capsys):
+class _WarmH3Subprocess:
+    """`bench.component_cache`'s `subprocess` in the smoke: its `python -m h3_core serve` servers forked warm
+    (tests/support/warm_cli.py: no 8 CPU-s of imports per start), anything else as `subprocess` runs it."""
+
+    PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
+
+    @staticmethod
+    def Popen(cmd, **kwargs):
+        if list(cmd[:3]) == [sys.executable, "-m", "h3_core"]:
+            return warm_cli.popen(cmd[3:], **kwargs)
+        return subprocess.Popen(cmd, **kwargs)
+
+
+def test_bench_smoke_runs_every_target(tiny_dir, capsys, monkeypatch):
     """The quick bench's named targets as a smoke: every target ran (a measured ratio in its row of the table). A
     regression exits 3 and is reported as a warning: timing is judged in the bench, not here."""
+    from bench import component_cache
+
+    monkeypatch.setattr(component_cache, "subprocess", _WarmH3Subprocess)
     code = smoke.main(["--models", str(tiny_dir)])
     captured = capsys.readouterr()
     assert code in (0, smoke.REGRESSION_EXIT), captured.err[-2000:]
