@@ -12,27 +12,20 @@ import numpy as np
 import pytest
 import torch
 from support import core_reference as core
+from support.core_reference import core_ready  # noqa: F401  (a fixture: skips without core 0.33)
 
 from h3_core import facts, guides, testing
 from h3_core.diffusion import DiffusionStage, SamplingOptions
 from h3_core.models import ModelSource
 from h3_core.request import EncodeRequest
 
-FORWARD_BAR = 1e-4
-SAMPLING_BAR = 1e-3
+FORWARD_BAR, SAMPLING_BAR = core.FORWARD_BAR, core.SAMPLING_BAR
 STEPS = 4
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _threads(parity_threads):
     """One thread count here and in the core worker (docs/ARCHITECTURE.md §2.1, trap 5)."""
-
-
-@pytest.fixture(scope="module")
-def core_ready():
-    reason = core.unavailable()
-    if reason is not None:
-        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")

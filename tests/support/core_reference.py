@@ -41,6 +41,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,6 +76,22 @@ def unavailable() -> str | None:
     if missing:
         return f"ComfyUI core 0.33's requirements are not installed in this venv: {', '.join(missing)}"
     return None
+
+
+# The bars the pack's H3 is held to against core's, relative (max |d| / max |ref|, fp32, CPU): one DiT forward at every
+# step, and the final latents of a whole sampling with core's own sampler (tests/test_core_fidelity.py,
+# tests/test_guides_core.py).
+FORWARD_BAR = 1e-4
+SAMPLING_BAR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def core_ready():
+    """Skips, saying why, before anything is loaded, when core 0.33 or its requirements are missing (a module that
+    imports this fixture uses it)."""
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 @dataclass
