@@ -463,9 +463,8 @@ def plan(parsed: st.ParsedHeader, payload_len: int) -> Plan:
 
 def verify(plan_: Plan, data: memoryview) -> None:
     """One pass over `data` (the data section, `plan_.data_len` bytes): the checksum, else `ChecksumError`. Forms 1
-    and 2 (a file's; form 3's digest lies outside the data section: `from_buffer` checks it)."""
-    if plan_.trailing:
-        raise _bad(f"form {STREAM_VERSION} is checked as a whole payload (from_buffer), not a data section")
+    and 2 only: form 3's digest lies after the data section, and its readers (`from_buffer`, `Receiving`) check it;
+    files refuse form 3 before reading."""
     if plan_.checksum is not None:
         if _seal(plan_.seal_prefix, data) != plan_.checksum:
             raise ChecksumError(f"payload: corrupted: {CHECKSUM_ALGORITHM} checksum mismatch (the header, the "
